@@ -1,0 +1,249 @@
+"""Datasets: prompt files in verl's schema, preference pairs, SFT examples, and a resumable sampler.
+
+Prompt rows (verl's schema, so verl's preprocessed parquet files work unchanged):
+    prompt        list of {role, content} messages, or a string
+    data_source   string: picks the reward function (common/rewards.py)
+    reward_model  {style, ground_truth}
+    extra_info    dict (split, index, task payload)
+Files: .parquet, .jsonl / .json, .arrow (a `datasets` Arrow file or a save_to_disk folder), or a
+hub dataset id (`name` or `name:split`). Several files are merged in order; their columns must agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from common.models import apply_chat
+
+FORMATS = (".parquet", ".jsonl", ".json", ".arrow")
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file, row or column."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading files
+# ---------------------------------------------------------------------------------------------
+def read_table(path: str) -> list[dict]:
+    """All rows of one file (or hub dataset) as a list of dicts."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if not p.exists():
+        if suffix in FORMATS or os.sep in path and path.startswith((".", "/")):
+            raise DataError(f"{path}: file not found")
+        name, _, split = path.partition(":")  # a hub id, for users with internet
+        return list(datasets.load_dataset(name, split=split or "train"))
+    if p.is_dir():
+        ds = datasets.load_from_disk(str(p))
+    elif suffix == ".parquet":
+        ds = datasets.Dataset.from_parquet(str(p))
+    elif suffix in (".jsonl", ".json"):
+        if p.stat().st_size == 0:
+            raise DataError(f"{path}: file is empty")
+        ds = datasets.Dataset.from_json(str(p))
+    elif suffix == ".arrow":
+        try:
+            ds = datasets.Dataset.from_file(str(p))
+        except Exception:  # an Arrow IPC stream written by pyarrow rather than by `datasets`
+            import pyarrow as pa
+
+            with pa.OSFile(str(p)) as f:
+                ds = datasets.Dataset(pa.ipc.open_stream(f).read_all())
+    else:
+        raise DataError(f"{path}: unsupported format {suffix!r}; use one of {', '.join(FORMATS)}")
+    if isinstance(ds, datasets.DatasetDict):
+        ds = ds["train"]
+    if len(ds) == 0:
+        raise DataError(f"{path}: file is empty (0 rows)")
+    return list(ds)
+
+
+def read_files(files: list[str] | str, required: list[str], what: str = "--train-files") -> list[dict]:
+    """Rows of several files merged in order; each row gets `_file` and `_row` for error messages.
+    Raises DataError for a missing column (naming it and those present) or a schema mismatch."""
+    files = [files] if isinstance(files, str) else list(files)
+    if not files:
+        raise DataError(f"{what}: no files given")
+    rows, schemas = [], {}
+    for f in files:
+        table = read_table(f)
+        cols = set(table[0].keys())
+        missing = [c for c in required if c not in cols]
+        if missing:
+            raise DataError(f"{f}: column(s) {missing} missing; columns present: {sorted(cols)} "
+                            f"(rename with --prompt-key / --reward-fn-key)")
+        schemas[f] = cols
+        rows.extend({**r, "_file": f, "_row": i} for i, r in enumerate(table))
+    if len({frozenset(s) for s in schemas.values()}) > 1:
+        desc = "; ".join(f"{f}: {sorted(s)}" for f, s in schemas.items())
+        raise DataError(f"{what}: files have different columns: {desc}")
+    return rows
+
+
+def _check_messages(x, where: str):
+    if isinstance(x, str):
+        return x
+    if isinstance(x, (list, tuple)) and x and all(isinstance(m, dict) and "role" in m and "content" in m for m in x):
+        return [{"role": m["role"], "content": m["content"]} for m in x]
+    raise DataError(f"{where}: expected a string or a list of {{role, content}} messages, got {type(x).__name__}: {str(x)[:80]}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt datasets (RL)
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class PromptRow:
+    text: str  # the prompt after the chat template: what the policy sees
+    data_source: str
+    ground_truth: object
+    extra_info: dict = field(default_factory=dict)
+    uid: int = 0  # position in the merged dataset
+
+
+def load_prompts(files, tok, prompt_key: str = "prompt", reward_fn_key: str = "data_source",
+                 max_prompt_length: int = 512, truncate: bool = False, log=print) -> list[PromptRow]:
+    """Prompt rows, chat-templated. Prompts longer than `max_prompt_length` tokens are dropped
+    (with a logged count), or cut to their last `max_prompt_length` tokens with `truncate`."""
+    rows = read_files(files, [prompt_key, reward_fn_key])
+    out, dropped = [], 0
+    for r in rows:
+        where = f"{r['_file']} row {r['_row']} column '{prompt_key}'"
+        text = apply_chat(tok, _check_messages(r[prompt_key], where))
+        n = len(tok(text, add_special_tokens=False)["input_ids"])
+        if n > max_prompt_length:
+            if not truncate:
+                dropped += 1
+                continue
+            ids = tok(text, add_special_tokens=False)["input_ids"][-max_prompt_length:]
+            text = tok.decode(ids)
+        rm = r.get("reward_model") or {}
+        extra = r.get("extra_info") or {}
+        out.append(PromptRow(text, str(r[reward_fn_key]), rm.get("ground_truth") if isinstance(rm, dict) else rm,
+                             dict(extra) if isinstance(extra, dict) else {"value": extra}, len(out)))
+    if dropped:
+        log(f"[data] dropped {dropped} of {len(rows)} prompts longer than --max-prompt-length {max_prompt_length}")
+    if not out:
+        raise DataError(f"{files}: no prompts left after dropping those over --max-prompt-length {max_prompt_length}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Preference and SFT datasets
+# ---------------------------------------------------------------------------------------------
+def _as_completion(x, where: str) -> str:
+    """A completion as text: a string, or the content of assistant messages (TRL's conversational format)."""
+    x = _check_messages(x, where)
+    if isinstance(x, str):
+        return x
+    return "".join(m["content"] for m in x if m["role"] == "assistant") or x[-1]["content"]
+
+
+def load_preferences(files, tok, log=print) -> list[dict]:
+    """Rows {prompt (templated text), chosen, rejected} (completion texts, no EOS added).
+    A prompt may be missing when chosen/rejected are full conversations (TRL's implicit prompt):
+    then the prompt is their shared leading messages. Rows with chosen == rejected are dropped with a warning."""
+    rows = read_files(files, ["chosen", "rejected"])
+    out, same = [], 0
+    for r in rows:
+        where = f"{r['_file']} row {r['_row']}"
+        chosen, rejected = r["chosen"], r["rejected"]
+        prompt = r.get("prompt")
+        if prompt is None:
+            if not isinstance(chosen, list):
+                raise DataError(f"{where}: no 'prompt' column and 'chosen' is not a message list")
+            prompt, chosen, rejected = chosen[:-1], chosen[-1:], rejected[-1:]
+        c = _as_completion(chosen, where + " column 'chosen'")
+        j = _as_completion(rejected, where + " column 'rejected'")
+        if c == j:
+            same += 1
+            continue
+        out.append({"prompt": apply_chat(tok, _check_messages(prompt, where + " column 'prompt'")),
+                    "chosen": c, "rejected": j})
+    if same:
+        log(f"[data] warning: dropped {same} preference rows whose chosen == rejected")
+    if not out:
+        raise DataError(f"{files}: no usable preference rows")
+    return out
+
+
+def load_sft(files, tok) -> list[dict]:
+    """Rows {prompt (templated text), response}: from `messages` (last assistant turn is the
+    response) or from `prompt` + `response` columns."""
+    first = read_table(files[0] if isinstance(files, list) else files)[0]
+    if "messages" in first:
+        rows = read_files(files, ["messages"])
+        out = []
+        for r in rows:
+            msgs = _check_messages(r["messages"], f"{r['_file']} row {r['_row']} column 'messages'")
+            if isinstance(msgs, str) or msgs[-1]["role"] != "assistant":
+                raise DataError(f"{r['_file']} row {r['_row']}: 'messages' must end with an assistant turn")
+            out.append({"prompt": apply_chat(tok, msgs[:-1]), "response": msgs[-1]["content"]})
+        return out
+    rows = read_files(files, ["prompt", "response"])
+    return [{"prompt": apply_chat(tok, _check_messages(r["prompt"], f"{r['_file']} row {r['_row']}")),
+             "response": r["response"]} for r in rows]
+
+
+# ---------------------------------------------------------------------------------------------
+# A deterministic, resumable sampler
+# ---------------------------------------------------------------------------------------------
+class Sampler:
+    """Endless stream of dataset indices: a fresh permutation per epoch, seeded by (seed, epoch).
+
+    `state_dict()` is (epoch, position), so a resumed run draws exactly the batches it would have."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True):
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self.epoch, self.pos = 0, 0
+        self._perm = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.n))
+        g = torch.Generator().manual_seed(self.seed * 10_007 + self.epoch)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.pos == self.n:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._perm = self._permutation()
+            m = min(k - len(out), self.n - self.pos)
+            out += self._perm[self.pos:self.pos + m]
+            self.pos += m
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.epoch, self.pos = s["epoch"], s["pos"]
+        self._perm = self._permutation()
+
+
+def write_rows(rows: list[dict], path: str | Path) -> None:
+    """Write rows to .parquet or .jsonl (by extension); atomic (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    if path.suffix == ".parquet":
+        import pandas as pd
+
+        pd.DataFrame(rows).to_parquet(tmp, index=False)
+    elif path.suffix == ".jsonl":
+        with open(tmp, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    else:
+        raise DataError(f"{path}: write .parquet or .jsonl")
+    os.replace(tmp, path)

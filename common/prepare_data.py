@@ -1,0 +1,190 @@
+"""Write prompt datasets in verl's schema.
+
+    python -m common.prepare_data                                  # built-in reasoning-gym tasks -> data/
+    python -m common.prepare_data --tasks chain_sum countdown --train-size 2000 --test-size 200
+    python -m common.prepare_data --gsm8k openai/gsm8k             # hub (needs internet) or a local file
+    python -m common.prepare_data --math path/to/math.jsonl
+    python -m common.prepare_data --preferences Anthropic/hh-rlhf
+
+Built-in tasks come from reasoning-gym (procedural, offline, seeded). Each writes
+`{out}/{task}/train.parquet` and `{out}/{task}/test.parquet`; `data_source` is
+`reasoning_gym/{task}` and `extra_info["entry"]` keeps the reasoning-gym entry so its own scorer grades.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import tyro
+from dataclasses import dataclass, field
+
+from common.data import read_table, write_rows
+
+# The one place the answer format is stated. The reward functions read <answer>...</answer>.
+ANSWER_INSTRUCTION = "Think briefly, then give only the final answer inside <answer></answer> tags, e.g. <answer>42</answer>."
+
+# Difficulty settings per built-in task, chosen so SmolLM2-135M-Instruct solves some but not most
+# (see docs/data.md). basic_arithmetic keeps parentheses on: reasoning-gym 0.1.25 mislabels
+# answers without them (it ignores operator precedence).
+TASKS = {
+    "chain_sum": dict(min_terms=2, max_terms=3, min_digits=1, max_digits=2),
+    "basic_arithmetic": dict(min_terms=2, max_terms=3, min_digits=1, max_digits=2),
+    "countdown": dict(min_numbers=3, max_numbers=4, min_target=10, max_target=100),
+    "leg_counting": dict(min_animals=1, max_animals=3),
+    "letter_counting": dict(min_words=3, max_words=6),
+}
+DEFAULT_TASK = "chain_sum"
+
+
+def reasoning_gym_rows(task: str, size: int, seed: int, split: str) -> list[dict]:
+    import reasoning_gym
+
+    ds = reasoning_gym.create_dataset(task, size=size, seed=seed, **TASKS.get(task, {}))
+    rows = []
+    for i, e in enumerate(ds):
+        rows.append({
+            "data_source": f"reasoning_gym/{task}",
+            "prompt": [{"role": "user", "content": f"{e['question']}\n{ANSWER_INSTRUCTION}"}],
+            "ability": "reasoning",
+            "reward_model": {"style": "rule", "ground_truth": str(e["answer"])},
+            "extra_info": {"split": split, "index": i, "entry": json.dumps(e, default=str)},
+        })
+    return rows
+
+
+def write_task(task: str, out: Path, train_size: int, test_size: int, seed: int) -> tuple[Path, Path]:
+    # different seeds for the splits; reasoning-gym's generators are deterministic per seed
+    train, test = out / task / "train.parquet", out / task / "test.parquet"
+    write_rows(reasoning_gym_rows(task, train_size, seed, "train"), train)
+    write_rows(reasoning_gym_rows(task, test_size, seed + 1_000_000, "test"), test)
+    return train, test
+
+
+def default_task_files(task: str = DEFAULT_TASK, train_size: int = 2000, test_size: int = 64, seed: int = 0):
+    """The built-in task's (train, test) parquet paths, generated once into the cache directory.
+    Used by every script when no --train-files is given, so `python algos/X.py` always runs."""
+    from common.models import cache_dir
+
+    out = cache_dir() / "data" / f"{task}_{train_size}_{test_size}_{seed}"
+    train, test = out / task / "train.parquet", out / task / "test.parquet"
+    if not (train.exists() and test.exists()):
+        write_task(task, out, train_size, test_size, seed)
+    return str(train), str(test)
+
+
+# --------------------------------------------------------------------------------------------- converters
+def gsm8k_rows(rows: list[dict], split: str) -> list[dict]:
+    """GSM8K (`question`, `answer` ending in `#### N`) -> verl's schema, as verl's gsm8k.py writes."""
+    out = []
+    for i, r in enumerate(rows):
+        m = re.search(r"#### (-?[0-9.,]+)", r["answer"])
+        if not m:
+            raise ValueError(f"GSM8K row {i}: answer has no '#### N': {r['answer'][-80:]!r}")
+        out.append({
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": r["question"] + ' Let\'s think step by step and output the final answer after "####".'}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": m.group(1).replace(",", "")},
+            "extra_info": {"split": split, "index": i, "answer": r["answer"], "question": r["question"]},
+        })
+    return out
+
+
+def last_boxed(s: str) -> str | None:
+    """Content of the last \\boxed{...} in s (balanced braces)."""
+    i = s.rfind("\\boxed{")
+    if i < 0:
+        return None
+    depth, j = 0, i + len("\\boxed")
+    for k in range(j, len(s)):
+        depth += {"{": 1, "}": -1}.get(s[k], 0)
+        if depth == 0:
+            return s[j + 1:k]
+    return None
+
+
+def math_rows(rows: list[dict], split: str) -> list[dict]:
+    """MATH (`problem`, `solution` with \\boxed{}) -> verl's schema."""
+    out = []
+    for i, r in enumerate(rows):
+        ans = last_boxed(r["solution"])
+        if ans is None:
+            raise ValueError(f"MATH row {i}: solution has no \\boxed{{}}")
+        out.append({
+            "data_source": "lighteval/MATH",
+            "prompt": [{"role": "user", "content": r["problem"] + " " + ANSWER_INSTRUCTION}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": ans},
+            "extra_info": {"split": split, "index": i, "level": r.get("level", ""), "type": r.get("type", "")},
+        })
+    return out
+
+
+def preference_rows(rows: list[dict]) -> list[dict]:
+    """Preference sets -> {prompt, chosen, rejected}. Accepts that schema already, or hh-rlhf style
+    full transcripts ("\\n\\nHuman: ... \\n\\nAssistant: ...") split at the last Assistant turn."""
+    out = []
+    for i, r in enumerate(rows):
+        if "prompt" in r:
+            out.append({"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]})
+            continue
+        k = r["chosen"].rfind("\n\nAssistant:") + len("\n\nAssistant:")
+        if k < len("\n\nAssistant:") or r["chosen"][:k] != r["rejected"][:k]:
+            raise ValueError(f"preference row {i}: cannot find a shared prompt in chosen/rejected")
+        out.append({"prompt": r["chosen"][:k].strip(), "chosen": r["chosen"][k:].strip(), "rejected": r["rejected"][k:].strip()})
+    return out
+
+
+@dataclass
+class Args:
+    out: str = "data"
+    """output folder"""
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    """built-in reasoning-gym tasks to write (any reasoning-gym dataset name works; TASKS holds tuned difficulty)"""
+    train_size: int = 2000
+    """rows per task in train.parquet"""
+    test_size: int = 200
+    """rows per task in test.parquet"""
+    seed: int = 0
+    """seed of the train split (test uses seed + 1,000,000)"""
+    gsm8k: str | None = None
+    """GSM8K source: hub id (e.g. openai/gsm8k, config 'main') or a local jsonl/parquet with question, answer"""
+    math: str | None = None
+    """MATH source: hub id or local file with problem, solution"""
+    preferences: str | None = None
+    """preference source: hub id or local file (prompt/chosen/rejected, or hh-rlhf transcripts)"""
+
+
+def _read_source(src: str, split: str) -> list[dict]:
+    if Path(src).exists():
+        return read_table(src)
+    import datasets
+
+    name, _, config = src.partition(":")
+    return list(datasets.load_dataset(name, config or ("main" if "gsm8k" in name else None), split=split))
+
+
+def main(args: Args) -> None:
+    out = Path(args.out)
+    for task in args.tasks if not (args.gsm8k or args.math or args.preferences) else []:
+        train, test = write_task(task, out, args.train_size, args.test_size, args.seed)
+        print(f"wrote {train} ({args.train_size} rows) and {test} ({args.test_size} rows)")
+    for src, conv, name in ((args.gsm8k, gsm8k_rows, "gsm8k"), (args.math, math_rows, "math")):
+        if src:
+            for split in ("train", "test"):
+                rows = conv(_read_source(src, split), split) if not Path(src).exists() or split == "train" else None
+                if rows:
+                    write_rows(rows, out / name / f"{split}.parquet")
+                    print(f"wrote {out / name / f'{split}.parquet'} ({len(rows)} rows)")
+    if args.preferences:
+        rows = preference_rows(_read_source(args.preferences, "train"))
+        write_rows(rows, out / "preferences" / "train.parquet")
+        print(f"wrote {out / 'preferences' / 'train.parquet'} ({len(rows)} rows)")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    main(tyro.cli(Args))

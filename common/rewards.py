@@ -1,0 +1,230 @@
+"""Rewards: verl's `compute_score` signature, a registry by `data_source`, and weighted mixes.
+
+    compute_score(data_source, solution_str, ground_truth, extra_info) -> float | dict
+
+A dict holds `score` plus extra fields that get logged (we use `acc`: exact-match accuracy, which
+`eval/accuracy` reports; `score` may give partial credit). `compute_score` below is the dispatcher
+(verl's `default_compute_score`); `--reward-fn file.py:fn` replaces it for every row.
+
+`Reward` combines sources by weight, `--reward "rule:1.0,model:0.5,length:0.1"`:
+    rule    the dispatcher (or --reward-fn)         per data_source
+    model   a sequence-classification reward model  (--reward-model PATH)
+    format  1 if the response has <answer>...</answer>, else 0
+    length  -(response tokens / max_new_tokens): a length penalty in [-1, 0]
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def extract_tag_answer(text: str) -> str | None:
+    """The content of the last <answer>...</answer> in `text`, stripped; None when absent."""
+    found = ANSWER_RE.findall(text)
+    return found[-1].strip() if found else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Scorers
+# ---------------------------------------------------------------------------------------------
+def reasoning_gym_score(data_source: str, solution_str: str, ground_truth, extra_info: dict | None) -> dict:
+    """reasoning-gym's own scorer on the <answer> content. `extra_info["entry"]` holds the task's
+    entry (question, answer, metadata) as JSON, written by `python -m common.prepare_data`.
+    score: the task's `score_answer` (may give partial credit: "11" for "1" scores 0.5);
+    acc: 1 only when that score is 1 (exact)."""
+    import reasoning_gym
+
+    task = data_source.split("/", 1)[1]
+    entry = json.loads(extra_info["entry"]) if extra_info and "entry" in extra_info else {"answer": str(ground_truth), "metadata": {}}
+    answer = extract_tag_answer(solution_str)
+    score = 0.0 if answer is None else float(reasoning_gym.get_score_answer_fn(task)(answer, entry))
+    return {"score": score, "acc": float(score == 1.0)}
+
+
+def _normalize_number(s: str) -> str:
+    s = s.replace(",", "").replace("$", "").strip().rstrip(".")
+    try:
+        f = float(s)
+        return str(int(f)) if f == int(f) else str(f)
+    except ValueError:
+        return s
+
+
+def gsm8k_score(data_source: str, solution_str: str, ground_truth, extra_info=None, mode: str = "strict") -> dict:
+    """GSM8K: strict takes the number after the last `#### `; flexible the last number in the text."""
+    if mode == "strict":
+        found = re.findall(r"#### (-?[0-9.,$]+)", solution_str)
+    else:
+        found = re.findall(r"-?[0-9][0-9.,]*", solution_str)
+    ok = bool(found) and _normalize_number(found[-1]) == _normalize_number(str(ground_truth))
+    return {"score": float(ok), "acc": float(ok)}
+
+
+def math_score(data_source: str, solution_str: str, ground_truth, extra_info=None) -> dict:
+    """Math answers checked with math-verify (boxed or plain LaTeX, equivalent forms accepted)."""
+    from math_verify import parse, verify
+
+    gold = parse(f"${ground_truth}$" if "\\boxed" not in str(ground_truth) else str(ground_truth))
+    tagged = extract_tag_answer(solution_str)
+    pred = parse(f"${tagged}$" if tagged is not None else solution_str)
+    ok = bool(gold) and bool(pred) and verify(gold, pred)
+    return {"score": float(ok), "acc": float(ok)}
+
+
+def format_score(solution_str: str) -> float:
+    return float(extract_tag_answer(solution_str) is not None)
+
+
+def match_score(data_source, solution_str, ground_truth, extra_info=None) -> dict:
+    """Exact match of the <answer> content (or the whole stripped response) with ground_truth."""
+    ans = extract_tag_answer(solution_str)
+    ok = (ans if ans is not None else solution_str.strip()) == str(ground_truth).strip()
+    return {"score": float(ok), "acc": float(ok)}
+
+
+# data_source -> scorer. Prefix entries end with "/" and match every data_source under them.
+REGISTRY = {
+    "reasoning_gym/": reasoning_gym_score,
+    "openai/gsm8k": gsm8k_score,
+    "gsm8k": gsm8k_score,
+    "lighteval/MATH": math_score,
+    "DigitalLearningGmbH/MATH-lighteval": math_score,
+    "math": math_score,
+    "match": match_score,
+}
+
+
+def find_scorer(data_source: str):
+    if data_source in REGISTRY:
+        return REGISTRY[data_source]
+    for key, fn in REGISTRY.items():
+        if key.endswith("/") and data_source.startswith(key):
+            return fn
+    return None
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth, extra_info=None):
+    """The dispatcher: the registry's scorer for `data_source` (verl's default_compute_score)."""
+    fn = find_scorer(data_source)
+    if fn is None:
+        raise KeyError(f"no reward function for data_source {data_source!r}")
+    return fn(data_source, solution_str, ground_truth, extra_info)
+
+
+def check_data_sources(sources) -> None:
+    """At start-up: every data_source has a scorer, or an error listing the known ones."""
+    unknown = sorted({s for s in sources if find_scorer(s) is None})
+    if unknown:
+        raise ValueError(f"unknown data_source {unknown}; known: {sorted(REGISTRY)} "
+                         f"(or pass --reward-fn path/to/file.py:fn)")
+
+
+def load_reward_fn(spec: str):
+    """`path/to/file.py:fn` -> the function (the file is imported only when asked)."""
+    path, _, name = spec.rpartition(":")
+    if not path:
+        raise ValueError(f"--reward-fn {spec!r}: expected path/to/file.py:function_name")
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--reward-fn {spec!r}: file {path} not found")
+    mod_spec = importlib.util.spec_from_file_location(f"_user_reward_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    if not callable(getattr(module, name, None)):
+        raise AttributeError(f"--reward-fn {spec!r}: {path} has no function {name!r}")
+    return getattr(module, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Combining sources
+# ---------------------------------------------------------------------------------------------
+class RewardError(RuntimeError):
+    pass
+
+
+def parse_mix(spec: str) -> dict[str, float]:
+    """"rule:1.0,model:0.5" -> {"rule": 1.0, "model": 0.5}."""
+    out = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, w = part.partition(":")
+        if name not in ("rule", "model", "format", "length"):
+            raise ValueError(f"--reward {spec!r}: unknown source {name!r}; use rule, model, format, length")
+        try:
+            out[name] = float(w or 1.0)
+        except ValueError:
+            raise ValueError(f"--reward {spec!r}: weight of {name!r} is not a number") from None
+    if not out:
+        raise ValueError("--reward is empty")
+    return out
+
+
+class Reward:
+    """Scores a batch of responses with a weighted mix of sources; logs each component.
+
+    `fallback`: None raises RewardError naming the data_source, row and response when a reward
+    function raises or returns NaN/inf; a number replaces that sample's score and counts a warning."""
+
+    def __init__(self, mix: str = "rule:1.0", reward_fn: str | None = None, reward_model=None,
+                 reward_tok=None, max_new_tokens: int = 1, fallback: float | None = None, batch_size: int = 16):
+        self.mix = parse_mix(mix)
+        self.rule_fn = load_reward_fn(reward_fn) if reward_fn else compute_score
+        self.custom = reward_fn is not None
+        if "model" in self.mix and reward_model is None:
+            raise ValueError("--reward includes 'model' but no --reward-model was given")
+        self.reward_model, self.reward_tok = reward_model, reward_tok
+        self.max_new_tokens, self.fallback, self.batch_size = max_new_tokens, fallback, batch_size
+        self.errors = 0
+
+    def check(self, data_sources) -> None:
+        if "rule" in self.mix and not self.custom:
+            check_data_sources(data_sources)
+
+    def _rule(self, row, response: str, index: int) -> tuple[float, dict]:
+        where = f"data_source {row.data_source!r}, row {row.uid}, response {response[:200]!r}"
+        try:
+            out = self.rule_fn(row.data_source, response, row.ground_truth, row.extra_info)
+            extra = dict(out) if isinstance(out, dict) else {}
+            score = float(extra.pop("score") if isinstance(out, dict) else out)
+            if not math.isfinite(score):
+                raise ValueError(f"reward function returned {score}")
+        except Exception as e:
+            if self.fallback is None:
+                raise RewardError(f"reward function failed on {where}: {e!r}") from e
+            self.errors += 1
+            return self.fallback, {}
+        return score, extra
+
+    @torch.no_grad()
+    def _model(self, prompts: list[str], responses: list[str], device) -> torch.Tensor:
+        tok, out = self.reward_tok, []
+        for i in range(0, len(prompts), self.batch_size):
+            texts = [p + r for p, r in zip(prompts[i:i + self.batch_size], responses[i:i + self.batch_size])]
+            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            out.append(self.reward_model(**enc).logits[:, 0].float())
+        return torch.cat(out)
+
+    def __call__(self, rows, responses: list[str], response_lens: torch.Tensor, device="cpu"):
+        """rows: PromptRow per response; responses: decoded texts; response_lens: (B,) token counts.
+        Returns (scores (B,), components {name: (B,)}, extras {field: (B,)} e.g. acc)."""
+        B = len(responses)
+        comps, extras = {}, {}
+        if "rule" in self.mix:
+            vals = [self._rule(r, s, i) for i, (r, s) in enumerate(zip(rows, responses))]
+            comps["rule"] = torch.tensor([v[0] for v in vals], device=device)
+            for k in {k for _, e in vals for k in e}:
+                extras[k] = torch.tensor([float(e.get(k, 0.0)) for _, e in vals], device=device)
+        if "model" in self.mix:
+            comps["model"] = self._model([r.text for r in rows], responses, device).to(device)
+        if "format" in self.mix:
+            comps["format"] = torch.tensor([format_score(s) for s in responses], device=device)
+        if "length" in self.mix:
+            comps["length"] = -response_lens.float().to(device) / self.max_new_tokens
+        scores = sum(self.mix[k] * v for k, v in comps.items())  # (B,)
+        return scores.reshape(B), comps, extras
