@@ -13,7 +13,7 @@ one is set; (6) log, evaluate, checkpoint.
 "KL" (train/kl, and what --kl-target aims at) is the mean over response tokens of
 log pi - log pi_ref per sequence, averaged over the batch: a per-token number, so 0.1 is sensible.
 
-    python algos/ppo_llm.py                                   # SmolLM2-135M-Instruct on chain_sum
+    python algos/ppo_llm.py                                   # SmolLM2-135M-Instruct on chain_sum_1d
     python algos/ppo_llm.py --kl-target 0.1 --total-steps 200 --track
     accelerate launch algos/ppo_llm.py --kl-target 0.1
     accelerate launch --multi_gpu --num_processes 2 algos/ppo_llm.py   # 2 processes (gloo on CPU)
@@ -36,6 +36,7 @@ from accelerate import Accelerator
 
 from common import models as M
 from common.data import Sampler, load_prompts
+from common.evaluate import evaluate_policy
 from common.ops import (AdaptiveKLController, FixedKLController, exact_div, gae, kl_estimate, masked_mean,
                         masked_whiten)
 from common.prepare_data import default_task_files
@@ -101,7 +102,7 @@ class Args:
     """prompt files (parquet/jsonl/arrow or hub id); default: the built-in task"""
     val_files: Optional[list[str]] = None
     """validation prompt files; default: the built-in task's test split"""
-    task: str = "chain_sum"
+    task: str = "chain_sum_1d"
     """built-in reasoning-gym task used when no --train-files are given"""
     prompt_key: str = "prompt"
     """column holding the prompt"""
@@ -215,27 +216,6 @@ def value_loss(values, old_values, returns, mask, n_tokens, clip_eps_value):
     return (loss * mask).sum() / n_tokens
 
 
-@torch.no_grad()
-def evaluate(args, accelerator, policy, tok, reward, rows):
-    """Greedy answers on validation prompts: eval/reward and eval/accuracy (exact match), global means."""
-    r = accelerator.process_index
-    local = rows[r::accelerator.num_processes]
-    scores, accs, samples = [], [], []
-    with unwrap_for_generation(accelerator, policy) as gen_model:
-        for i in range(0, len(local), args.micro_batch_size):
-            batch = local[i:i + args.micro_batch_size]
-            q, qm = tokenize_queries(tok, [x.text for x in batch], accelerator.device)
-            ro = generate(gen_model, tok, q, qm, args.max_new_tokens)
-            texts = tok.batch_decode(ro.responses * ro.response_mask.long() + tok.pad_token_id * (1 - ro.response_mask.long()), skip_special_tokens=True)
-            s, _, extra = reward(batch, texts, ro.response_mask.sum(1), accelerator.device)
-            scores.append(s)
-            accs.append(extra.get("acc", (s >= 1).float()))
-            samples += [{"prompt": x.text, "response": t, "reward": float(v)} for x, t, v in zip(batch, texts, s)]
-    scores = accelerator.gather_for_metrics(torch.cat(scores))
-    accs = accelerator.gather_for_metrics(torch.cat(accs))
-    return {"eval/reward": scores.mean().item(), "eval/accuracy": accs.mean().item()}, samples[:args.num_samples_logged]
-
-
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
     accelerator = Accelerator()
@@ -309,9 +289,9 @@ def main(args: Args):
                          "kl_ctl": kl_ctl.state_dict()}, args.keep_last)
 
     if args.eval_every and val_rows and start_step == 0:
-        metrics, samples = evaluate(args, accelerator, policy, tok, reward, val_rows)
+        metrics, samples = evaluate_policy(accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size)
         tracker.log(0, metrics)
-        tracker.samples(0, [{**s, "split": "eval"} for s in samples])
+        tracker.samples(0, [{**s, "split": "eval"} for s in samples[:args.num_samples_logged]])
 
     for step in range(start_step + 1, args.total_steps + 1):
         t_step = time.time()
@@ -424,9 +404,9 @@ def main(args: Args):
             if reward.errors:
                 metrics["reward/errors"] = reward.errors
             if args.eval_every and val_rows and (step % args.eval_every == 0 or step == args.total_steps):
-                eval_metrics, eval_samples = evaluate(args, accelerator, policy, tok, reward, val_rows)
+                eval_metrics, eval_samples = evaluate_policy(accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size)
                 metrics.update(eval_metrics)
-                tracker.samples(step, [{**s, "split": "eval"} for s in eval_samples])
+                tracker.samples(step, [{**s, "split": "eval"} for s in eval_samples[:args.num_samples_logged]])
             tracker.log(step, metrics)
             tracker.samples(step, [{"prompt": x.text, "response": t, "reward": float(s), "kl": float(k), "split": "train"}
                                    for x, t, s, k in zip(rows, texts, scores, masked_mean(kl, mask, dim=1))][:args.num_samples_logged])

@@ -23,30 +23,34 @@ from dataclasses import dataclass, field
 
 from common.data import read_table, write_rows
 
-# The one place the answer format is stated. The reward functions read <answer>...</answer>.
-ANSWER_INSTRUCTION = "Think briefly, then give only the final answer inside <answer></answer> tags, e.g. <answer>42</answer>."
+# The one place the answer format is stated. The reward functions read <answer>...</answer>
+# (common/rewards.py falls back to the last number when the tags are missing). No example answer:
+# "e.g. <answer>42</answer>" made SmolLM2-135M answer 42 to every question.
+ANSWER_INSTRUCTION = "Give the final answer inside <answer></answer> tags."
 
-# Difficulty settings per built-in task, chosen so SmolLM2-135M-Instruct solves some but not most
-# (see docs/data.md). basic_arithmetic keeps parentheses on: reasoning-gym 0.1.25 mislabels
-# answers without them (it ignores operator precedence).
+# Built-in tasks: name -> (reasoning-gym dataset, its difficulty settings). Chosen so
+# SmolLM2-135M-Instruct solves some but not most (docs/data.md has its greedy accuracy on each).
+# basic_arithmetic keeps parentheses on: reasoning-gym 0.1.25 mislabels answers without them.
 TASKS = {
-    "chain_sum": dict(min_terms=2, max_terms=3, min_digits=1, max_digits=2),
-    "basic_arithmetic": dict(min_terms=2, max_terms=3, min_digits=1, max_digits=2),
-    "countdown": dict(min_numbers=3, max_numbers=4, min_target=10, max_target=100),
-    "leg_counting": dict(min_animals=1, max_animals=3),
-    "letter_counting": dict(min_words=3, max_words=6),
+    "chain_sum_1d": ("chain_sum", dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)),
+    "chain_sum": ("chain_sum", dict(min_terms=2, max_terms=3, min_digits=1, max_digits=2)),
+    "basic_arithmetic": ("basic_arithmetic", dict(min_terms=2, max_terms=3, min_digits=1, max_digits=2)),
+    "countdown": ("countdown", dict(min_numbers=3, max_numbers=4, min_target=10, max_target=100)),
+    "leg_counting": ("leg_counting", dict(min_animals=1, max_animals=3)),
+    "letter_counting": ("letter_counting", dict(min_words=3, max_words=6)),
 }
-DEFAULT_TASK = "chain_sum"
+DEFAULT_TASK = "chain_sum_1d"
 
 
 def reasoning_gym_rows(task: str, size: int, seed: int, split: str) -> list[dict]:
     import reasoning_gym
 
-    ds = reasoning_gym.create_dataset(task, size=size, seed=seed, **TASKS.get(task, {}))
+    name, settings = TASKS.get(task, (task, {}))  # any reasoning-gym dataset name works, at its defaults
+    ds = reasoning_gym.create_dataset(name, size=size, seed=seed, **settings)
     rows = []
     for i, e in enumerate(ds):
         rows.append({
-            "data_source": f"reasoning_gym/{task}",
+            "data_source": f"reasoning_gym/{name}",
             "prompt": [{"role": "user", "content": f"{e['question']}\n{ANSWER_INSTRUCTION}"}],
             "ability": "reasoning",
             "reward_model": {"style": "rule", "ground_truth": str(e["answer"])},

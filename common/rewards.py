@@ -32,19 +32,36 @@ def extract_tag_answer(text: str) -> str | None:
     return found[-1].strip() if found else None
 
 
+NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def extract_answer(text: str, ground_truth) -> str | None:
+    """The answer a response gives: the <answer> tag content when present; otherwise, for a
+    numeric ground truth, the last number in the text (small models rarely keep the tag format:
+    SmolLM2-135M never did on chain_sum, so a tags-only reward would be all zeros); else None.
+    The `format` reward term rewards the tags themselves."""
+    tagged = extract_tag_answer(text)
+    if tagged is not None:
+        return tagged
+    if ground_truth is not None and NUMBER_RE.fullmatch(str(ground_truth).strip()):
+        nums = NUMBER_RE.findall(text)
+        return nums[-1] if nums else None
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # Scorers
 # ---------------------------------------------------------------------------------------------
 def reasoning_gym_score(data_source: str, solution_str: str, ground_truth, extra_info: dict | None) -> dict:
-    """reasoning-gym's own scorer on the <answer> content. `extra_info["entry"]` holds the task's
-    entry (question, answer, metadata) as JSON, written by `python -m common.prepare_data`.
+    """reasoning-gym's own scorer on the answer (`extract_answer`). `extra_info["entry"]` holds the
+    task's entry (question, answer, metadata) as JSON, written by `python -m common.prepare_data`.
     score: the task's `score_answer` (may give partial credit: "11" for "1" scores 0.5);
     acc: 1 only when that score is 1 (exact)."""
     import reasoning_gym
 
     task = data_source.split("/", 1)[1]
     entry = json.loads(extra_info["entry"]) if extra_info and "entry" in extra_info else {"answer": str(ground_truth), "metadata": {}}
-    answer = extract_tag_answer(solution_str)
+    answer = extract_answer(solution_str, entry.get("answer", ground_truth))
     score = 0.0 if answer is None else float(reasoning_gym.get_score_answer_fn(task)(answer, entry))
     return {"score": score, "acc": float(score == 1.0)}
 

@@ -173,9 +173,11 @@ def forward_logprobs(model, query_responses: torch.Tensor, attention_mask: torch
     """Log-probs of the response tokens under `model`, logits divided by the sampling temperature.
 
     query_responses, attention_mask: (B, P+T). Returns logprobs (B, T) (and entropy (B, T))."""
-    logits = model(input_ids=query_responses, attention_mask=attention_mask,
+    T = query_responses.shape[1] - P
+    # logits_to_keep: project only the last T+1 positions onto the vocabulary (not the prompt's)
+    logits = model(input_ids=query_responses, attention_mask=attention_mask, logits_to_keep=T + 1,
                    position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits
-    logits = logits[:, P - 1:-1] / temperature  # (B, T, V): the logits that predicted each response token
+    logits = logits[:, :-1] / temperature  # (B, T, V): the logits that predicted each response token
     logprobs = selective_log_softmax(logits, query_responses[:, P:])  # (B, T)
     if with_entropy:
         return logprobs, entropy_from_logits(logits)

@@ -137,9 +137,9 @@ def test_prepare_and_inspect_cli(tmp_path, tiny):
     out = tmp_path / "data"
     r = subprocess.run([sys.executable, "-m", "common.prepare_data", "--out", str(out), "--train-size", "20", "--test-size", "5"],
                        capture_output=True, text=True, check=True)
-    for task in ("chain_sum", "basic_arithmetic", "countdown", "leg_counting", "letter_counting"):
+    for task in ("chain_sum_1d", "chain_sum", "basic_arithmetic", "countdown", "leg_counting", "letter_counting"):
         df = pd.read_parquet(out / task / "train.parquet")
-        assert len(df) == 20 and df["data_source"].iloc[0] == f"reasoning_gym/{task}"
+        assert len(df) == 20 and df["data_source"].iloc[0] == f"reasoning_gym/{task.replace('_1d', '')}"
         assert "<answer>" in df["prompt"].iloc[0][0]["content"]
     r = subprocess.run([sys.executable, "-m", "common.inspect_data", str(out / "chain_sum" / "train.parquet"), "--model", tiny],
                        capture_output=True, text=True, check=True)

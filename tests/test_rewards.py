@@ -21,9 +21,15 @@ def test_reasoning_gym_scorer_exact_and_partial():
     row = rg_row()
     gt = row.ground_truth
     assert compute_score(row.data_source, f"think... <answer>{gt}</answer>", gt, row.extra_info) == {"score": 1.0, "acc": 1.0}
-    assert compute_score(row.data_source, f"{gt}", gt, row.extra_info)["score"] == 0.0  # no tags, no reward
+    # no tags: the last number counts (small models rarely keep the format); no number: 0
+    assert compute_score(row.data_source, f"it is 5, so {gt}.", gt, row.extra_info)["acc"] == 1.0
+    assert compute_score(row.data_source, f"{gt} is not it, 99999 is", gt, row.extra_info)["acc"] == 0.0
+    assert compute_score(row.data_source, "no idea", gt, row.extra_info)["score"] == 0.0
+    assert compute_score(row.data_source, f"<answer>7777</answer> {gt}", gt, row.extra_info)["acc"] == 0.0  # tags win
     wrong = compute_score(row.data_source, f"<answer>{gt}1</answer>", gt, row.extra_info)
     assert wrong["acc"] == 0.0 and wrong["score"] < 1.0  # partial credit never counts as accurate
+    lc = rg_row("letter_counting")
+    assert compute_score(lc.data_source, "I cannot tell", lc.ground_truth, lc.extra_info)["score"] == 0.0
     cd = rg_row("countdown")
     entry = json.loads(cd.extra_info["entry"])
     assert compute_score(cd.data_source, f"<answer>{entry['answer']}</answer>", cd.ground_truth, cd.extra_info)["acc"] == 1.0

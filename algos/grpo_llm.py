@@ -1,0 +1,463 @@
+"""GRPO: critic-free, group-relative policy optimisation, with flags for its well-known variants.
+
+Docs: docs/algos/grpo.md. Shao et al. 2024 "DeepSeekMath" (GRPO); Liu et al. 2025 "Understanding
+R1-Zero-Like Training" (Dr. GRPO); Yu et al. 2025 "DAPO"; Ahmadian et al. 2024 "Back to Basics"
+(RLOO).
+
+Each iteration samples `num_prompts` prompts and G = `group_size` responses per prompt. A
+response's advantage is its reward relative to the others of its group (no critic, no GAE), the
+same for every token of the response. `num_iterations` (mu) passes of a clipped surrogate follow;
+an optional KL term to a frozen reference sits in the loss (not in the reward, unlike PPO).
+In one line, it reduces to: REINFORCE with a per-prompt baseline, PPO's clipping, and token-level
+or sequence-level averaging (the `--loss-agg` flag), which is where most variants differ.
+
+    python algos/grpo_llm.py                                        # SmolLM2-135M-Instruct on chain_sum_1d
+    python algos/grpo_llm.py --scale-rewards none --loss-agg seq-mean-token-sum-norm   # Dr. GRPO
+    python algos/grpo_llm.py --clip-eps-high 0.28 --dynamic-sampling --loss-agg token-mean \\
+        --overlong-buffer 16 --kl-coef 0                                                # DAPO
+    python algos/grpo_llm.py --baseline rloo --scale-rewards none                      # RLOO
+    accelerate launch --multi_gpu --num_processes 2 algos/grpo_llm.py                 # 2 processes
+
+Legend: N prompts per rank, G samples per prompt, B = N*G sequences, P prompt length, T response length.
+"""
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` imports from a plain `python algos/...`
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+
+from common import models as M
+from common.data import Sampler, load_prompts
+from common.evaluate import evaluate_policy
+from common.ops import exact_div, group_advantages, kl_estimate, rloo_advantages
+from common.prepare_data import default_task_files
+from common.rewards import Reward
+from common.rollout import (forward_logprobs, generate, sample_seed, sequence_attention_mask, tokenize_queries,
+                            unwrap_for_generation)
+from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, parse_args, peak_mem_gb,
+                        resolve_checkpoint, save_checkpoint, seed_everything, set_rng_state)
+
+
+@dataclass
+class Args:
+    # --- experiment
+    exp_name: str = Path(__file__).stem
+    """name of this experiment (W&B group; part of the run folder name)"""
+    seed: int = 1
+    """seed of model init, prompt order, sampling and minibatch shuffling"""
+    track: bool = False
+    """log to Weights & Biases (works with WANDB_MODE=offline)"""
+    wandb_project_name: str = "cleanrlhf"
+    """W&B project"""
+    wandb_entity: Optional[str] = None
+    """W&B entity (team or user)"""
+    config: Optional[str] = None
+    """YAML preset (keys = these field names); CLI flags override it"""
+    output_dir: str = "runs"
+    """where run folders are created"""
+    resume: Optional[str] = None
+    """checkpoint folder, or run folder (its latest checkpoint), to continue from exactly"""
+    save_every: int = 0
+    """save a checkpoint every N steps (0: only at the end)"""
+    keep_last: int = 0
+    """keep only the last K checkpoints (0: keep all)"""
+    eval_every: int = 10
+    """evaluate every N steps (and before the first and after the last; 0: never)"""
+    log_every: int = 1
+    """write metrics every N steps"""
+    num_samples_logged: int = 4
+    """rollouts written to samples.jsonl (and a W&B table) per log interval"""
+
+    # --- model
+    model_name_or_path: str = M.DEFAULT_MODEL
+    """policy: hub id, local folder, or the offline default alias"""
+    reward_model: Optional[str] = None
+    """sequence-classification reward model (used by a 'model' term in --reward)"""
+    trust_remote_code: bool = False
+    """allow model code from the hub"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """weights dtype (auto: float32 on CPU, bfloat16 on GPUs that support it)"""
+    lora_r: int = 0
+    """LoRA rank (0 = full fine-tuning); the reference is the adapter disabled"""
+    lora_alpha: int = 32
+    """LoRA alpha"""
+    load_in_4bit: bool = False
+    """QLoRA: 4-bit base weights (needs CUDA and --lora-r > 0)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+
+    # --- data and reward
+    train_files: Optional[list[str]] = None
+    """prompt files (parquet/jsonl/arrow or hub id); default: the built-in task"""
+    val_files: Optional[list[str]] = None
+    """validation prompt files; default: the built-in task's test split"""
+    task: str = "chain_sum_1d"
+    """built-in reasoning-gym task used when no --train-files are given"""
+    prompt_key: str = "prompt"
+    """column holding the prompt"""
+    reward_fn_key: str = "data_source"
+    """column selecting the reward function"""
+    max_prompt_length: int = 256
+    """prompts longer than this (tokens) are dropped, or cut with --truncate-prompts"""
+    truncate_prompts: bool = False
+    """keep the last --max-prompt-length tokens of long prompts instead of dropping them"""
+    reward: str = "rule:1.0"
+    """weighted reward sources, e.g. 'rule:1.0,model:0.5,format:0.1,length:0.1'"""
+    reward_fn: Optional[str] = None
+    """path/to/file.py:fn replacing the data_source registry for every row"""
+    reward_fallback: Optional[float] = None
+    """score given when a reward function fails (default: stop with an error naming the row)"""
+    num_eval_prompts: int = 64
+    """validation prompts per evaluation (greedy)"""
+
+    # --- generation
+    max_new_tokens: int = 64
+    """response length limit (tokens)"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs are computed at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    top_k: int = 0
+    """top-k sampling (0: off)"""
+
+    # --- optimisation
+    total_steps: int = 100
+    """training iterations (rollout + update)"""
+    num_prompts: int = 8
+    """prompts per iteration, over all processes"""
+    group_size: int = 4
+    """G: responses sampled per prompt"""
+    mini_batch_size: int = 32
+    """sequences per optimizer step, over all processes"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward on one process"""
+    num_iterations: int = 1
+    """mu: optimisation passes over each batch (1: on-policy, old log-probs = sampling log-probs)"""
+    learning_rate: float = 1e-6
+    """learning rate"""
+    lr_scheduler: str = "constant_with_warmup"
+    """transformers scheduler name (constant_with_warmup, linear, cosine, ...)"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warm-up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+
+    # --- algorithm
+    baseline: Literal["group-mean", "rloo"] = "group-mean"
+    """group-mean (GRPO) or rloo (leave-one-out mean of the other G-1 rewards)"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide advantages by the group's std (GRPO), the batch's std, or not at all (Dr. GRPO)"""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """token-mean (DAPO), seq-mean-token-mean (GRPO paper), seq-mean-token-sum-norm (Dr. GRPO: / max_new_tokens)"""
+    clip_eps_low: float = 0.2
+    """lower ratio clip: ratio >= 1 - eps_low"""
+    clip_eps_high: float = 0.2
+    """upper ratio clip: ratio <= 1 + eps_high (DAPO clip-higher: 0.28)"""
+    kl_coef: float = 0.0
+    """weight of the KL to the reference in the loss (0: no reference model is loaded)"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """per-token KL estimator in the loss"""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal, sample more prompts to refill the batch"""
+    max_resample_rounds: int = 3
+    """dynamic sampling: extra sampling rounds at most; a batch still short is filled with dropped groups"""
+    overlong_buffer: int = 0
+    """DAPO soft overlong punishment: responses longer than max_new_tokens - buffer lose up to overlong_penalty"""
+    overlong_penalty: float = 1.0
+    """reward subtracted at max_new_tokens (linear from 0 at max_new_tokens - buffer)"""
+    mask_truncated: bool = False
+    """exclude responses cut at max_new_tokens from the loss (DAPO overlong filtering)"""
+
+    # --- filled at runtime
+    world_size: int = field(default=1, init=False)
+    local_num_prompts: int = field(default=0, init=False)
+    local_mini_batch_size: int = field(default=0, init=False)
+
+
+# ALGO LOGIC: advantages, reward shaping and loss aggregation
+def compute_advantages(scores, group_size, baseline, scale_rewards, eps=1e-6):
+    """scores: (N*G,) with a prompt's G samples adjacent -> advantages (N*G,).
+    group-mean: score - group mean (GRPO); rloo: score - mean of the other G-1. Then divided by the
+    group's std (group), the batch's std (batch), or nothing (none, Dr. GRPO)."""
+    if baseline == "group-mean":
+        return group_advantages(scores, group_size, scale_rewards, eps)
+    adv = rloo_advantages(scores, group_size)
+    if scale_rewards == "group":
+        adv = adv / (scores.view(-1, group_size).std(1, keepdim=True) + eps).expand(-1, group_size).reshape(-1)
+    elif scale_rewards == "batch":
+        adv = adv / (scores.std() + eps)
+    return adv
+
+
+def overlong_penalty(lengths, max_new_tokens, buffer, factor):
+    """DAPO soft overlong punishment: 0 up to max - buffer, then linearly down to -factor at max. (B,) -> (B,)."""
+    if buffer <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float)
+    excess = (lengths.float() - (max_new_tokens - buffer)).clamp(min=0)
+    return -factor * (excess / buffer).clamp(max=1)
+
+
+def aggregate(token_loss, mask, loss_agg, n_tokens, n_seqs, max_new_tokens):
+    """This micro-batch's share of the minibatch loss. token_loss, mask: (b, T); n_tokens, n_seqs:
+    totals over the whole minibatch, so summing the shares of its micro-batches gives
+      token-mean:               sum_i sum_t l_it / sum_i |o_i|
+      seq-mean-token-mean:      (1/n) sum_i (1/|o_i|) sum_t l_it
+      seq-mean-token-sum-norm:  (1/n) sum_i sum_t l_it / max_new_tokens   (Dr. GRPO's constant)"""
+    masked = token_loss * mask
+    if loss_agg == "token-mean":
+        return masked.sum() / n_tokens
+    if loss_agg == "seq-mean-token-mean":
+        return (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs
+    if loss_agg == "seq-mean-token-sum-norm":
+        return masked.sum() / (n_seqs * max_new_tokens)
+    raise ValueError(f"unknown --loss-agg {loss_agg!r}")
+
+
+def take_informative_groups(parts, G, n_groups, pad_id):
+    """Dynamic sampling: from sampled batches `parts` (dicts of (B, ...) tensors and lists, a prompt's
+    G samples adjacent), build one batch of `n_groups` groups, those whose rewards differ first, then
+    (if too few) groups with equal rewards to keep the batch size fixed. Queries are re-padded on the
+    left, responses on the right. Returns (batch, number of equal-reward groups used to fill)."""
+    picked = [(p, j) for p in parts for j in range(len(p["rows"]) // G) if p["scores"].view(-1, G)[j].std() > 0]
+    n_informative = min(len(picked), n_groups)
+    picked = picked[:n_groups] + [(p, j) for p in parts for j in range(len(p["rows"]) // G)
+                                  if not p["scores"].view(-1, G)[j].std() > 0][:n_groups - n_informative]
+    P = max(p["queries"].shape[1] for p, _ in picked)
+    T = max(p["responses"].shape[1] for p, _ in picked)
+    out = {}
+    for key, v in parts[0].items():
+        items = [(p[key], list(range(j * G, (j + 1) * G))) for p, j in picked]
+        if isinstance(v, list):
+            out[key] = [x[i] for x, idx in items for i in idx]
+        elif key in ("queries", "query_mask"):  # left padding
+            fill = pad_id if key == "queries" else 0
+            out[key] = torch.cat([F.pad(x[idx], (P - x.shape[1], 0), value=fill) for x, idx in items])
+        elif v.dim() == 2:  # responses, masks, log-probs: right padding
+            fill = pad_id if key == "responses" else 0
+            out[key] = torch.cat([F.pad(x[idx], (0, T - x.shape[1]), value=fill) for x, idx in items])
+        else:
+            out[key] = torch.cat([x[idx] for x, idx in items])
+    return out, n_groups - n_informative
+
+
+def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high):
+    """Per-token PPO loss with asymmetric clipping. (b, T) each, advantages (b, 1) broadcast. Returns (loss, clipped)."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    pg1 = -advantages * ratio
+    pg2 = -advantages * torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)
+    return torch.max(pg1, pg2), (pg2 > pg1).float()
+
+
+def main(args: Args):
+    # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
+    accelerator = Accelerator()
+    device = accelerator.device
+    G = args.group_size
+    args.world_size = accelerator.num_processes
+    args.local_num_prompts = exact_div(args.num_prompts, args.world_size, "--num-prompts over the number of processes")
+    args.local_mini_batch_size = exact_div(args.mini_batch_size, args.world_size, "--mini-batch-size over the number of processes")
+    exact_div(args.num_prompts * G, args.mini_batch_size, "--num-prompts x --group-size over --mini-batch-size")
+    exact_div(args.local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size")
+    if G < 2:
+        raise ValueError("--group-size must be >= 2: advantages compare the samples of a prompt")
+    seed_everything(args.seed)
+    log = accelerator.print
+
+    tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    policy = M.load_causal_lm(args.model_name_or_path, tok, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+                              gradient_checkpointing=args.gradient_checkpointing, load_in_4bit=args.load_in_4bit,
+                              dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    ref_policy = None  # kl_coef 0: no reference at all; with LoRA: the adapter disabled
+    if args.kl_coef > 0 and args.lora_r == 0:
+        ref_policy = M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+        ref_policy.eval().requires_grad_(False).to(device)
+    rm = M.load_reward_model(args.reward_model, tok, args.dtype).eval().to(device) if args.reward_model else None
+    reward = Reward(args.reward, args.reward_fn, rm, tok, args.max_new_tokens, args.reward_fallback)
+
+    train_files, val_files = args.train_files, args.val_files
+    if train_files is None:
+        train_files, default_val = default_task_files(args.task)
+        val_files = val_files or [default_val]
+    train_rows = load_prompts(train_files, tok, args.prompt_key, args.reward_fn_key, args.max_prompt_length, args.truncate_prompts, log)
+    val_rows = load_prompts(val_files, tok, args.prompt_key, args.reward_fn_key, args.max_prompt_length, args.truncate_prompts, log)[:args.num_eval_prompts] if val_files else []
+    reward.check({r.data_source for r in train_rows + val_rows})
+    sampler = Sampler(len(train_rows), args.seed)
+
+    n_updates = args.total_steps * args.num_iterations * (args.num_prompts * G // args.mini_batch_size)
+    from transformers import get_scheduler
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay)
+    sched = get_scheduler(args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=n_updates)
+
+    start_step = 0
+    if args.resume:
+        ckpt = resolve_checkpoint(args.resume)
+        load_weights(policy, ckpt / "policy")
+    policy, opt, sched = accelerator.prepare(policy, opt, sched)
+    if args.resume:
+        state = load_trainer_state(ckpt)
+        for obj, key in ((opt, "opt"), (sched, "sched"), (sampler, "sampler")):
+            obj.load_state_dict(state[key])
+        set_rng_state(state["rng"])
+        start_step = state["step"]
+        log(f"resumed from {ckpt} at step {start_step}")
+    run_dir = make_run_dir(accelerator, "grpo_llm", args)
+    tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
+    log(f"run folder: {run_dir}")
+
+    def ref_logprobs_of(query_responses, attn, P):
+        if ref_policy is not None:
+            return forward_logprobs(ref_policy, query_responses, attn, P, args.temperature)
+        with accelerator.unwrap_model(policy).disable_adapter():
+            return forward_logprobs(policy, query_responses, attn, P, args.temperature)
+
+    def sample_groups(step, round_):
+        """One global draw of prompts; this rank's share, each repeated G times, sampled and scored."""
+        global_ids = sampler.take(args.num_prompts)
+        r = accelerator.process_index
+        rows = [train_rows[i] for i in global_ids[r * args.local_num_prompts:(r + 1) * args.local_num_prompts]]
+        rows = [x for x in rows for _ in range(G)]  # (N*G,) a prompt's samples adjacent
+        queries, query_mask = tokenize_queries(tok, [x.text for x in rows], device)  # (B, P)
+        uid0 = (round_ * args.num_prompts + r * args.local_num_prompts) * G
+        seeds = [sample_seed(args.seed, step, uid0 + j) for j in range(len(rows))]
+        with unwrap_for_generation(accelerator, policy) as gen_model:
+            ro = generate(gen_model, tok, queries, query_mask, args.max_new_tokens, args.temperature,
+                          args.top_k, args.top_p, seeds)
+        texts = tok.batch_decode(ro.responses, skip_special_tokens=True)
+        scores, components, extras = reward(rows, texts, ro.response_mask.sum(1), device)  # (B,)
+        return dict(rows=rows, texts=texts, queries=queries, query_mask=query_mask, responses=ro.responses,
+                    mask=ro.response_mask, logprobs=ro.logprobs, truncated=ro.truncated, scores=scores,
+                    solved=extras.get("acc", (scores >= 1).float()), **{f"reward/{k}": v for k, v in components.items()})
+
+    def checkpoint(step):
+        save_checkpoint(accelerator, run_dir, step, {"policy": policy},
+                        {"opt": opt.state_dict(), "sched": sched.state_dict(), "sampler": sampler.state_dict()}, args.keep_last)
+
+    if args.eval_every and val_rows and start_step == 0:
+        metrics, samples = evaluate_policy(accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size)
+        tracker.log(0, metrics)
+        tracker.samples(0, [{**s, "split": "eval"} for s in samples[:args.num_samples_logged]])
+
+    for step in range(start_step + 1, args.total_steps + 1):
+        t_step = time.time()
+        # ------------------------------------------------------------------ 1. rollout (+ dynamic sampling)
+        t_gen = time.time()
+        b = sample_groups(step, 0)
+        rounds = n_filled = 0
+        if args.dynamic_sampling:  # DAPO: keep groups whose rewards differ; all ranks run the same rounds
+            parts = [b]
+            while rounds < args.max_resample_rounds:
+                have = sum(int((p["scores"].view(-1, G).std(1) > 0).sum()) for p in parts)
+                if accelerator.gather(torch.tensor([args.local_num_prompts - have], device=device)).max().item() <= 0:
+                    break
+                rounds += 1
+                parts.append(sample_groups(step, rounds))
+            b, n_filled = take_informative_groups(parts, G, args.local_num_prompts, tok.pad_token_id)
+        gen_s = time.time() - t_gen
+        rows, texts, scores, truncated = b["rows"], b["texts"], b["scores"], b["truncated"]  # B = N*G
+        mask = b["mask"]  # (B, T)
+        P, T = b["queries"].shape[1], b["responses"].shape[1]
+        query_responses = torch.cat([b["queries"], b["responses"]], 1)  # (B, P+T)
+        attn = sequence_attention_mask(b["query_mask"], T)  # (B, P+T)
+        lengths = mask.sum(1)  # (B,)
+
+        # ------------------------------------------------------------------ 2. reward shaping and advantages
+        scores = scores + overlong_penalty(lengths, args.max_new_tokens, args.overlong_buffer, args.overlong_penalty)
+        advantages = compute_advantages(scores, G, args.baseline, args.scale_rewards)  # (B,)
+        loss_mask = mask * (~truncated).float()[:, None] if args.mask_truncated else mask  # (B, T)
+        with torch.no_grad():
+            if args.num_iterations == 1:
+                old_logprobs = b["logprobs"]  # on-policy: the sampler's log-probs, no extra forward
+            else:
+                old_logprobs = torch.cat([forward_logprobs(policy, query_responses[i:i + args.micro_batch_size],
+                                                           attn[i:i + args.micro_batch_size], P, args.temperature)
+                                          for i in range(0, len(rows), args.micro_batch_size)]) * mask
+            ref_logprobs = None
+            if args.kl_coef > 0:
+                ref_logprobs = torch.cat([ref_logprobs_of(query_responses[i:i + args.micro_batch_size],
+                                                          attn[i:i + args.micro_batch_size], P)
+                                          for i in range(0, len(rows), args.micro_batch_size)]) * mask
+
+        # ------------------------------------------------------------------ 3. update
+        t_train = time.time()
+        stats = {k: [] for k in ("pg", "kl", "ent", "clip")}
+        r = accelerator.process_index
+        g = torch.Generator().manual_seed(args.seed * 7919 + step * 104729 + r)
+        for it in range(args.num_iterations):
+            perm = torch.randperm(len(rows), generator=g).tolist()
+            for mb_start in range(0, len(rows), args.local_mini_batch_size):
+                mb = perm[mb_start:mb_start + args.local_mini_batch_size]
+                n_tokens, n_seqs = loss_mask[mb].sum().clamp(min=1), len(mb)
+                for k in range(0, len(mb), args.micro_batch_size):
+                    mi = mb[k:k + args.micro_batch_size]
+                    new_logprobs, entropy = forward_logprobs(policy, query_responses[mi], attn[mi], P, args.temperature, with_entropy=True)
+                    token_loss, clipped = clipped_surrogate(new_logprobs, old_logprobs[mi], advantages[mi, None],
+                                                            args.clip_eps_low, args.clip_eps_high)  # (b, T)
+                    kl = kl_estimate(new_logprobs, ref_logprobs[mi], args.kl_estimator) if ref_logprobs is not None else torch.zeros_like(token_loss)
+                    agg = lambda x: aggregate(x, loss_mask[mi], args.loss_agg, n_tokens, n_seqs, args.max_new_tokens)
+                    pg, kl_term = agg(token_loss), agg(kl)
+                    accelerator.backward(pg + args.kl_coef * kl_term)
+                    for key, v in zip(stats, (pg, kl_term, agg(entropy), agg(clipped))):
+                        stats[key].append(v.detach())
+                accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+        train_s = time.time() - t_train
+
+        # ------------------------------------------------------------------ 4. log, evaluate, checkpoint
+        if step % args.log_every == 0 or step == args.total_steps:
+            n_minibatches = args.num_iterations * len(rows) // args.local_mini_batch_size
+            red = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
+            all_scores = accelerator.gather(scores)
+            by_group = all_scores.view(-1, G)
+            step_s = time.time() - t_step
+            metrics = {
+                "train/reward": all_scores.mean().item(), "train/reward_std": all_scores.std().item(),
+                "train/zero_std_groups": (by_group.std(1) == 0).float().mean().item(),
+                "train/kl": red(stats["kl"]), "train/kl_coef": args.kl_coef,
+                "train/entropy": red(stats["ent"]), "train/clip_frac": red(stats["clip"]),
+                "train/response_len": accelerator.gather(lengths).float().mean().item(),
+                "train/truncated": accelerator.gather(truncated.float()).mean().item(),
+                "train/lr": sched.get_last_lr()[0], "train/resample_rounds": rounds, "train/filled_zero_std_groups": n_filled,
+                "loss/policy": red(stats["pg"]), "loss/total": red(stats["pg"]) + args.kl_coef * red(stats["kl"]),
+                "perf/step_s": step_s, "perf/gen_s": gen_s, "perf/train_s": train_s,
+                "perf/tokens_per_s": accelerator.gather(lengths).sum().item() / step_s, "perf/peak_mem_gb": peak_mem_gb(device),
+                "train/episodes": step * args.num_prompts * G,
+            }
+            solved = accelerator.gather(b["solved"]).view(-1, G)  # (all prompts, G) exact-match
+            metrics["train/solve_all"] = (solved.min(1).values == 1).float().mean().item()
+            metrics["train/solve_none"] = (solved.max(1).values == 0).float().mean().item()
+            for key in [k for k in b if k.startswith("reward/")]:
+                metrics[key] = accelerator.gather(b[key]).mean().item()
+            sources = sorted({x.data_source for x in rows})
+            for src in sources if len(sources) > 1 else []:  # several tasks mixed: reward per data_source
+                sel = torch.tensor([x.data_source == src for x in rows], device=device)
+                metrics[f"reward/{src}"] = scores[sel].mean().item()  # this rank's rows of that source
+            if reward.errors:
+                metrics["reward/errors"] = reward.errors
+            if args.eval_every and val_rows and (step % args.eval_every == 0 or step == args.total_steps):
+                eval_metrics, eval_samples = evaluate_policy(accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size)
+                metrics.update(eval_metrics)
+                tracker.samples(step, [{**s, "split": "eval"} for s in eval_samples[:args.num_samples_logged]])
+            tracker.log(step, metrics)
+            tracker.samples(step, [{"prompt": x.text, "response": t, "reward": float(s), "advantage": float(a), "split": "train"}
+                                   for x, t, s, a in zip(rows, texts, scores, advantages)][:args.num_samples_logged])
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
+            checkpoint(step)
+
+    tracker.close()
+    log(f"done: {run_dir}")
+    return run_dir
+
+
+if __name__ == "__main__":
+    main(parse_args(Args))
