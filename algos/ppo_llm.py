@@ -272,7 +272,7 @@ def main(args: Args):
         set_rng_state(state["rng"])
         start_step = state["step"]
         log(f"resumed from {ckpt} at step {start_step}")
-    run_dir = make_run_dir(accelerator, "ppo_llm", args)
+    run_dir = make_run_dir(accelerator, Path(__file__).stem, args)
     tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
     log(f"run folder: {run_dir}")
 

@@ -1,0 +1,454 @@
+"""PPO with a dynamic policy-KL term in the loss: a copy of ppo_llm.py that changes only this idea.
+
+On top of the clipped surrogate, the loss carries beta * KL(pi_old || pi_theta), the KL between the
+rollout policy and the policy being trained (mean over response tokens of log pi_old - log pi_theta),
+and beta adapts after every minibatch update: x1.5 (capped at --beta-max) when that KL exceeds
+1.5 x --policy-kl-target, x0.5 (floored at --beta-min) when it is below 0.5 x target (the adaptive
+KL penalty of Schulman et al. 2017, PPO paper section 4). The reference-KL penalty in the reward,
+with --kl-coef / --kl-target, stays exactly as in ppo_llm.py.
+
+Docs: docs/algos/dynamic_kl_ppo.md (parent: docs/algos/ppo.md). References: Ziegler et al. 2019 "Fine-Tuning Language Models from Human
+Preferences" (adaptive KL controller), Ouyang et al. 2022 (InstructGPT), Huang et al. 2024
+"The N+ Implementation Details of RLHF with PPO" (lm-human-preference-details).
+
+Each iteration: (1) sample `batch_size` prompts and one response each; (2) score them: the sequence
+reward sits on the last real token, every token pays -beta * (log pi - log pi_ref); (3) the critic's
+values and GAE turn those per-token rewards into advantages; (4) `ppo_epochs` passes of the clipped
+surrogate + clipped value loss over shuffled minibatches; (5) beta moves toward `kl_target` when
+one is set; (6) log, evaluate, checkpoint.
+
+"KL" (train/kl, and what --kl-target aims at) is the mean over response tokens of
+log pi - log pi_ref per sequence, averaged over the batch: a per-token number, so 0.1 is sensible.
+
+    python algos/dynamic_kl_ppo.py                            # SmolLM2-135M-Instruct on chain_sum_1d
+    python algos/dynamic_kl_ppo.py --policy-kl-target 0.05 --total-steps 200 --track
+    accelerate launch algos/dynamic_kl_ppo.py --kl-target 0.1
+    accelerate launch --multi_gpu --num_processes 2 algos/dynamic_kl_ppo.py   # 2 processes (gloo on CPU)
+    python algos/dynamic_kl_ppo.py --model-name-or-path tests/tiny --total-steps 2 --batch-size 4 \\
+        --mini-batch-size 2 --micro-batch-size 2 --max-new-tokens 8                    # smoke test
+
+Legend: B rollouts per rank, P prompt length (left-padded), T response length, V vocabulary.
+"""
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` imports from a plain `python algos/...`
+
+import torch
+from accelerate import Accelerator
+
+from common import models as M
+from common.data import Sampler, load_prompts
+from common.evaluate import evaluate_policy
+from common.ops import (AdaptiveKLController, FixedKLController, exact_div, gae, kl_estimate, masked_mean,
+                        masked_whiten)
+from common.prepare_data import default_task_files
+from common.rewards import Reward
+from common.rollout import (forward_logprobs, forward_values, generate, sample_seed, sequence_attention_mask,
+                            tokenize_queries, unwrap_for_generation)
+from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, parse_args, peak_mem_gb,
+                        resolve_checkpoint, save_checkpoint, seed_everything, set_rng_state)
+
+
+@dataclass
+class Args:
+    # --- experiment
+    exp_name: str = Path(__file__).stem
+    """name of this experiment (W&B group; part of the run folder name)"""
+    seed: int = 1
+    """seed of model init, prompt order, sampling and minibatch shuffling"""
+    track: bool = False
+    """log to Weights & Biases (works with WANDB_MODE=offline)"""
+    wandb_project_name: str = "cleanrlhf"
+    """W&B project"""
+    wandb_entity: Optional[str] = None
+    """W&B entity (team or user)"""
+    config: Optional[str] = None
+    """YAML preset (keys = these field names); CLI flags override it"""
+    output_dir: str = "runs"
+    """where run folders are created"""
+    resume: Optional[str] = None
+    """checkpoint folder, or run folder (its latest checkpoint), to continue from exactly"""
+    save_every: int = 0
+    """save a checkpoint every N steps (0: only at the end)"""
+    keep_last: int = 0
+    """keep only the last K checkpoints (0: keep all)"""
+    eval_every: int = 10
+    """evaluate every N steps (and before the first and after the last; 0: never)"""
+    log_every: int = 1
+    """write metrics every N steps"""
+    num_samples_logged: int = 4
+    """rollouts written to samples.jsonl (and a W&B table) per log interval"""
+
+    # --- model
+    model_name_or_path: str = M.DEFAULT_MODEL
+    """policy: hub id, local folder, or the offline default alias"""
+    critic_model: Optional[str] = None
+    """critic body (default: the policy's weights); its value head starts at zero"""
+    reward_model: Optional[str] = None
+    """sequence-classification reward model (used by a 'model' term in --reward)"""
+    trust_remote_code: bool = False
+    """allow model code from the hub"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """weights dtype (auto: float32 on CPU, bfloat16 on GPUs that support it)"""
+    lora_r: int = 0
+    """LoRA rank for policy and critic (0 = full fine-tuning); the reference is the adapter disabled"""
+    lora_alpha: int = 32
+    """LoRA alpha"""
+    load_in_4bit: bool = False
+    """QLoRA: 4-bit base weights (needs CUDA and --lora-r > 0)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+
+    # --- data and reward
+    train_files: Optional[list[str]] = None
+    """prompt files (parquet/jsonl/arrow or hub id); default: the built-in task"""
+    val_files: Optional[list[str]] = None
+    """validation prompt files; default: the built-in task's test split"""
+    task: str = "chain_sum_1d"
+    """built-in reasoning-gym task used when no --train-files are given"""
+    prompt_key: str = "prompt"
+    """column holding the prompt"""
+    reward_fn_key: str = "data_source"
+    """column selecting the reward function"""
+    max_prompt_length: int = 256
+    """prompts longer than this (tokens) are dropped, or cut with --truncate-prompts"""
+    truncate_prompts: bool = False
+    """keep the last --max-prompt-length tokens of long prompts instead of dropping them"""
+    reward: str = "rule:1.0"
+    """weighted reward sources, e.g. 'rule:1.0,model:0.5,format:0.1,length:0.1'"""
+    reward_fn: Optional[str] = None
+    """path/to/file.py:fn replacing the data_source registry for every row"""
+    reward_fallback: Optional[float] = None
+    """score given when a reward function fails (default: stop with an error naming the row)"""
+    missing_eos_penalty: float = 0.0
+    """subtracted from the score of responses that end without EOS"""
+    num_eval_prompts: int = 64
+    """validation prompts per evaluation (greedy)"""
+
+    # --- generation
+    max_new_tokens: int = 64
+    """response length limit (tokens)"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs are computed at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    top_k: int = 0
+    """top-k sampling (0: off)"""
+
+    # --- optimisation
+    total_steps: int = 100
+    """training iterations (rollout + update)"""
+    batch_size: int = 32
+    """rollouts per iteration, over all processes"""
+    mini_batch_size: int = 16
+    """rollouts per optimizer step, over all processes"""
+    micro_batch_size: int = 8
+    """rollouts per forward/backward on one process (gradient accumulation up to the minibatch)"""
+    ppo_epochs: int = 2
+    """passes over the rollout batch per iteration"""
+    learning_rate: float = 1e-6
+    """policy learning rate"""
+    critic_learning_rate: float = 1e-5
+    """critic learning rate"""
+    lr_scheduler: str = "constant_with_warmup"
+    """transformers scheduler name (constant_with_warmup, linear, cosine, ...)"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warm-up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping (per model)"""
+
+    # --- algorithm
+    gamma: float = 1.0
+    """discount"""
+    lam: float = 0.95
+    """GAE lambda"""
+    clip_eps: float = 0.2
+    """policy ratio clip"""
+    dual_clip_c: Optional[float] = None
+    """dual-clip constant (> 1) bounding the loss for negative advantages (Ye et al. 2020)"""
+    clip_eps_value: float = 0.2
+    """value clip around the rollout's values"""
+    vf_coef: float = 0.1
+    """value loss weight"""
+    ent_coef: float = 0.0
+    """entropy bonus weight"""
+    kl_coef: float = 0.05
+    """initial beta of the per-token KL penalty in the reward"""
+    kl_target: Optional[float] = None
+    """if set, beta adapts so the measured KL approaches this (Ziegler et al.)"""
+    kl_horizon: int = 10000
+    """adaptive controller horizon (samples)"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """per-token KL estimator in the reward penalty"""
+    whiten_rewards: bool = False
+    """scale per-token rewards to unit variance (mean kept) before GAE"""
+    whiten_advantages: bool = True
+    """whiten advantages over the batch"""
+    critic_warmup_steps: int = 0
+    """first N iterations train only the critic"""
+    policy_kl_target: float = 0.1
+    """target of KL(pi_old || pi_theta) per minibatch; beta adapts toward it"""
+    beta_init: float = 0.5
+    """initial beta of the policy-KL term in the loss"""
+    beta_max: float = 1.0
+    """upper bound of beta"""
+    beta_min: float = 0.01
+    """lower bound of beta"""
+    policy_kl_estimator: Literal["k1", "k3"] = "k1"
+    """k1: log pi_old - log pi_theta (can be negative on the samples being fitted); k3: its nonnegative form"""
+
+    # --- filled at runtime
+    world_size: int = field(default=1, init=False)
+    local_batch_size: int = field(default=0, init=False)
+    local_mini_batch_size: int = field(default=0, init=False)
+
+
+# ALGO LOGIC: the PPO losses
+def policy_loss(logprobs, old_logprobs, advantages, mask, n_tokens, clip_eps, dual_clip_c=None):
+    """Clipped surrogate, summed over masked tokens and divided by the minibatch's token count.
+    All (b, T) except n_tokens (scalar). Returns (loss, clip_frac, approx_kl) as sums over tokens / n_tokens."""
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    pg1 = -advantages * ratio
+    pg2 = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    pg = torch.max(pg1, pg2)
+    if dual_clip_c is not None:  # for A < 0 the loss is at most -A * c
+        pg = torch.where(advantages < 0, torch.min(pg, -advantages * dual_clip_c), pg)
+    clip_frac = ((pg2 > pg1).float() * mask).sum() / n_tokens
+    approx_kl = (0.5 * log_ratio**2 * mask).sum() / n_tokens
+    return (pg * mask).sum() / n_tokens, clip_frac, approx_kl
+
+
+def value_loss(values, old_values, returns, mask, n_tokens, clip_eps_value):
+    """0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2), token-summed / n_tokens. All (b, T)."""
+    v_clipped = old_values + torch.clamp(values - old_values, -clip_eps_value, clip_eps_value)
+    loss = 0.5 * torch.max((values - returns) ** 2, (v_clipped - returns) ** 2)
+    return (loss * mask).sum() / n_tokens
+
+
+def update_beta(beta, kl, target, beta_min, beta_max):
+    """After each minibatch: x1.5 above 1.5 x target (<= beta_max), x0.5 below 0.5 x target (>= beta_min)."""
+    if kl > 1.5 * target:
+        return min(1.5 * beta, beta_max)
+    if kl < 0.5 * target:
+        return max(0.5 * beta, beta_min)
+    return beta
+
+
+def main(args: Args):
+    # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
+    accelerator = Accelerator()
+    device = accelerator.device
+    args.world_size = accelerator.num_processes
+    args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")
+    args.local_mini_batch_size = exact_div(args.mini_batch_size, args.world_size, "--mini-batch-size over the number of processes")
+    exact_div(args.batch_size, args.mini_batch_size, "--batch-size over --mini-batch-size")
+    exact_div(args.local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size")
+    seed_everything(args.seed)
+    log = accelerator.print
+
+    tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    lora = dict(lora_r=args.lora_r, lora_alpha=args.lora_alpha, gradient_checkpointing=args.gradient_checkpointing,
+                load_in_4bit=args.load_in_4bit, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    policy = M.load_causal_lm(args.model_name_or_path, tok, **lora)
+    critic = M.load_value_model(args.critic_model or args.model_name_or_path, tok, **lora)
+    use_ref = args.kl_coef > 0 or args.kl_target is not None
+    ref_policy = None  # with LoRA the reference is the policy with its adapter disabled
+    if use_ref and args.lora_r == 0:
+        ref_policy = M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+        ref_policy.eval().requires_grad_(False).to(device)
+    rm = M.load_reward_model(args.reward_model, tok, args.dtype).eval().to(device) if args.reward_model else None
+    reward = Reward(args.reward, args.reward_fn, rm, tok, args.max_new_tokens, args.reward_fallback)
+
+    train_files, val_files = args.train_files, args.val_files
+    if train_files is None:
+        train_files, default_val = default_task_files(args.task)
+        val_files = val_files or [default_val]
+    train_rows = load_prompts(train_files, tok, args.prompt_key, args.reward_fn_key, args.max_prompt_length, args.truncate_prompts, log)
+    val_rows = load_prompts(val_files, tok, args.prompt_key, args.reward_fn_key, args.max_prompt_length, args.truncate_prompts, log)[:args.num_eval_prompts] if val_files else []
+    reward.check({r.data_source for r in train_rows + val_rows})
+    sampler = Sampler(len(train_rows), args.seed)
+
+    n_updates = args.total_steps * args.ppo_epochs * (args.batch_size // args.mini_batch_size)
+    from transformers import get_scheduler
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay)
+    critic_opt = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=args.critic_learning_rate, weight_decay=args.weight_decay)
+    sched = get_scheduler(args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=n_updates)
+    critic_sched = get_scheduler(args.lr_scheduler, critic_opt, num_warmup_steps=args.warmup_steps, num_training_steps=n_updates)
+    kl_ctl = AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon) if args.kl_target else FixedKLController(args.kl_coef)
+    beta = args.beta_init
+
+    start_step = 0
+    if args.resume:
+        ckpt = resolve_checkpoint(args.resume)
+        load_weights(policy, ckpt / "policy")
+        load_weights(critic, ckpt / "critic")
+    policy, critic, opt, critic_opt, sched, critic_sched = accelerator.prepare(policy, critic, opt, critic_opt, sched, critic_sched)
+    if args.resume:
+        state = load_trainer_state(ckpt)
+        for obj, key in ((opt, "opt"), (critic_opt, "critic_opt"), (sched, "sched"), (critic_sched, "critic_sched"),
+                         (sampler, "sampler"), (kl_ctl, "kl_ctl")):
+            obj.load_state_dict(state[key])
+        set_rng_state(state["rng"])
+        start_step = state["step"]
+        beta = state["beta"]
+        log(f"resumed from {ckpt} at step {start_step}")
+    run_dir = make_run_dir(accelerator, Path(__file__).stem, args)
+    tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
+    log(f"run folder: {run_dir}")
+
+    def ref_logprobs_of(query_responses, attn, P):
+        if ref_policy is not None:
+            return forward_logprobs(ref_policy, query_responses, attn, P, args.temperature)
+        with accelerator.unwrap_model(policy).disable_adapter():
+            return forward_logprobs(policy, query_responses, attn, P, args.temperature)
+
+    def checkpoint(step):
+        save_checkpoint(accelerator, run_dir, step, {"policy": policy, "critic": critic},
+                        {"opt": opt.state_dict(), "critic_opt": critic_opt.state_dict(), "sched": sched.state_dict(),
+                         "critic_sched": critic_sched.state_dict(), "sampler": sampler.state_dict(),
+                         "kl_ctl": kl_ctl.state_dict(), "beta": beta}, args.keep_last)
+
+    if args.eval_every and val_rows and start_step == 0:
+        metrics, samples = evaluate_policy(accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size)
+        tracker.log(0, metrics)
+        tracker.samples(0, [{**s, "split": "eval"} for s in samples[:args.num_samples_logged]])
+
+    for step in range(start_step + 1, args.total_steps + 1):
+        t_step = time.time()
+        # ------------------------------------------------------------------ 1. rollout
+        global_ids = sampler.take(args.batch_size)  # same on every rank; each takes its slice
+        r = accelerator.process_index
+        ids = global_ids[r * args.local_batch_size:(r + 1) * args.local_batch_size]
+        rows = [train_rows[i] for i in ids]
+        queries, query_mask = tokenize_queries(tok, [x.text for x in rows], device)  # (B, P)
+        P = queries.shape[1]
+        seeds = [sample_seed(args.seed, step, r * args.local_batch_size + j) for j in range(len(rows))]
+        t_gen = time.time()
+        with unwrap_for_generation(accelerator, policy) as gen_model:
+            ro = generate(gen_model, tok, queries, query_mask, args.max_new_tokens, args.temperature,
+                          args.top_k, args.top_p, seeds)
+        gen_s = time.time() - t_gen
+        query_responses, responses, mask = ro.query_responses, ro.responses, ro.response_mask  # (B, P+T), (B, T), (B, T)
+        T = responses.shape[1]
+        attn = sequence_attention_mask(query_mask, T)  # (B, P+T)
+
+        # ------------------------------------------------------------------ 2. score
+        texts = tok.batch_decode(responses, skip_special_tokens=True)
+        lengths = mask.sum(1)  # (B,)
+        scores, components, extras = reward(rows, texts, lengths, device)  # (B,)
+        scores = scores - args.missing_eos_penalty * (~ro.is_eos).float()
+        with torch.no_grad():
+            logprobs, values, ref_logprobs = [], [], []
+            for i in range(0, len(rows), args.micro_batch_size):  # micro-batched: bounds peak memory
+                sl = slice(i, i + args.micro_batch_size)
+                logprobs.append(forward_logprobs(policy, query_responses[sl], attn[sl], P, args.temperature))
+                values.append(forward_values(critic, query_responses[sl], attn[sl], P))
+                if use_ref:
+                    ref_logprobs.append(ref_logprobs_of(query_responses[sl], attn[sl], P))
+            logprobs = torch.cat(logprobs) * mask  # (B, T)
+            values = torch.cat(values) * mask  # (B, T)
+            ref_logprobs = torch.cat(ref_logprobs) * mask if use_ref else logprobs  # (B, T)
+        kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T) per-token KL
+        rewards = -kl_ctl.value * kl  # (B, T)
+        last = (lengths.long() - 1).clamp(min=0)  # (B,) index of the last real token
+        rewards[torch.arange(len(rows), device=device), last] += scores
+
+        # ------------------------------------------------------------------ 3. advantages
+        if args.whiten_rewards:
+            rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
+        advantages, returns = gae(rewards, values, mask, args.gamma, args.lam)  # (B, T) each
+        if args.whiten_advantages:
+            advantages = masked_whiten(advantages, mask) * mask
+
+        # ------------------------------------------------------------------ 4. update
+        t_train = time.time()
+        stats = {k: [] for k in ("pg", "vf", "ent", "clip", "akl", "pkl")}
+        train_policy = step > args.critic_warmup_steps
+        g = torch.Generator().manual_seed(args.seed * 7919 + step * 104729 + r)
+        for epoch in range(args.ppo_epochs):
+            perm = torch.randperm(len(rows), generator=g).tolist()
+            for mb_start in range(0, len(rows), args.local_mini_batch_size):
+                mb_ids = perm[mb_start:mb_start + args.local_mini_batch_size]
+                n_tokens = mask[mb_ids].sum().clamp(min=1)  # token-mean over the whole minibatch
+                for k in range(0, len(mb_ids), args.micro_batch_size):
+                    mi = mb_ids[k:k + args.micro_batch_size]
+                    new_logprobs, entropy = forward_logprobs(policy, query_responses[mi], attn[mi], P, args.temperature, with_entropy=True)
+                    new_values = forward_values(critic, query_responses[mi], attn[mi], P)
+                    pg, clip_frac, approx_kl = policy_loss(new_logprobs, logprobs[mi], advantages[mi], mask[mi],
+                                                           n_tokens, args.clip_eps, args.dual_clip_c)
+                    vf = value_loss(new_values, values[mi], returns[mi], mask[mi], n_tokens, args.clip_eps_value)
+                    ent = (entropy * mask[mi]).sum() / n_tokens
+                    policy_kl = (kl_estimate(logprobs[mi], new_logprobs, args.policy_kl_estimator) * mask[mi]).sum() / n_tokens  # KL(pi_old || pi_theta)
+                    loss = (pg - args.ent_coef * ent + beta * policy_kl if train_policy else 0) + args.vf_coef * vf
+                    accelerator.backward(loss)
+                    for key, v in zip(stats, (pg, vf, ent, clip_frac, approx_kl, policy_kl)):
+                        stats[key].append(v.detach())
+                if train_policy:
+                    accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                    opt.step()
+                    sched.step()
+                    mb_kl = accelerator.reduce(torch.stack(stats["pkl"][-len(range(0, len(mb_ids), args.micro_batch_size)):]).sum(), "mean").item()
+                    beta = update_beta(beta, mb_kl, args.policy_kl_target, args.beta_min, args.beta_max)
+                accelerator.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+                critic_opt.step()
+                critic_sched.step()
+                opt.zero_grad()
+                critic_opt.zero_grad()
+        train_s = time.time() - t_train
+
+        # ------------------------------------------------------------------ 5. KL controller
+        mean_kl = accelerator.gather(masked_mean(kl, mask, dim=1)).mean().item()  # per-token KL, batch mean
+        kl_coef_used = kl_ctl.value
+        kl_ctl.update(mean_kl, args.batch_size)
+
+        # ------------------------------------------------------------------ 6. log, evaluate, checkpoint
+        if step % args.log_every == 0 or step == args.total_steps:
+            # each stat holds per-micro-batch parts of a minibatch mean; their sum / #minibatches = mean over minibatches
+            n_minibatches = args.ppo_epochs * len(rows) // args.local_mini_batch_size
+            red = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
+            all_scores = accelerator.gather(scores)
+            gen_tokens = accelerator.gather(lengths).sum().item()
+            step_s = time.time() - t_step
+            metrics = {
+                "train/reward": all_scores.mean().item(), "train/reward_std": all_scores.std().item(),
+                "train/kl": mean_kl, "train/kl_coef": kl_coef_used,
+                "train/entropy": red(stats["ent"]), "train/clip_frac": red(stats["clip"]), "train/approx_kl": red(stats["akl"]),
+                "train/response_len": accelerator.gather(lengths).float().mean().item(),
+                "train/truncated": accelerator.gather(ro.truncated.float()).mean().item(),
+                "train/beta": beta, "train/policy_kl": red(stats["pkl"]),
+                "train/lr": sched.get_last_lr()[0], "train/value_mean": masked_mean(values, mask).item(),
+                "loss/policy": red(stats["pg"]), "loss/value": red(stats["vf"]),
+                "loss/total": red(stats["pg"]) + args.vf_coef * red(stats["vf"]) - args.ent_coef * red(stats["ent"]),
+                "perf/step_s": step_s, "perf/gen_s": gen_s, "perf/train_s": train_s,
+                "perf/tokens_per_s": gen_tokens / step_s, "perf/peak_mem_gb": peak_mem_gb(device),
+                "train/episodes": step * args.batch_size,
+            }
+            for name, v in {**components, **extras}.items():
+                metrics[f"reward/{name}"] = accelerator.gather(v).mean().item()
+            if reward.errors:
+                metrics["reward/errors"] = reward.errors
+            if args.eval_every and val_rows and (step % args.eval_every == 0 or step == args.total_steps):
+                eval_metrics, eval_samples = evaluate_policy(accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size)
+                metrics.update(eval_metrics)
+                tracker.samples(step, [{**s, "split": "eval"} for s in eval_samples[:args.num_samples_logged]])
+            tracker.log(step, metrics)
+            tracker.samples(step, [{"prompt": x.text, "response": t, "reward": float(s), "kl": float(k), "split": "train"}
+                                   for x, t, s, k in zip(rows, texts, scores, masked_mean(kl, mask, dim=1))][:args.num_samples_logged])
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
+            checkpoint(step)
+
+    tracker.close()
+    log(f"done: {run_dir}")
+    return run_dir
+
+
+if __name__ == "__main__":
+    main(parse_args(Args))

@@ -1,0 +1,59 @@
+"""algos/dynamic_kl_ppo.py: the beta rule, end to end, exact resume (beta included), and the diff stays small."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, only_run, read_metrics, run_script
+
+sys.path.insert(0, str(REPO / "algos"))
+import dynamic_kl_ppo as D  # noqa: E402
+
+TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
+
+
+def test_beta_rule_band_and_bounds():
+    target = 0.1
+    assert D.update_beta(0.5, 0.2, target, 0.01, 1.0) == pytest.approx(0.75)  # above 1.5 x target: x1.5
+    assert D.update_beta(0.8, 0.2, target, 0.01, 1.0) == 1.0  # capped at beta_max
+    assert D.update_beta(0.5, 0.1, target, 0.01, 1.0) == 0.5  # inside the band: unchanged
+    assert D.update_beta(0.5, 0.15, target, 0.01, 1.0) == 0.5  # edge of the band: unchanged
+    assert D.update_beta(0.5, 0.05, target, 0.01, 1.0) == 0.5  # lower edge: unchanged
+    assert D.update_beta(0.5, 0.01, target, 0.01, 1.0) == pytest.approx(0.25)  # below 0.5 x target: x0.5
+    assert D.update_beta(0.015, 0.0, target, 0.01, 1.0) == 0.01  # floored at beta_min
+    beta = 0.5
+    for kl in [1.0] * 10:
+        beta = D.update_beta(beta, kl, target, 0.01, 1.0)
+    assert beta == 1.0
+
+
+def _flags(model, prompts, out, steps, *extra):
+    return ["--model-name-or-path", model, "--train-files", prompts, "--val-files", prompts, "--reward-fn", TOY_REWARD,
+            "--output-dir", out, "--total-steps", steps, "--batch-size", 4, "--mini-batch-size", 2, "--micro-batch-size", 1,
+            "--max-new-tokens", 6, "--num-eval-prompts", 4, "--eval-every", 2, "--learning-rate", 3e-3, *extra]
+
+
+def test_end_to_end_logs_beta_and_resumes_exactly(tiny_peaky, toy_prompts, tmp_path):
+    env = {"TOY_MODEL": tiny_peaky}
+    run_script("dynamic_kl_ppo.py", *_flags(tiny_peaky, toy_prompts, tmp_path / "a", 4), env=env)
+    run_script("dynamic_kl_ppo.py", *_flags(tiny_peaky, toy_prompts, tmp_path / "b", 2), env=env)
+    first = only_run(tmp_path / "b")
+    state = torch.load(first / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=True)
+    run_script("dynamic_kl_ppo.py", *_flags(tiny_peaky, toy_prompts, tmp_path / "c", 4), "--resume", first, env=env)
+    straight = read_metrics(only_run(tmp_path / "a"))
+    assert only_run(tmp_path / "a").name.startswith("dynamic_kl_ppo__")
+    assert all("train/beta" in r and "train/policy_kl" in r for r in straight[1:])
+    betas = [r["train/beta"] for r in straight[1:]]
+    assert betas[0] != 0.5 and all(0.01 <= b <= 1.0 for b in betas)  # beta moved, within bounds
+    assert state["beta"] == read_metrics(first)[-1]["train/beta"]  # beta is in the checkpoint
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+    assert strip(straight) == strip(read_metrics(first) + read_metrics(only_run(tmp_path / "c")))
+
+
+def test_diff_against_ppo_stays_small():
+    out = subprocess.run(["diff", str(REPO / "algos/ppo_llm.py"), str(REPO / "algos/dynamic_kl_ppo.py")],
+                         capture_output=True, text=True).stdout
+    changed = [l for l in out.splitlines() if l[:1] in "<>"]
+    assert 0 < len(changed) <= 80, len(changed)
