@@ -259,7 +259,7 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps
 
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
-    accelerator = Accelerator()
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # no GPU: CPU processes over gloo
     device = accelerator.device
     G = args.group_size
     args.world_size = accelerator.num_processes
