@@ -79,6 +79,39 @@ def default_task_files(task: str = DEFAULT_TASK, train_size: int = 2000, test_si
     return str(train), str(test)
 
 
+def answer_pairs(rows: list[dict], seed: int) -> list[dict]:
+    """Preference pairs from task rows: chosen = the right answer in tags, rejected = a wrong one
+    (the right number plus a nonzero offset, or for non-numeric answers another row's answer)."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i, r in enumerate(rows):
+        gt = r["reward_model"]["ground_truth"]
+        try:
+            wrong = str(int(gt) + rng.choice([-3, -2, -1, 1, 2, 3]))
+        except ValueError:
+            wrong = rows[(i + 1) % len(rows)]["reward_model"]["ground_truth"]
+            if wrong == gt:
+                continue
+        out.append({"prompt": r["prompt"], "chosen": f"<answer>{gt}</answer>", "rejected": f"<answer>{wrong}</answer>",
+                    "data_source": r["data_source"]})
+    return out
+
+
+def default_preference_files(task: str = DEFAULT_TASK, train_size: int = 2000, test_size: int = 64, seed: int = 0):
+    """(train, test) preference parquet paths built from the built-in task (`answer_pairs`), cached."""
+    from common.models import cache_dir
+
+    train_src, test_src = default_task_files(task, train_size, test_size, seed)
+    out = Path(train_src).parent
+    train, test = out / "pairs_train.parquet", out / "pairs_test.parquet"
+    if not (train.exists() and test.exists()):
+        write_rows(answer_pairs(read_table(train_src), seed), train)
+        write_rows(answer_pairs(read_table(test_src), seed + 1), test)
+    return str(train), str(test)
+
+
 # --------------------------------------------------------------------------------------------- converters
 def gsm8k_rows(rows: list[dict], split: str) -> list[dict]:
     """GSM8K (`question`, `answer` ending in `#### N`) -> verl's schema, as verl's gsm8k.py writes."""

@@ -1,0 +1,416 @@
+"""DPO and its loss variants, on offline preference pairs or pairs sampled from the policy (online).
+
+Docs: docs/algos/dpo.md. Rafailov et al. 2023 "Direct Preference Optimization" (sigmoid loss);
+Mitchell 2023 "conservative DPO" (label smoothing); Azar et al. 2023 (IPO); Zhao et al. 2023
+SLiC (hinge); Chowdhury et al. 2024 (robust DPO); Pang et al. 2024 / RPO (an SFT term on chosen);
+Guo et al. 2024 and Xiong et al. 2024 (online / iterative DPO).
+
+DPO needs no reward model and no sampling: with z = [log pi(y_c) - log ref(y_c)] - [log pi(y_r) - log ref(y_r)]
+(log-probs summed over completion tokens), the sigmoid loss is -log sigmoid(beta * z). It reduces to
+logistic regression on preference pairs, with the policy's log-ratio to the reference as the logit.
+With `--online`, each step samples `--num-samples` responses per prompt from the current policy,
+scores them with the reward registry, and trains on best vs worst (ties skipped).
+
+    python algos/dpo_llm.py                                     # SmolLM2-135M-Instruct, built-in chain_sum_1d pairs
+    python algos/dpo_llm.py --train-files pairs.parquet --val-files pairs_test.parquet --loss-type ipo
+    python algos/dpo_llm.py --online --train-files data/chain_sum_1d/train.parquet   # online DPO on a prompt set
+    python -m common.gen_preferences --model runs/ppo_llm__.../checkpoints/step_100/policy --out pairs.parquet
+    accelerate launch algos/dpo_llm.py --lora-r 16
+
+Legend: B pairs per rank, L = prompt + completion length, V vocabulary.
+"""
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` imports from a plain `python algos/...`
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+
+from common import models as M
+from common.data import Sampler, load_preferences, load_prompts
+from common.evaluate import evaluate_policy
+from common.ops import exact_div, selective_log_softmax
+from common.prepare_data import default_preference_files, default_task_files
+from common.rewards import Reward
+from common.rollout import generate, sample_seed, tokenize_queries, unwrap_for_generation
+from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, parse_args, peak_mem_gb,
+                        resolve_checkpoint, save_checkpoint, seed_everything, set_rng_state)
+
+
+@dataclass
+class Args:
+    # --- experiment
+    exp_name: str = Path(__file__).stem
+    """name of this experiment (W&B group; part of the run folder name)"""
+    seed: int = 1
+    """seed of model init, pair order and sampling"""
+    track: bool = False
+    """log to Weights & Biases (works with WANDB_MODE=offline)"""
+    wandb_project_name: str = "cleanrlhf"
+    """W&B project"""
+    wandb_entity: Optional[str] = None
+    """W&B entity (team or user)"""
+    config: Optional[str] = None
+    """YAML preset (keys = these field names); CLI flags override it"""
+    output_dir: str = "runs"
+    """where run folders are created"""
+    resume: Optional[str] = None
+    """checkpoint folder, or run folder (its latest checkpoint), to continue from exactly"""
+    save_every: int = 0
+    """save a checkpoint every N steps (0: only at the end)"""
+    keep_last: int = 0
+    """keep only the last K checkpoints (0: keep all)"""
+    eval_every: int = 10
+    """evaluate every N steps (and before the first and after the last; 0: never)"""
+    log_every: int = 1
+    """write metrics every N steps"""
+    num_samples_logged: int = 4
+    """pairs written to samples.jsonl per log interval"""
+
+    # --- model
+    model_name_or_path: str = M.DEFAULT_MODEL
+    """policy (and reference): hub id, local folder, or the offline default alias"""
+    reward_model: Optional[str] = None
+    """sequence-classification reward model (--online with a 'model' term in --reward)"""
+    trust_remote_code: bool = False
+    """allow model code from the hub"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """weights dtype (auto: float32 on CPU, bfloat16 on GPUs that support it)"""
+    lora_r: int = 0
+    """LoRA rank (0 = full fine-tuning); the reference is the adapter disabled"""
+    lora_alpha: int = 32
+    """LoRA alpha"""
+    load_in_4bit: bool = False
+    """QLoRA: 4-bit base weights (needs CUDA and --lora-r > 0)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+
+    # --- data
+    train_files: Optional[list[str]] = None
+    """preference files (prompt, chosen, rejected); with --online, prompt files; default: built-in task"""
+    val_files: Optional[list[str]] = None
+    """held-out preference files (default: the built-in task's test pairs)"""
+    eval_prompt_files: Optional[list[str]] = None
+    """prompt files for eval/accuracy by greedy decoding (default: the built-in task's test split)"""
+    task: str = "chain_sum_1d"
+    """built-in reasoning-gym task used when no files are given"""
+    max_prompt_length: int = 256
+    """prompt tokens kept (the last ones)"""
+    max_completion_length: int = 64
+    """completion tokens kept (the first ones)"""
+    num_eval_pairs: int = 64
+    """held-out pairs per evaluation"""
+    num_eval_prompts: int = 64
+    """prompts per greedy evaluation"""
+
+    # --- online
+    online: bool = False
+    """sample pairs from the current policy each step (best vs worst by the reward)"""
+    num_samples: int = 4
+    """responses sampled per prompt when --online (>= 2)"""
+    temperature: float = 1.0
+    """sampling temperature when --online"""
+    max_new_tokens: int = 64
+    """response length limit when --online and in evaluation"""
+    reward: str = "rule:1.0"
+    """weighted reward sources for --online ranking"""
+    reward_fn: Optional[str] = None
+    """path/to/file.py:fn replacing the data_source registry"""
+    reward_fallback: Optional[float] = None
+    """score given when a reward function fails (default: stop with an error naming the row)"""
+
+    # --- optimisation
+    total_steps: int = 100
+    """optimizer steps"""
+    batch_size: int = 16
+    """pairs (offline) or prompts (online) per step, over all processes"""
+    micro_batch_size: int = 4
+    """pairs per forward/backward on one process"""
+    learning_rate: float = 5e-7
+    """learning rate"""
+    lr_scheduler: str = "constant_with_warmup"
+    """transformers scheduler name"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warm-up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+
+    # --- algorithm
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
+    """sigmoid (DPO), ipo (length-normalised log-ratios), hinge (SLiC), robust (noisy labels)"""
+    beta: float = 0.1
+    """inverse temperature of the implicit reward"""
+    label_smoothing: float = 0.0
+    """assumed probability that a label is flipped (conservative DPO for sigmoid; robust DPO's epsilon)"""
+    sft_coef: float = 0.0
+    """weight of an SFT (NLL per token) term on the chosen completion (RPO)"""
+    precompute_ref: bool = False
+    """compute reference log-probs of all offline pairs once before training"""
+
+    # --- filled at runtime
+    world_size: int = field(default=1, init=False)
+    local_batch_size: int = field(default=0, init=False)
+
+
+# ALGO LOGIC: the DPO losses
+def dpo_loss(pi_c, pi_r, ref_c, ref_r, loss_type, beta, label_smoothing=0.0):
+    """Per-pair loss. Inputs (B,): summed completion log-probs (for ipo: mean per token).
+    z = (pi_c - ref_c) - (pi_r - ref_r)
+      sigmoid: -(1-eps) log sig(beta z) - eps log sig(-beta z)
+      ipo:     (z - 1/(2 beta))^2
+      hinge:   relu(1 - beta z)
+      robust:  (-(1-eps) log sig(beta z) + eps log sig(-beta z)) / (1 - 2 eps)"""
+    z = (pi_c - ref_c) - (pi_r - ref_r)
+    if loss_type == "sigmoid":
+        return -(1 - label_smoothing) * F.logsigmoid(beta * z) - label_smoothing * F.logsigmoid(-beta * z)
+    if loss_type == "ipo":
+        return (z - 1 / (2 * beta)) ** 2
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * z)
+    if loss_type == "robust":
+        return (-(1 - label_smoothing) * F.logsigmoid(beta * z) + label_smoothing * F.logsigmoid(-beta * z)) / (1 - 2 * label_smoothing)
+    raise ValueError(f"unknown --loss-type {loss_type!r}")
+
+
+def encode_pairs(tok, pairs, max_prompt_length, max_completion_length, device):
+    """Chosen and rejected of each pair as one right-padded batch [chosen..., rejected...].
+    Returns input_ids, attention_mask, completion_mask: (2B, L). EOS ends every completion."""
+    seqs, comp = [], []
+    for key in ("chosen", "rejected"):
+        for p in pairs:
+            prompt = tok(p["prompt"], add_special_tokens=False)["input_ids"][-max_prompt_length:]
+            completion = tok(p[key], add_special_tokens=False)["input_ids"][:max_completion_length - 1] + [tok.eos_token_id]
+            seqs.append(prompt + completion)
+            comp.append([0] * len(prompt) + [1] * len(completion))
+    L = max(map(len, seqs))
+    ids = torch.tensor([s + [tok.pad_token_id] * (L - len(s)) for s in seqs], device=device)  # (2B, L)
+    attn = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in seqs], device=device)  # (2B, L)
+    comp = torch.tensor([c + [0] * (L - len(c)) for c in comp], device=device, dtype=torch.float)  # (2B, L)
+    return ids, attn, comp
+
+
+def completion_logps(model, ids, attn, comp):
+    """Summed and per-token-mean log-probs of the completion tokens: (2B,), (2B,). One forward pass."""
+    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]  # (2B, L-1, V)
+    logps = selective_log_softmax(logits, ids[:, 1:]) * comp[:, 1:]  # (2B, L-1)
+    n = comp[:, 1:].sum(1).clamp(min=1)
+    return logps.sum(1), logps.sum(1) / n
+
+
+def main(args: Args):
+    # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # no GPU: CPU processes over gloo
+    device = accelerator.device
+    args.world_size = accelerator.num_processes
+    args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")
+    exact_div(args.local_batch_size, args.micro_batch_size, "--batch-size per process over --micro-batch-size")
+    if args.online and args.num_samples < 2:
+        raise ValueError("--online needs --num-samples >= 2 to form a pair")
+    seed_everything(args.seed)
+    log = accelerator.print
+
+    tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    policy = M.load_causal_lm(args.model_name_or_path, tok, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+                              gradient_checkpointing=args.gradient_checkpointing, load_in_4bit=args.load_in_4bit,
+                              dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    ref_policy = None  # with LoRA: the policy with its adapter disabled
+    if args.lora_r == 0:
+        ref_policy = M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+        ref_policy.eval().requires_grad_(False).to(device)
+
+    train_files, val_files, eval_prompt_files = args.train_files, args.val_files, args.eval_prompt_files
+    if train_files is None:
+        train_files = [default_task_files(args.task)[0]] if args.online else [default_preference_files(args.task)[0]]
+        val_files = val_files or [default_preference_files(args.task)[1]]
+        eval_prompt_files = eval_prompt_files or [default_task_files(args.task)[1]]
+    reward = None
+    if args.online:
+        rm = M.load_reward_model(args.reward_model, tok, args.dtype).eval().to(device) if args.reward_model else None
+        reward = Reward(args.reward, args.reward_fn, rm, tok, args.max_new_tokens, args.reward_fallback)
+        train_rows = load_prompts(train_files, tok, max_prompt_length=args.max_prompt_length, log=log)
+        reward.check({r.data_source for r in train_rows})
+    else:
+        train_rows = load_preferences(train_files, tok, log=log)
+    val_pairs = load_preferences(val_files, tok, log=log)[:args.num_eval_pairs] if val_files else []
+    eval_prompts = load_prompts(eval_prompt_files, tok, max_prompt_length=args.max_prompt_length, log=log)[:args.num_eval_prompts] if eval_prompt_files else []
+    eval_reward = reward or (Reward(args.reward, args.reward_fn, max_new_tokens=args.max_new_tokens) if eval_prompts else None)
+    if eval_prompts:
+        eval_reward.check({r.data_source for r in eval_prompts})
+    sampler = Sampler(len(train_rows), args.seed)
+
+    from transformers import get_scheduler
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay)
+    sched = get_scheduler(args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.total_steps)
+    start_step = 0
+    if args.resume:
+        ckpt = resolve_checkpoint(args.resume)
+        load_weights(policy, ckpt / "policy")
+    policy, opt, sched = accelerator.prepare(policy, opt, sched)
+    if args.resume:
+        state = load_trainer_state(ckpt)
+        for obj, key in ((opt, "opt"), (sched, "sched"), (sampler, "sampler")):
+            obj.load_state_dict(state[key])
+        set_rng_state(state["rng"])
+        start_step = state["step"]
+        log(f"resumed from {ckpt} at step {start_step}")
+    run_dir = make_run_dir(accelerator, Path(__file__).stem, args)
+    tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
+    log(f"run folder: {run_dir}")
+
+    @torch.no_grad()
+    def ref_logps(ids, attn, comp):
+        if ref_policy is not None:
+            return completion_logps(ref_policy, ids, attn, comp)
+        with accelerator.unwrap_model(policy).disable_adapter():
+            return completion_logps(policy, ids, attn, comp)
+
+    ref_cache = {}  # pair index -> (summed, mean) reference log-probs of (chosen, rejected)
+    if args.precompute_ref and not args.online:
+        t0 = time.time()
+        for i in range(0, len(train_rows), args.micro_batch_size):
+            chunk = train_rows[i:i + args.micro_batch_size]
+            s, m = ref_logps(*encode_pairs(tok, chunk, args.max_prompt_length, args.max_completion_length, device))
+            for j in range(len(chunk)):
+                ref_cache[i + j] = (s[j], s[len(chunk) + j], m[j], m[len(chunk) + j])
+        log(f"reference log-probs of {len(train_rows)} pairs precomputed in {time.time() - t0:.1f}s")
+
+    def pair_stats(pairs, ids_for_cache=None):
+        """Forward chosen+rejected in one pass; loss terms and implicit rewards per pair."""
+        ids, attn, comp = encode_pairs(tok, pairs, args.max_prompt_length, args.max_completion_length, device)
+        sums, means = completion_logps(policy, ids, attn, comp)  # (2b,) each
+        b = len(pairs)
+        if ids_for_cache is not None and ref_cache:
+            ref = torch.stack([torch.stack(ref_cache[i]) for i in ids_for_cache])  # (b, 4)
+            rs_c, rs_r, rm_c, rm_r = ref.unbind(1)
+        else:
+            rs, rm = ref_logps(ids, attn, comp)
+            rs_c, rs_r, rm_c, rm_r = rs[:b], rs[b:], rm[:b], rm[b:]
+        if args.loss_type == "ipo":  # IPO on length-normalised (per-token mean) log-ratios, as TRL does
+            losses = dpo_loss(means[:b], means[b:], rm_c, rm_r, "ipo", args.beta)
+        else:
+            losses = dpo_loss(sums[:b], sums[b:], rs_c, rs_r, args.loss_type, args.beta, args.label_smoothing)
+        chosen_r, rejected_r = args.beta * (sums[:b] - rs_c).detach(), args.beta * (sums[b:] - rs_r).detach()
+        nll = -means[:b]  # per-token NLL of chosen (RPO's SFT term)
+        return losses, nll, chosen_r, rejected_r, sums[:b].detach(), sums[b:].detach()
+
+    @torch.no_grad()
+    def evaluate():
+        metrics = {}
+        if val_pairs:
+            local = val_pairs[accelerator.process_index::accelerator.num_processes][:max(len(val_pairs) // accelerator.num_processes, 1)]
+            acc, margin, loss = [], [], []
+            for i in range(0, len(local), args.micro_batch_size):
+                l, _, c, r, _, _ = pair_stats(local[i:i + args.micro_batch_size])
+                acc.append((c > r).float()), margin.append(c - r), loss.append(l)
+            metrics["eval/rewards_accuracy"] = accelerator.gather(torch.cat(acc)).mean().item()
+            metrics["eval/rewards_margin"] = accelerator.gather(torch.cat(margin)).mean().item()
+            metrics["eval/loss"] = accelerator.gather(torch.cat(loss)).mean().item()
+        if eval_prompts:
+            m, _ = evaluate_policy(accelerator, policy, tok, eval_reward, eval_prompts, args.max_new_tokens, args.micro_batch_size)
+            metrics.update(m)
+        return metrics
+
+    def checkpoint(step):
+        save_checkpoint(accelerator, run_dir, step, {"policy": policy},
+                        {"opt": opt.state_dict(), "sched": sched.state_dict(), "sampler": sampler.state_dict()}, args.keep_last)
+
+    if args.eval_every and start_step == 0 and (val_pairs or eval_prompts):
+        tracker.log(0, evaluate())
+
+    for step in range(start_step + 1, args.total_steps + 1):
+        t_step = time.time()
+        r = accelerator.process_index
+        global_ids = sampler.take(args.batch_size)
+        ids = global_ids[r * args.local_batch_size:(r + 1) * args.local_batch_size]
+        ties, gen_s = 0, 0.0
+        # ------------------------------------------------------------------ 1. pairs (offline, or sampled + ranked)
+        if args.online:
+            t_gen = time.time()
+            rows = [train_rows[i] for i in ids for _ in range(args.num_samples)]  # (B*K,) a prompt's samples adjacent
+            q, qm = tokenize_queries(tok, [x.text for x in rows], device)
+            seeds = [sample_seed(args.seed, step, (r * args.local_batch_size) * args.num_samples + j) for j in range(len(rows))]
+            with unwrap_for_generation(accelerator, policy) as gen_model:
+                ro = generate(gen_model, tok, q, qm, args.max_new_tokens, args.temperature, seeds=seeds)
+            texts = tok.batch_decode(ro.responses, skip_special_tokens=True)
+            scores, _, _ = reward(rows, texts, ro.response_mask.sum(1), device)
+            scores = scores.view(-1, args.num_samples)  # (B, K)
+            pairs, pair_ids = [], []
+            for k, i in enumerate(ids):
+                best, worst = scores[k].argmax().item(), scores[k].argmin().item()
+                if scores[k, best] == scores[k, worst]:
+                    ties += 1
+                    continue
+                pairs.append({"prompt": train_rows[i].text, "chosen": texts[k * args.num_samples + best],
+                              "rejected": texts[k * args.num_samples + worst]})
+            pair_ids = None
+            gen_s = time.time() - t_gen
+        else:
+            pairs, pair_ids = [train_rows[i] for i in ids], ids
+
+        # ------------------------------------------------------------------ 2. update
+        t_train = time.time()
+        stats = {k: [] for k in ("loss", "sft", "chosen", "rejected", "logps_c", "logps_r")}
+        n = max(len(pairs), 1)
+        for k in range(0, len(pairs), args.micro_batch_size):
+            mp = pairs[k:k + args.micro_batch_size]
+            losses, nll, c, rj, lc, lr_ = pair_stats(mp, pair_ids[k:k + args.micro_batch_size] if pair_ids else None)
+            loss = (losses.sum() + args.sft_coef * nll.sum()) / n  # mean over this rank's pairs
+            accelerator.backward(loss)
+            for key, v in zip(stats, (losses, nll, c, rj, lc, lr_)):
+                stats[key].append(v.detach())
+        if pairs:
+            accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            opt.step()
+        sched.step()
+        opt.zero_grad()
+        train_s = time.time() - t_train
+
+        # ------------------------------------------------------------------ 3. log, evaluate, checkpoint
+        if step % args.log_every == 0 or step == args.total_steps:
+            # pairs per rank differ when --online skips ties: gather padded values with a validity flag
+            def gmean(key):
+                x = torch.cat(stats[key]) if stats[key] else torch.zeros(0, device=device)
+                x = F.pad(x, (0, args.local_batch_size - len(x)), value=float("nan"))
+                x = accelerator.gather(x)
+                x = x[~torch.isnan(x)]
+                return x.mean().item() if len(x) else float("nan")
+            c_all, r_all = [torch.cat(stats[k]) if stats[k] else torch.zeros(0, device=device) for k in ("chosen", "rejected")]
+            acc = F.pad((c_all > r_all).float(), (0, args.local_batch_size - len(c_all)), value=float("nan"))
+            acc = accelerator.gather(acc)
+            step_s = time.time() - t_step
+            metrics = {
+                "loss/policy": gmean("loss"), "loss/sft": gmean("sft"),
+                "rewards/chosen": gmean("chosen"), "rewards/rejected": gmean("rejected"),
+                "rewards/accuracy": acc[~torch.isnan(acc)].mean().item() if (~torch.isnan(acc)).any() else float("nan"),
+                "rewards/margin": gmean("chosen") - gmean("rejected"),
+                "train/logps_chosen": gmean("logps_c"), "train/logps_rejected": gmean("logps_r"),
+                "train/lr": sched.get_last_lr()[0], "train/pairs": accelerator.reduce(torch.tensor(float(len(pairs)), device=device), "sum").item(),
+                "perf/step_s": step_s, "perf/gen_s": gen_s, "perf/train_s": train_s, "perf/peak_mem_gb": peak_mem_gb(device),
+            }
+            if args.online:
+                metrics["train/skipped_ties"] = accelerator.reduce(torch.tensor(float(ties), device=device), "sum").item()
+                metrics["train/reward"] = accelerator.gather(scores.mean(1)).mean().item()
+            metrics = {k: v for k, v in metrics.items() if v == v}  # no pairs this step (all tied): no pair metrics
+            if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
+                metrics.update(evaluate())
+            tracker.log(step, metrics)
+            tracker.samples(step, [{"prompt": p["prompt"], "chosen": p["chosen"], "rejected": p["rejected"]}
+                                   for p in pairs[:args.num_samples_logged]])
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
+            checkpoint(step)
+
+    tracker.close()
+    log(f"done: {run_dir}")
+    return run_dir
+
+
+if __name__ == "__main__":
+    main(parse_args(Args))

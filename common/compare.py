@@ -1,0 +1,161 @@
+"""Compare runs without W&B: one PNG, a panel per metric, a line per run (or mean +- std over seeds).
+
+    python -m common.compare runs/ppo_llm__a__1__* runs/dynamic_kl_ppo__b__1__* \\
+        --metrics train/reward train/kl eval/accuracy --smooth 5 --x step --out compare.png
+
+Runs with the same exp_name (from args.json) and different seeds are drawn as one mean line with
+a +- std band. Prints a summary table: per run group and metric, the final and best values, the
+number of steps, and the wall-clock seconds. Works on run folders of any algos/ script.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import tyro
+
+DEFAULT_METRICS = ["train/reward", "train/kl", "train/entropy", "train/response_len", "eval/accuracy", "loss/policy"]
+LOWER_IS_BETTER = ("loss/", "train/kl", "perf/step_s")
+
+
+def load_run(run_dir: str | Path) -> dict:
+    run_dir = Path(run_dir)
+    f = run_dir / "metrics.jsonl"
+    if not f.exists():
+        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (is this a run folder?)")
+    rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    args = json.loads((run_dir / "args.json").read_text()) if (run_dir / "args.json").exists() else {}
+    return {"dir": run_dir, "name": run_dir.name, "exp_name": args.get("exp_name", run_dir.name),
+            "algo": run_dir.name.split("__")[0], "seed": args.get("seed"), "rows": rows}
+
+
+def series(run: dict, metric: str, x: str) -> tuple[np.ndarray, np.ndarray]:
+    """(xs, ys) of one metric; x = step, samples (train/episodes) or time (cumulative perf/step_s)."""
+    xs, ys, t = [], [], 0.0
+    for r in run["rows"]:
+        t += r.get("perf/step_s", 0.0)
+        if metric in r:
+            xs.append({"step": r["step"], "samples": r.get("train/episodes", r["step"]), "time": t}[x])
+            ys.append(r[metric])
+    return np.array(xs, dtype=float), np.array(ys, dtype=float)
+
+
+def smooth(y: np.ndarray, window: int) -> np.ndarray:
+    """Trailing moving average over `window` points (1 = none)."""
+    if window <= 1 or len(y) == 0:
+        return y
+    c = np.cumsum(np.insert(y, 0, 0.0))
+    out = np.empty_like(y)
+    for i in range(len(y)):
+        lo = max(0, i + 1 - window)
+        out[i] = (c[i + 1] - c[lo]) / (i + 1 - lo)
+    return out
+
+
+def group_runs(runs: list[dict]) -> dict[str, list[dict]]:
+    groups = defaultdict(list)
+    for r in runs:
+        groups[f"{r['algo']}:{r['exp_name']}"].append(r)
+    return dict(groups)
+
+
+def summary(groups: dict[str, list[dict]], metrics: list[str]) -> list[dict]:
+    """One row per (group, metric): final and best (mean over seeds), steps, seconds."""
+    out = []
+    for g, runs in groups.items():
+        for m in metrics:
+            finals, bests = [], []
+            for r in runs:
+                _, y = series(r, m, "step")
+                if len(y):
+                    finals.append(y[-1])
+                    bests.append(y.min() if m.startswith(LOWER_IS_BETTER) else y.max())
+            if finals:
+                out.append({"group": g, "metric": m, "seeds": len(finals), "final": float(np.mean(finals)),
+                            "best": float(np.mean(bests)),
+                            "steps": max(r["rows"][-1]["step"] for r in runs),
+                            "seconds": float(np.mean([sum(x.get("perf/step_s", 0) for x in r["rows"]) for r in runs]))})
+    return out
+
+
+def plot(groups: dict[str, list[dict]], metrics: list[str], x: str, window: int, out: str) -> int:
+    """Write the PNG; returns the number of panels drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(3, len(metrics))
+    rows = (len(metrics) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    for ax, m in zip(axes.flat, metrics):
+        for g, runs in groups.items():
+            curves = [series(r, m, x) for r in runs]
+            curves = [(xs, smooth(ys, window)) for xs, ys in curves if len(ys)]
+            if not curves:
+                continue
+            n = min(len(c[1]) for c in curves)
+            xs = curves[0][0][:n]
+            ys = np.stack([c[1][:n] for c in curves])
+            mean = ys.mean(0)
+            line, = ax.plot(xs, mean, label=f"{g} (n={len(curves)})")
+            if len(curves) > 1:
+                std = ys.std(0)
+                ax.fill_between(xs, mean - std, mean + std, alpha=0.2, color=line.get_color())
+        ax.set_title(m)
+        ax.set_xlabel({"step": "step", "samples": "samples", "time": "seconds"}[x])
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(metrics):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return len(metrics)
+
+
+@dataclass
+class Args:
+    runs: tyro.conf.Positional[list[str]]
+    """run folders (runs/{algo}__{exp_name}__{seed}__{time})"""
+    metrics: list[str] = field(default_factory=lambda: list(DEFAULT_METRICS))
+    """metric keys to plot, one panel each"""
+    smooth: int = 1
+    """trailing moving-average window (points)"""
+    x: str = "step"
+    """x-axis: step, samples or time"""
+    out: str = "compare.png"
+    """output PNG"""
+
+
+def main(args: Args) -> list[dict]:
+    if args.x not in ("step", "samples", "time"):
+        raise SystemExit(f"--x {args.x!r}: use step, samples or time")
+    runs = [load_run(r) for r in args.runs]
+    groups = group_runs(runs)
+    present = [m for m in args.metrics if any(m in row for r in runs for row in r["rows"])]
+    missing = sorted(set(args.metrics) - set(present))
+    if missing:
+        print(f"[compare] not logged by any run, skipped: {missing}")
+    if not present:
+        raise SystemExit("[compare] none of --metrics is in these runs")
+    plot(groups, present, args.x, args.smooth, args.out)
+    table = summary(groups, present)
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{len(runs)} runs -> {args.out}")
+    for c in ("group", "metric", "seeds", "final", "best", "steps", "seconds"):
+        t.add_column(c)
+    for r in table:
+        t.add_row(r["group"], r["metric"], str(r["seeds"]), f"{r['final']:.4g}", f"{r['best']:.4g}", str(r["steps"]), f"{r['seconds']:.0f}")
+    Console(width=140).print(t)
+    return table
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,82 @@
+"""Sample K responses per prompt from any model or checkpoint, score them with the reward registry,
+and write best-vs-worst pairs (with both scores) as a preference file for algos/dpo_llm.py.
+
+    python -m common.gen_preferences --model smollm2-135m-instruct --prompts data/chain_sum_1d/train.parquet \\
+        --k 4 --temperature 1.0 --out data/pairs/train.parquet
+
+With a PPO or GRPO checkpoint (`runs/.../checkpoints/step_N/policy`) this is the "PPO, then
+self-play DPO" pipeline. Prompts whose K scores all tie give no pair; the tool reports how many.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import tyro
+
+from common import models as M
+from common.data import load_prompts, read_table, write_rows
+from common.evaluate import answer, load_any
+from common.rewards import Reward
+
+
+@dataclass
+class Args:
+    prompts: list[str]
+    """prompt files in verl's schema"""
+    out: str = "pairs.parquet"
+    """output .parquet or .jsonl"""
+    model: str = M.DEFAULT_MODEL
+    """model, hub id or checkpoint folder (a LoRA adapter folder loads its base)"""
+    k: int = 4
+    """responses per prompt"""
+    temperature: float = 1.0
+    """sampling temperature"""
+    max_new_tokens: int = 64
+    """response length limit"""
+    num_prompts: int = 0
+    """use the first N prompts (0: all)"""
+    reward: str = "rule:1.0"
+    """reward sources (partial credit helps: fewer ties)"""
+    reward_fn: Optional[str] = None
+    """custom reward function path.py:fn"""
+    batch_size: int = 32
+    """sequences per generate call"""
+    seed: int = 0
+    """sampling seed"""
+
+
+def main(args: Args) -> dict:
+    if args.k < 2:
+        raise SystemExit("--k must be >= 2")
+    tok = M.load_tokenizer(args.model)
+    rows = load_prompts(args.prompts, tok, max_prompt_length=10_000)
+    raw = [r for f in args.prompts for r in read_table(f)]
+    if args.num_prompts:
+        rows, raw = rows[:args.num_prompts], raw[:args.num_prompts]
+    reward = Reward(args.reward, args.reward_fn, max_new_tokens=args.max_new_tokens)
+    reward.check({r.data_source for r in rows})
+    model = load_any(M.resolve_model_path(args.model), tok).eval()
+    responses = answer(model, tok, rows, args.max_new_tokens, args.batch_size, args.k, args.temperature, args.seed)
+    scores = torch.stack([reward(rows, [r[k] for r in responses], torch.ones(len(rows)))[0] for k in range(args.k)], 1)  # (N, K)
+    pairs, ties = [], 0
+    for i, (row, src) in enumerate(zip(rows, raw)):
+        best, worst = scores[i].argmax().item(), scores[i].argmin().item()
+        if scores[i, best] == scores[i, worst]:
+            ties += 1
+            continue
+        pairs.append({"prompt": src["prompt"], "chosen": responses[i][best], "rejected": responses[i][worst],
+                      "chosen_score": scores[i, best].item(), "rejected_score": scores[i, worst].item(),
+                      "data_source": row.data_source})
+    if not pairs:
+        raise SystemExit(f"all {len(rows)} prompts tied: no pair written (raise --k or --temperature, or use a partial-credit reward)")
+    write_rows(pairs, args.out)
+    report = {"prompts": len(rows), "pairs": len(pairs), "tied": ties, "mean_score": scores.mean().item()}
+    print(f"wrote {args.out}: {report}")
+    return report
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,56 @@
+"""common.compare on synthetic run folders."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from common.compare import Args, group_runs, load_run, main, smooth, summary
+
+
+def fake_run(root, name, exp, seed, values):
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "args.json").write_text(json.dumps({"exp_name": exp, "seed": seed}))
+    with open(d / "metrics.jsonl", "w") as f:
+        for i, v in enumerate(values, 1):
+            f.write(json.dumps({"step": i, "train/reward": v, "train/kl": 0.1 * i, "perf/step_s": 2.0,
+                                "train/episodes": 8 * i}) + "\n")
+    return d
+
+
+def test_compare_png_and_table(tmp_path):
+    a1 = fake_run(tmp_path, "ppo_llm__a__1__1", "a", 1, [0.0, 0.5, 1.0])
+    a2 = fake_run(tmp_path, "ppo_llm__a__2__1", "a", 2, [0.2, 0.3, 0.6])
+    b = fake_run(tmp_path, "grpo_llm__b__1__1", "b", 1, [0.1, 0.9, 0.4])
+    out = tmp_path / "c.png"
+    table = main(Args(runs=[str(a1), str(a2), str(b)], metrics=["train/reward", "train/kl", "eval/nothing"], out=str(out)))
+    assert out.exists() and out.stat().st_size > 1000
+    rows = {(r["group"], r["metric"]): r for r in table}
+    assert len(table) == 4  # 2 groups x 2 present metrics
+    ra = rows[("ppo_llm:a", "train/reward")]
+    assert ra["seeds"] == 2 and ra["final"] == pytest.approx(0.8) and ra["best"] == pytest.approx(0.8)
+    assert ra["steps"] == 3 and ra["seconds"] == pytest.approx(6.0)
+    rb = rows[("grpo_llm:b", "train/reward")]
+    assert rb["final"] == pytest.approx(0.4) and rb["best"] == pytest.approx(0.9)
+    assert rows[("grpo_llm:b", "train/kl")]["best"] == pytest.approx(0.1)  # lower is better for KL
+
+
+def test_panels_and_cli(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import image
+
+    a = fake_run(tmp_path, "ppo_llm__a__1__1", "a", 1, [0.0, 0.5, 1.0])
+    out = tmp_path / "p.png"
+    r = subprocess.run([sys.executable, "-m", "common.compare", str(a), "--metrics", "train/reward", "train/kl",
+                        "--x", "time", "--smooth", "2", "--out", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "train/reward" in r.stdout and out.exists()
+    h, w, _ = image.imread(out).shape
+    assert w > h  # two panels side by side
+    assert smooth(__import__("numpy").array([0.0, 2.0, 4.0]), 2).tolist() == [0.0, 1.0, 3.0]
+    with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
+        load_run(tmp_path)
