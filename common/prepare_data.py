@@ -7,7 +7,9 @@
     python -m common.prepare_data --preferences Anthropic/hh-rlhf
 
 Built-in tasks come from reasoning-gym (procedural, offline, seeded). Each writes
-`{out}/{task}/train.parquet` and `{out}/{task}/test.parquet`; `data_source` is
+`{out}/{task}/train.parquet` and `test.parquet` (prompts), `sft_{train,test}.parquet` (prompt +
+correct formatted response, for sft_llm.py) and `pairs_{train,test}.parquet` (right vs wrong
+answer, for dpo_llm.py and rm_llm.py); `data_source` is
 `reasoning_gym/{task}` and `extra_info["entry"]` keeps the reasoning-gym entry so its own scorer grades.
 """
 
@@ -97,6 +99,30 @@ def answer_pairs(rows: list[dict], seed: int) -> list[dict]:
         out.append({"prompt": r["prompt"], "chosen": f"<answer>{gt}</answer>", "rejected": f"<answer>{wrong}</answer>",
                     "data_source": r["data_source"]})
     return out
+
+
+def sft_rows(rows: list[dict]) -> list[dict]:
+    """SFT examples from task rows: the prompt, and a short correct, well-formatted answer built
+    from reasoning-gym's own solution (the expression when the task gives one, then the tags)."""
+    out = []
+    for r in rows:
+        entry = json.loads(r["extra_info"]["entry"])
+        gt = r["reward_model"]["ground_truth"]
+        expr = entry.get("metadata", {}).get("expression")
+        response = (f"{expr} = {gt}\n" if expr and expr != gt else "") + f"<answer>{gt}</answer>"
+        out.append({"prompt": r["prompt"], "response": response, "data_source": r["data_source"]})
+    return out
+
+
+def default_sft_files(task: str = DEFAULT_TASK, train_size: int = 2000, test_size: int = 64, seed: int = 0):
+    """(train, test) SFT parquet paths built from the built-in task (`sft_rows`), cached."""
+    train_src, test_src = default_task_files(task, train_size, test_size, seed)
+    out = Path(train_src).parent
+    train, test = out / "sft_train.parquet", out / "sft_test.parquet"
+    if not (train.exists() and test.exists()):
+        write_rows(sft_rows(read_table(train_src)), train)
+        write_rows(sft_rows(read_table(test_src)), test)
+    return str(train), str(test)
 
 
 def default_preference_files(task: str = DEFAULT_TASK, train_size: int = 2000, test_size: int = 64, seed: int = 0):
@@ -208,7 +234,10 @@ def main(args: Args) -> None:
     out = Path(args.out)
     for task in args.tasks if not (args.gsm8k or args.math or args.preferences) else []:
         train, test = write_task(task, out, args.train_size, args.test_size, args.seed)
-        print(f"wrote {train} ({args.train_size} rows) and {test} ({args.test_size} rows)")
+        for split, src in (("train", train), ("test", test)):  # SFT examples and answer pairs of the same prompts
+            write_rows(sft_rows(read_table(str(src))), out / task / f"sft_{split}.parquet")
+            write_rows(answer_pairs(read_table(str(src)), args.seed), out / task / f"pairs_{split}.parquet")
+        print(f"wrote {out / task}: train/test.parquet ({args.train_size}/{args.test_size} prompts), sft_*.parquet, pairs_*.parquet")
     for src, conv, name in ((args.gsm8k, gsm8k_rows, "gsm8k"), (args.math, math_rows, "math")):
         if src:
             for split in ("train", "test"):

@@ -225,7 +225,9 @@ class Reward:
             texts = [p + r for p, r in zip(prompts[i:i + self.batch_size], responses[i:i + self.batch_size])]
             enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
             out.append(self.reward_model(**enc).logits[:, 0].float())
-        return torch.cat(out)
+        # rm_llm.py stores the normalisation (mean 0, std 1 on a reference sample) in the config
+        cfg = self.reward_model.config
+        return torch.cat(out) * getattr(cfg, "reward_gain", 1.0) + getattr(cfg, "reward_bias", 0.0)
 
     def __call__(self, rows, responses: list[str], response_lens: torch.Tensor, device="cpu"):
         """rows: PromptRow per response; responses: decoded texts; response_lens: (B,) token counts.

@@ -125,7 +125,8 @@ def make_run_dir(accelerator, algo: str, args) -> Path:
 class Tracker:
     """metrics.jsonl (always), samples.jsonl, W&B (--track), and a rich progress line. Main process only."""
 
-    SHOW = ("train/reward", "train/kl", "train/kl_coef", "eval/accuracy", "loss/policy", "perf/step_s")
+    SHOW = ("train/reward", "train/kl", "train/kl_coef", "eval/accuracy", "loss/policy", "loss/sft", "loss/rm",
+            "rm/accuracy", "rewards/accuracy", "eval/loss", "perf/step_s")
 
     def __init__(self, accelerator, args, run_dir: Path, total_steps: int, start_step: int = 0):
         self.main = accelerator.is_main_process
@@ -160,7 +161,7 @@ class Tracker:
             f.write(json.dumps(row) + "\n")
         if self.wandb is not None:
             self.wandb.log({**row, "train/step": step})
-        shown = "  ".join(f"{k.split('/')[-1]}={row[k]:.4g}" for k in self.SHOW if k in row)
+        shown = "  ".join(f"{k}={row[k]:.4g}" for k in self.SHOW if k in row)
         self.progress.update(self.task, completed=step, metrics=shown)
         if not sys.stdout.isatty():
             print(f"step {step}: {shown}", flush=True)

@@ -1,0 +1,259 @@
+"""Reward model training (Bradley-Terry) on preference pairs.
+
+Docs: docs/algos/rm.md. Ziegler et al. 2019, Stiennon et al. 2020, Ouyang et al. 2022: a causal-LM
+body with a scalar head (`AutoModelForSequenceClassification`, one label) read at the last real
+token; loss -log sigmoid(r(chosen) - r(rejected)).
+
+After training, the reward is normalised as in Ziegler et al.: gain and bias are set so the scores
+of a reference sample (the chosen and rejected completions of `--num-norm-samples` training pairs)
+have mean 0 and std 1. They are stored in the saved config as `reward_gain` / `reward_bias`
+(the Llama head has no bias to fold them into); cleanrlhf's reward loader applies
+`gain * raw + bias`, plain transformers returns the raw score. The saved folder works directly as
+`--reward-model` for ppo_llm.py, grpo_llm.py and dpo_llm.py --online.
+
+    python algos/rm_llm.py                                    # SmolLM2-135M-Instruct on built-in chain_sum_1d pairs
+    python algos/rm_llm.py --train-files pairs.parquet --val-files pairs_test.parquet
+    python algos/ppo_llm.py --reward-model runs/rm_llm__.../reward_model --reward "model:1.0"
+
+Legend: B pairs per rank, L prompt + completion length.
+"""
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` imports from a plain `python algos/...`
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+
+from common import models as M
+from common.data import Sampler, load_preferences
+from common.ops import exact_div
+from common.prepare_data import default_preference_files
+from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, parse_args, peak_mem_gb,
+                        resolve_checkpoint, save_checkpoint, seed_everything, set_rng_state)
+
+
+@dataclass
+class Args:
+    # --- experiment
+    exp_name: str = Path(__file__).stem
+    """name of this experiment (W&B group; part of the run folder name)"""
+    seed: int = 1
+    """seed of model init and pair order"""
+    track: bool = False
+    """log to Weights & Biases (works with WANDB_MODE=offline)"""
+    wandb_project_name: str = "cleanrlhf"
+    """W&B project"""
+    wandb_entity: Optional[str] = None
+    """W&B entity (team or user)"""
+    config: Optional[str] = None
+    """YAML preset (keys = these field names); CLI flags override it"""
+    output_dir: str = "runs"
+    """where run folders are created"""
+    resume: Optional[str] = None
+    """checkpoint folder, or run folder (its latest checkpoint), to continue from exactly"""
+    save_every: int = 0
+    """save a checkpoint every N steps (0: only at the end)"""
+    keep_last: int = 0
+    """keep only the last K checkpoints (0: keep all)"""
+    eval_every: int = 50
+    """evaluate every N steps (and before the first and after the last; 0: never)"""
+    log_every: int = 1
+    """write metrics every N steps"""
+
+    # --- model
+    model_name_or_path: str = M.DEFAULT_MODEL
+    """body: hub id, local folder, or the offline default alias (a new one-output head is added)"""
+    trust_remote_code: bool = False
+    """allow model code from the hub"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """weights dtype (auto: float32 on CPU, bfloat16 on GPUs that support it)"""
+    lora_r: int = 0
+    """LoRA rank (0 = full fine-tuning); the head always trains"""
+    lora_alpha: int = 32
+    """LoRA alpha"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+
+    # --- data
+    train_files: Optional[list[str]] = None
+    """preference files (prompt, chosen, rejected); default: built-in task answer pairs"""
+    val_files: Optional[list[str]] = None
+    """held-out preference files (default: the built-in task's test pairs)"""
+    task: str = "chain_sum_1d"
+    """built-in reasoning-gym task used when no files are given"""
+    max_length: int = 512
+    """tokens per prompt + completion (the prompt's start is cut first)"""
+    num_eval_pairs: int = 256
+    """held-out pairs per evaluation"""
+    num_norm_samples: int = 256
+    """training pairs whose chosen and rejected scores set the normalisation (mean 0, std 1)"""
+
+    # --- optimisation
+    total_steps: int = 200
+    """optimizer steps"""
+    batch_size: int = 16
+    """pairs per optimizer step, over all processes"""
+    micro_batch_size: int = 8
+    """pairs per forward/backward on one process"""
+    learning_rate: float = 1e-5
+    """learning rate"""
+    lr_scheduler: str = "cosine"
+    """transformers scheduler name"""
+    warmup_steps: int = 10
+    """optimizer steps of linear warm-up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+
+    # --- filled at runtime
+    world_size: int = field(default=1, init=False)
+    local_batch_size: int = field(default=0, init=False)
+
+
+# ALGO LOGIC: Bradley-Terry
+def encode(tok, prompts, completions, max_length, device):
+    """Right-padded prompt+completion+EOS: input_ids, attention_mask (N, L). The classification
+    head reads the last non-pad token (transformers finds it from pad_token_id, which is not EOS)."""
+    seqs = []
+    for p, c in zip(prompts, completions):
+        comp = tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        prompt = tok(p, add_special_tokens=False)["input_ids"]
+        seqs.append((prompt[max(0, len(prompt) + len(comp) - max_length):] + comp)[-max_length:])
+    L = max(map(len, seqs))
+    ids = torch.tensor([s + [tok.pad_token_id] * (L - len(s)) for s in seqs], device=device)
+    attn = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in seqs], device=device)
+    return ids, attn
+
+
+def scores_of(model, tok, pairs, max_length, device):
+    """Raw scores of chosen and rejected, one forward pass: (B,), (B,)."""
+    ids, attn = encode(tok, [p["prompt"] for p in pairs] * 2, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs],
+                       max_length, device)
+    s = model(input_ids=ids, attention_mask=attn).logits[:, 0].float()  # (2B,)
+    return s[:len(pairs)], s[len(pairs):]
+
+
+def bt_loss(chosen, rejected):
+    """Bradley-Terry: -log sigmoid(r_c - r_r), per pair."""
+    return -F.logsigmoid(chosen - rejected)
+
+
+def main(args: Args):
+    # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # no GPU: CPU processes over gloo
+    device = accelerator.device
+    args.world_size = accelerator.num_processes
+    args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")
+    exact_div(args.local_batch_size, args.micro_batch_size, "--batch-size per process over --micro-batch-size")
+    seed_everything(args.seed)
+    log = accelerator.print
+
+    tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    lora = dict(lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, lora_target="all-linear",
+                gradient_checkpointing=args.gradient_checkpointing, load_in_4bit=False) if args.lora_r else {}
+    model = M.load_reward_model(args.model_name_or_path, tok, args.dtype, args.trust_remote_code, **lora)
+    train_files, val_files = args.train_files, args.val_files
+    if train_files is None:
+        train_files, default_val = default_preference_files(args.task)
+        val_files = val_files or [default_val]
+    train_pairs = load_preferences(train_files, tok, log=log)
+    val_pairs = load_preferences(val_files, tok, log=log)[:args.num_eval_pairs] if val_files else []
+    sampler = Sampler(len(train_pairs), args.seed)
+
+    from transformers import get_scheduler
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay)
+    sched = get_scheduler(args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.total_steps)
+    start_step = 0
+    if args.resume:
+        ckpt = resolve_checkpoint(args.resume)
+        load_weights(model, ckpt / "model")
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    if args.resume:
+        state = load_trainer_state(ckpt)
+        for obj, key in ((opt, "opt"), (sched, "sched"), (sampler, "sampler")):
+            obj.load_state_dict(state[key])
+        set_rng_state(state["rng"])
+        start_step = state["step"]
+        log(f"resumed from {ckpt} at step {start_step}")
+    run_dir = make_run_dir(accelerator, Path(__file__).stem, args)
+    tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
+    log(f"run folder: {run_dir}")
+
+    @torch.no_grad()
+    def score_pairs(pairs):
+        """Global (chosen, rejected) scores of `pairs`, split over processes."""
+        world = accelerator.num_processes
+        pairs = pairs[:max(len(pairs) // world, 1) * world]
+        local = pairs[accelerator.process_index::world]
+        cs, rs = zip(*[scores_of(model, tok, local[i:i + args.micro_batch_size], args.max_length, device)
+                       for i in range(0, len(local), args.micro_batch_size)])
+        return accelerator.gather(torch.cat(cs)), accelerator.gather(torch.cat(rs))
+
+    def evaluate():
+        if not val_pairs:
+            return {}
+        c, r = score_pairs(val_pairs)
+        return {"eval/rm_accuracy": (c > r).float().mean().item(), "eval/rm_margin": (c - r).mean().item(),
+                "eval/loss": bt_loss(c, r).mean().item()}
+
+    if args.eval_every and start_step == 0:
+        tracker.log(0, evaluate())
+
+    for step in range(start_step + 1, args.total_steps + 1):
+        t_step = time.time()
+        r = accelerator.process_index
+        global_ids = sampler.take(args.batch_size)
+        batch = [train_pairs[i] for i in global_ids[r * args.local_batch_size:(r + 1) * args.local_batch_size]]
+        stats = {"loss": [], "c": [], "r": []}
+        for k in range(0, len(batch), args.micro_batch_size):
+            c, rj = scores_of(model, tok, batch[k:k + args.micro_batch_size], args.max_length, device)
+            loss = bt_loss(c, rj)
+            accelerator.backward(loss.sum() / len(batch))
+            for key, v in zip(stats, (loss, c, rj)):
+                stats[key].append(v.detach())
+        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if step % args.log_every == 0 or step == args.total_steps:
+            c, rj = accelerator.gather(torch.cat(stats["c"])), accelerator.gather(torch.cat(stats["r"]))
+            metrics = {"loss/rm": bt_loss(c, rj).mean().item(), "rm/accuracy": (c > rj).float().mean().item(),
+                       "rm/margin": (c - rj).mean().item(), "train/lr": sched.get_last_lr()[0],
+                       "perf/step_s": time.time() - t_step, "perf/peak_mem_gb": peak_mem_gb(device)}
+            if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
+                metrics.update(evaluate())
+            tracker.log(step, metrics)
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
+            save_checkpoint(accelerator, run_dir, step, {"model": model},
+                            {"opt": opt.state_dict(), "sched": sched.state_dict(), "sampler": sampler.state_dict()}, args.keep_last)
+
+    # ------------------------------------------------------------------ normalise and save the reward model
+    c, rj = score_pairs(train_pairs[:args.num_norm_samples])
+    ref = torch.cat([c, rj])  # the reference sample's raw scores
+    gain = 1.0 / ref.std().clamp(min=1e-6).item()
+    bias = -ref.mean().item() * gain
+    unwrapped = accelerator.unwrap_model(model)
+    if hasattr(unwrapped, "merge_and_unload"):  # LoRA: a plain folder is what --reward-model expects
+        unwrapped = unwrapped.merge_and_unload()
+    unwrapped.config.reward_gain, unwrapped.config.reward_bias = gain, bias
+    state_dict = accelerator.get_state_dict(model) if not args.lora_r else unwrapped.state_dict()
+    if accelerator.is_main_process:
+        unwrapped.save_pretrained(run_dir / "reward_model", state_dict=state_dict)
+        tok.save_pretrained(run_dir / "reward_model")
+        norm = (ref * gain + bias)
+        tracker.log(args.total_steps, {"rm/norm_gain": gain, "rm/norm_bias": bias, "rm/norm_mean": norm.mean().item(),
+                                       "rm/norm_std": norm.std().item()})
+    tracker.close()
+    log(f"reward model: {run_dir / 'reward_model'} (gain {gain:.4g}, bias {bias:.4g})")
+    return run_dir
+
+
+if __name__ == "__main__":
+    main(parse_args(Args))

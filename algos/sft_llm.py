@@ -1,0 +1,253 @@
+"""Supervised fine-tuning (warm start): next-token loss on the response tokens of chat examples.
+
+Docs: docs/algos/sft.md. The first stage of the classic RLHF pipeline (SFT -> reward model -> PPO;
+Ouyang et al. 2022). Data: `messages` (the last assistant turn is the response) or `prompt` +
+`response`; the loss covers the response and its EOS only, never the prompt.
+
+    python algos/sft_llm.py                                   # SmolLM2-135M-Instruct on the built-in chain_sum_1d SFT set
+    python algos/sft_llm.py --train-files data/chain_sum_1d/sft_train.parquet --lora-r 16
+    python algos/ppo_llm.py --model-name-or-path runs/sft_llm__.../checkpoints/step_200/policy   # then RL
+    accelerate launch algos/sft_llm.py
+
+Packing is not offered: several examples in one row would attend to each other with the SDPA
+attention used on CPUs and most setups; keeping them apart needs flash-attention's variable-length
+kernels (GPU only). Rows are right-padded to the longest in each micro-batch instead.
+
+Legend: B examples per rank, L prompt + response length, V vocabulary.
+"""
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` imports from a plain `python algos/...`
+
+import torch
+from accelerate import Accelerator
+
+from common import models as M
+from common.data import Sampler, load_prompts, load_sft
+from common.evaluate import evaluate_policy
+from common.ops import exact_div, selective_log_softmax
+from common.prepare_data import default_sft_files, default_task_files
+from common.rewards import Reward
+from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, parse_args, peak_mem_gb,
+                        resolve_checkpoint, save_checkpoint, seed_everything, set_rng_state)
+
+
+@dataclass
+class Args:
+    # --- experiment
+    exp_name: str = Path(__file__).stem
+    """name of this experiment (W&B group; part of the run folder name)"""
+    seed: int = 1
+    """seed of model init and example order"""
+    track: bool = False
+    """log to Weights & Biases (works with WANDB_MODE=offline)"""
+    wandb_project_name: str = "cleanrlhf"
+    """W&B project"""
+    wandb_entity: Optional[str] = None
+    """W&B entity (team or user)"""
+    config: Optional[str] = None
+    """YAML preset (keys = these field names); CLI flags override it"""
+    output_dir: str = "runs"
+    """where run folders are created"""
+    resume: Optional[str] = None
+    """checkpoint folder, or run folder (its latest checkpoint), to continue from exactly"""
+    save_every: int = 0
+    """save a checkpoint every N steps (0: only at the end)"""
+    keep_last: int = 0
+    """keep only the last K checkpoints (0: keep all)"""
+    eval_every: int = 50
+    """evaluate every N steps (and before the first and after the last; 0: never)"""
+    log_every: int = 1
+    """write metrics every N steps"""
+
+    # --- model
+    model_name_or_path: str = M.DEFAULT_MODEL
+    """model: hub id, local folder, or the offline default alias"""
+    trust_remote_code: bool = False
+    """allow model code from the hub"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """weights dtype (auto: float32 on CPU, bfloat16 on GPUs that support it)"""
+    lora_r: int = 0
+    """LoRA rank (0 = full fine-tuning)"""
+    lora_alpha: int = 32
+    """LoRA alpha"""
+    load_in_4bit: bool = False
+    """QLoRA: 4-bit base weights (needs CUDA and --lora-r > 0)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+
+    # --- data
+    train_files: Optional[list[str]] = None
+    """SFT files (messages, or prompt + response); default: the built-in task's SFT set"""
+    val_files: Optional[list[str]] = None
+    """held-out SFT files for eval/loss (default: the built-in task's SFT test set)"""
+    eval_prompt_files: Optional[list[str]] = None
+    """prompt files (with data_source) for eval/accuracy by greedy decoding (default: built-in task's test split)"""
+    task: str = "chain_sum_1d"
+    """built-in reasoning-gym task used when no files are given"""
+    max_length: int = 512
+    """tokens per example (prompt + response); longer examples keep the response and cut the prompt's start"""
+    num_eval_examples: int = 64
+    """held-out examples per eval/loss"""
+    num_eval_prompts: int = 64
+    """prompts per greedy evaluation"""
+    max_new_tokens: int = 64
+    """answer length limit in evaluation"""
+
+    # --- optimisation
+    total_steps: int = 200
+    """optimizer steps"""
+    batch_size: int = 16
+    """examples per optimizer step, over all processes"""
+    micro_batch_size: int = 8
+    """examples per forward/backward on one process"""
+    learning_rate: float = 1e-5
+    """learning rate"""
+    lr_scheduler: str = "cosine"
+    """transformers scheduler name"""
+    warmup_steps: int = 10
+    """optimizer steps of linear warm-up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+
+    # --- filled at runtime
+    world_size: int = field(default=1, init=False)
+    local_batch_size: int = field(default=0, init=False)
+
+
+# ALGO LOGIC: response-only next-token loss
+def encode_examples(tok, examples, max_length, device):
+    """Right-padded prompt+response+EOS. Returns input_ids, attention_mask, loss_mask: (B, L).
+    loss_mask is 1 on response tokens and EOS only: the prompt is context, not a target."""
+    seqs, masks = [], []
+    for ex in examples:
+        prompt = tok(ex["prompt"], add_special_tokens=False)["input_ids"]
+        response = tok(ex["response"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        prompt = prompt[max(0, len(prompt) + len(response) - max_length):]  # cut the prompt's start if too long
+        seqs.append((prompt + response)[:max_length])
+        masks.append(([0] * len(prompt) + [1] * len(response))[:max_length])
+    L = max(map(len, seqs))
+    ids = torch.tensor([s + [tok.pad_token_id] * (L - len(s)) for s in seqs], device=device)
+    attn = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in seqs], device=device)
+    loss_mask = torch.tensor([m + [0] * (L - len(m)) for m in masks], device=device, dtype=torch.float)
+    return ids, attn, loss_mask
+
+
+def sft_loss_sum(model, ids, attn, loss_mask):
+    """Sum of -log p(token) over loss-masked tokens (shifted by one) and their count."""
+    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]  # (B, L-1, V)
+    nll = -selective_log_softmax(logits, ids[:, 1:]) * loss_mask[:, 1:]  # (B, L-1)
+    return nll.sum(), loss_mask[:, 1:].sum()
+
+
+def main(args: Args):
+    # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # no GPU: CPU processes over gloo
+    device = accelerator.device
+    args.world_size = accelerator.num_processes
+    args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")
+    exact_div(args.local_batch_size, args.micro_batch_size, "--batch-size per process over --micro-batch-size")
+    seed_everything(args.seed)
+    log = accelerator.print
+
+    tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    model = M.load_causal_lm(args.model_name_or_path, tok, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+                             gradient_checkpointing=args.gradient_checkpointing, load_in_4bit=args.load_in_4bit,
+                             dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    train_files, val_files, eval_prompt_files = args.train_files, args.val_files, args.eval_prompt_files
+    if train_files is None:
+        train_files, default_val = default_sft_files(args.task)
+        val_files = val_files or [default_val]
+        eval_prompt_files = eval_prompt_files or [default_task_files(args.task)[1]]
+    train_rows = load_sft(train_files, tok)
+    val_rows = load_sft(val_files, tok)[:args.num_eval_examples] if val_files else []
+    eval_prompts = load_prompts(eval_prompt_files, tok, max_prompt_length=args.max_length, log=log)[:args.num_eval_prompts] if eval_prompt_files else []
+    reward = Reward("rule:1.0", max_new_tokens=args.max_new_tokens)
+    if eval_prompts:
+        reward.check({r.data_source for r in eval_prompts})
+    sampler = Sampler(len(train_rows), args.seed)
+
+    from transformers import get_scheduler
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay)
+    sched = get_scheduler(args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.total_steps)
+    start_step = 0
+    if args.resume:
+        ckpt = resolve_checkpoint(args.resume)
+        load_weights(model, ckpt / "policy")
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    if args.resume:
+        state = load_trainer_state(ckpt)
+        for obj, key in ((opt, "opt"), (sched, "sched"), (sampler, "sampler")):
+            obj.load_state_dict(state[key])
+        set_rng_state(state["rng"])
+        start_step = state["step"]
+        log(f"resumed from {ckpt} at step {start_step}")
+    run_dir = make_run_dir(accelerator, Path(__file__).stem, args)
+    tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
+    log(f"run folder: {run_dir}")
+
+    @torch.no_grad()
+    def evaluate():
+        metrics = {}
+        if val_rows:
+            local = val_rows[accelerator.process_index::accelerator.num_processes]
+            tot = torch.zeros(2, device=device)
+            for i in range(0, len(local), args.micro_batch_size):
+                s, n = sft_loss_sum(model, *encode_examples(tok, local[i:i + args.micro_batch_size], args.max_length, device))
+                tot += torch.stack([s, n])
+            tot = accelerator.reduce(tot, "sum")
+            metrics["eval/loss"] = (tot[0] / tot[1].clamp(min=1)).item()
+        if eval_prompts:
+            m, _ = evaluate_policy(accelerator, model, tok, reward, eval_prompts, args.max_new_tokens, args.micro_batch_size)
+            metrics.update(m)
+        return metrics
+
+    if args.eval_every and start_step == 0:
+        tracker.log(0, evaluate())
+
+    for step in range(start_step + 1, args.total_steps + 1):
+        t_step = time.time()
+        r = accelerator.process_index
+        global_ids = sampler.take(args.batch_size)
+        batch = [train_rows[i] for i in global_ids[r * args.local_batch_size:(r + 1) * args.local_batch_size]]
+        # token-mean over the whole global batch: count its loss tokens first
+        encoded = [encode_examples(tok, batch[k:k + args.micro_batch_size], args.max_length, device)
+                   for k in range(0, len(batch), args.micro_batch_size)]
+        n_local = sum(e[2][:, 1:].sum() for e in encoded)
+        n_global = accelerator.reduce(n_local.clone(), "sum")
+        total = torch.zeros((), device=device)
+        for ids, attn, loss_mask in encoded:
+            s, _ = sft_loss_sum(model, ids, attn, loss_mask)
+            # DDP averages gradients over processes, so scale by world_size to get the global token mean
+            accelerator.backward(s * args.world_size / n_global)
+            total += s.detach()
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if step % args.log_every == 0 or step == args.total_steps:
+            step_s = time.time() - t_step
+            metrics = {"loss/sft": (accelerator.reduce(total, "sum") / n_global).item(), "train/lr": sched.get_last_lr()[0],
+                       "train/grad_norm": float(grad_norm), "train/tokens": n_global.item(),
+                       "perf/step_s": step_s, "perf/tokens_per_s": n_global.item() / step_s, "perf/peak_mem_gb": peak_mem_gb(device)}
+            if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
+                metrics.update(evaluate())
+            tracker.log(step, metrics)
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
+            save_checkpoint(accelerator, run_dir, step, {"policy": model},
+                            {"opt": opt.state_dict(), "sched": sched.state_dict(), "sampler": sampler.state_dict()}, args.keep_last)
+
+    tracker.close()
+    log(f"done: {run_dir}")
+    return run_dir
+
+
+if __name__ == "__main__":
+    main(parse_args(Args))
