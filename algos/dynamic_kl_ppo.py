@@ -44,6 +44,7 @@ from accelerate import Accelerator
 from common import models as M
 from common.data import Sampler, load_prompts
 from common.evaluate import evaluate_policy
+from common.health import HealthConfig, HealthMonitor
 from common.ops import (AdaptiveKLController, FixedKLController, exact_div, gae, kl_estimate, masked_mean,
                         masked_whiten)
 from common.prepare_data import default_task_files
@@ -204,6 +205,9 @@ class Args:
     policy_kl_estimator: Literal["k1", "k3"] = "k1"
     """k1: log pi_old - log pi_theta (can be negative on the samples being fitted); k3: its nonnegative form"""
 
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """training-health warning thresholds (--health.kl-max, ...; docs/experiments.md)"""
+
     # --- filled at runtime
     world_size: int = field(default=1, init=False)
     local_batch_size: int = field(default=0, init=False)
@@ -302,6 +306,7 @@ def main(args: Args):
         log(f"resumed from {ckpt} at step {start_step}")
     run_dir = make_run_dir(accelerator, Path(__file__).stem, args)
     tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
+    health = HealthMonitor(args.health, log)
     log(f"run folder: {run_dir}")
 
     def ref_logprobs_of(query_responses, attn, P):
@@ -318,7 +323,7 @@ def main(args: Args):
 
     if args.eval_every and val_rows and start_step == 0:
         metrics, samples = evaluate_policy(accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size)
-        tracker.log(0, metrics)
+        tracker.log(0, {**metrics, **health.check(metrics)})
         tracker.samples(0, [{**s, "split": "eval"} for s in samples[:args.num_samples_logged]])
 
     for step in range(start_step + 1, args.total_steps + 1):
@@ -439,7 +444,7 @@ def main(args: Args):
                 eval_metrics, eval_samples = evaluate_policy(accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size)
                 metrics.update(eval_metrics)
                 tracker.samples(step, [{**s, "split": "eval"} for s in eval_samples[:args.num_samples_logged]])
-            tracker.log(step, metrics)
+            tracker.log(step, {**metrics, **health.check(metrics)})
             tracker.samples(step, [{"prompt": x.text, "response": t, "reward": float(s), "kl": float(k), "split": "train"}
                                    for x, t, s, k in zip(rows, texts, scores, masked_mean(kl, mask, dim=1))][:args.num_samples_logged])
         if (args.save_every and step % args.save_every == 0) or step == args.total_steps:

@@ -49,6 +49,9 @@ def parse_args(cls, argv: list[str] | None = None):
             unknown = sorted(set(cfg) - names)
             if unknown:
                 raise SystemExit(f"--config {path}: unknown key(s) {unknown}; see --help for valid names")
+            for f in dataclasses.fields(cls):  # nested groups (e.g. health:) come as dicts
+                if f.name in cfg and isinstance(cfg[f.name], dict) and f.default_factory is not dataclasses.MISSING:
+                    cfg[f.name] = dataclasses.replace(f.default_factory(), **{k.replace("-", "_"): v for k, v in cfg[f.name].items()})
             default = cls(**{**cfg, "config": path})
             break
     return tyro.cli(cls, default=default, args=argv)
