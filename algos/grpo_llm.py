@@ -301,6 +301,7 @@ def main(args: Args):
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay)
     sched = get_scheduler(args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=n_updates)
 
+    health = HealthMonitor(args.health, log)
     start_step = 0
     if args.resume:
         ckpt = resolve_checkpoint(args.resume)
@@ -308,14 +309,13 @@ def main(args: Args):
     policy, opt, sched = accelerator.prepare(policy, opt, sched)
     if args.resume:
         state = load_trainer_state(ckpt)
-        for obj, key in ((opt, "opt"), (sched, "sched"), (sampler, "sampler")):
+        for obj, key in ((opt, "opt"), (sched, "sched"), (sampler, "sampler"), (health, "health")):
             obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
         start_step = state["step"]
         log(f"resumed from {ckpt} at step {start_step}")
     run_dir = make_run_dir(accelerator, Path(__file__).stem, args)
     tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
-    health = HealthMonitor(args.health, log)
     log(f"run folder: {run_dir}")
 
     def ref_logprobs_of(query_responses, attn, P):
@@ -344,7 +344,8 @@ def main(args: Args):
 
     def checkpoint(step):
         save_checkpoint(accelerator, run_dir, step, {"policy": policy},
-                        {"opt": opt.state_dict(), "sched": sched.state_dict(), "sampler": sampler.state_dict()}, args.keep_last)
+                        {"opt": opt.state_dict(), "sched": sched.state_dict(), "sampler": sampler.state_dict(),
+                         "health": health.state_dict()}, args.keep_last)
 
     if args.eval_every and val_rows and start_step == 0:
         metrics, samples = evaluate_policy(accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size)

@@ -262,6 +262,7 @@ def main(args: Args):
     critic_sched = get_scheduler(args.lr_scheduler, critic_opt, num_warmup_steps=args.warmup_steps, num_training_steps=n_updates)
     kl_ctl = AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon) if args.kl_target else FixedKLController(args.kl_coef)
 
+    health = HealthMonitor(args.health, log)
     start_step = 0
     if args.resume:
         ckpt = resolve_checkpoint(args.resume)
@@ -271,14 +272,13 @@ def main(args: Args):
     if args.resume:
         state = load_trainer_state(ckpt)
         for obj, key in ((opt, "opt"), (critic_opt, "critic_opt"), (sched, "sched"), (critic_sched, "critic_sched"),
-                         (sampler, "sampler"), (kl_ctl, "kl_ctl")):
+                         (sampler, "sampler"), (kl_ctl, "kl_ctl"), (health, "health")):
             obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
         start_step = state["step"]
         log(f"resumed from {ckpt} at step {start_step}")
     run_dir = make_run_dir(accelerator, Path(__file__).stem, args)
     tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
-    health = HealthMonitor(args.health, log)
     log(f"run folder: {run_dir}")
 
     def ref_logprobs_of(query_responses, attn, P):
@@ -291,7 +291,7 @@ def main(args: Args):
         save_checkpoint(accelerator, run_dir, step, {"policy": policy, "critic": critic},
                         {"opt": opt.state_dict(), "critic_opt": critic_opt.state_dict(), "sched": sched.state_dict(),
                          "critic_sched": critic_sched.state_dict(), "sampler": sampler.state_dict(),
-                         "kl_ctl": kl_ctl.state_dict()}, args.keep_last)
+                         "kl_ctl": kl_ctl.state_dict(), "health": health.state_dict()}, args.keep_last)
 
     if args.eval_every and val_rows and start_step == 0:
         metrics, samples = evaluate_policy(accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size)

@@ -50,6 +50,14 @@ class HealthMonitor:
         self.reward_at_best: float | None = None
         self.last_reward: float | None = None
 
+    def state_dict(self) -> dict:
+        return {"first": dict(self.first), "streak": dict(self.streak), "best_acc": self.best_acc,
+                "reward_at_best": self.reward_at_best, "last_reward": self.last_reward}
+
+    def load_state_dict(self, s: dict) -> None:  # part of a checkpoint, so a resumed run warns as the original would
+        self.first, self.streak = dict(s["first"]), dict(s["streak"])
+        self.best_acc, self.reward_at_best, self.last_reward = s["best_acc"], s["reward_at_best"], s["last_reward"]
+
     def _hold(self, name: str, cond: bool) -> bool:
         self.streak[name] = self.streak.get(name, 0) + 1 if cond else 0
         return self.streak[name] >= self.cfg.patience

@@ -42,3 +42,37 @@ def test_batch_not_divisible_by_processes_names_the_flag(tiny, tmp_path):
            "--batch-size", "3", "--mini-batch-size", "3", "--micro-batch-size", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "--batch-size over the number of processes: 3 is not divisible by 2" in proc.stderr
+
+
+def test_ddp_update_equals_single_process_update(tiny_peaky, tmp_path):
+    """Same global batch, one GRPO update: 2 processes (DDP over gloo) end with the parameters of 1 process."""
+    import torch
+    from safetensors.torch import load_file
+
+    prompts = tmp_path / "same_len.jsonl"
+    with open(prompts, "w") as f:  # prompts of equal token length: identical padding on every process
+        for ch in "abcdefgh":
+            f.write(json.dumps({"prompt": f"say {ch}", "data_source": "toy"}) + "\n")
+    flags = ["--model-name-or-path", tiny_peaky, "--train-files", str(prompts), "--reward-fn", TOY_REWARD,
+             "--total-steps", 1, "--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 1,
+             "--max-new-tokens", 6, "--learning-rate", 1e-3, "--eval-every", 0]
+    env = {"TOY_MODEL": tiny_peaky}
+    from conftest import run_script
+
+    run_script("grpo_llm.py", *flags, "--output-dir", tmp_path / "one", env=env)
+    launch("grpo_llm.py", *flags, "--output-dir", tmp_path / "two", env=env)
+    one = only_run(tmp_path / "one")
+    two = only_run(tmp_path / "two")
+    assert json.loads((two / "args.json").read_text())["world_size"] == 2
+    assert read_metrics(one)[-1]["train/reward"] == pytest.approx(read_metrics(two)[-1]["train/reward"], abs=1e-6)
+    a = load_file(one / "checkpoints/step_1/policy/model.safetensors")
+    b = load_file(two / "checkpoints/step_1/policy/model.safetensors")
+    base = load_file(f"{tiny_peaky}/model.safetensors")
+    assert any(not torch.equal(a[k], base[k]) for k in a)  # the update did something
+    # Adam's first step moves every parameter by ~lr * g/|g|, so a parameter whose gradient is ~0 turns
+    # float-summation-order noise (1e-9) into a visible step; compare the update as a whole instead:
+    # here 17 of 3.2M parameters differ by more than 1e-6 and the total difference is 1e-6 of the update.
+    diff = sum((a[k] - b[k]).abs().sum().item() for k in a)
+    update = sum((a[k] - base[k]).abs().sum().item() for k in a)
+    n_off = sum(((a[k] - b[k]).abs() > 1e-6).sum().item() for k in a)
+    assert diff / update < 1e-4 and n_off < 1e-4 * sum(v.numel() for v in a.values()), (diff / update, n_off)
