@@ -72,6 +72,7 @@ def test_ddp_update_equals_single_process_update(tiny_peaky, tmp_path):
     # Adam's first step moves every parameter by ~lr * g/|g|, so a parameter whose gradient is ~0 turns
     # float-summation-order noise (1e-9) into a visible step; compare the update as a whole instead:
     # here 17 of 3.2M parameters differ by more than 1e-6 and the total difference is 1e-6 of the update.
+    # (Adam is blind to a global gradient scale: this checks the data each process used and the averaging.)
     diff = sum((a[k] - b[k]).abs().sum().item() for k in a)
     update = sum((a[k] - base[k]).abs().sum().item() for k in a)
     n_off = sum(((a[k] - b[k]).abs() > 1e-6).sum().item() for k in a)
