@@ -77,3 +77,17 @@ def test_ddp_update_equals_single_process_update(tiny_peaky, tmp_path):
     update = sum((a[k] - base[k]).abs().sum().item() for k in a)
     n_off = sum(((a[k] - b[k]).abs() > 1e-6).sum().item() for k in a)
     assert diff / update < 1e-4 and n_off < 1e-4 * sum(v.numel() for v in a.values()), (diff / update, n_off)
+
+
+def test_accelerate_configs_are_consistent():
+    import yaml
+
+    for path in sorted((REPO / "configs" / "accelerate").glob("*.yaml")):
+        cfg = yaml.safe_load(path.read_text())
+        assert cfg["distributed_type"] in ("NO", "MULTI_GPU", "FSDP", "DEEPSPEED"), path
+        assert cfg["num_processes"] % cfg["num_machines"] == 0, path
+        pc = cfg.get("parallelism_config")
+        if pc:
+            prod = pc["parallelism_config_dp_replicate_size"] * pc["parallelism_config_dp_shard_size"] * \
+                pc["parallelism_config_tp_size"] * pc["parallelism_config_cp_size"]
+            assert prod == cfg["num_processes"], path
