@@ -119,7 +119,7 @@ class Args:
     """validation prompts per evaluation (greedy)"""
 
     # --- generation
-    max_new_tokens: int = 64
+    max_new_tokens: int = 48
     """response length limit (tokens)"""
     temperature: float = 1.0
     """sampling temperature (log-probs are computed at the same temperature)"""
@@ -141,7 +141,7 @@ class Args:
     """sequences per forward/backward on one process"""
     num_iterations: int = 1
     """mu: optimisation passes over each batch (1: on-policy, old log-probs = sampling log-probs)"""
-    learning_rate: float = 1e-6
+    learning_rate: float = 5e-6
     """learning rate"""
     lr_scheduler: str = "constant_with_warmup"
     """transformers scheduler name (constant_with_warmup, linear, cosine, ...)"""

@@ -125,7 +125,7 @@ class Args:
     """validation prompts per evaluation (greedy)"""
 
     # --- generation
-    max_new_tokens: int = 64
+    max_new_tokens: int = 48
     """response length limit (tokens)"""
     temperature: float = 1.0
     """sampling temperature (log-probs are computed at the same temperature)"""
@@ -137,17 +137,17 @@ class Args:
     # --- optimisation
     total_steps: int = 100
     """training iterations (rollout + update)"""
-    batch_size: int = 32
+    batch_size: int = 16
     """rollouts per iteration, over all processes"""
-    mini_batch_size: int = 16
+    mini_batch_size: int = 8
     """rollouts per optimizer step, over all processes"""
     micro_batch_size: int = 8
     """rollouts per forward/backward on one process (gradient accumulation up to the minibatch)"""
     ppo_epochs: int = 2
     """passes over the rollout batch per iteration"""
-    learning_rate: float = 1e-6
+    learning_rate: float = 5e-6
     """policy learning rate"""
-    critic_learning_rate: float = 1e-5
+    critic_learning_rate: float = 2e-5
     """critic learning rate"""
     lr_scheduler: str = "constant_with_warmup"
     """transformers scheduler name (constant_with_warmup, linear, cosine, ...)"""

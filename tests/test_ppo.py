@@ -105,3 +105,17 @@ def test_bad_batch_sizes_name_the_flag(tiny, tmp_path):
                       "--mini-batch-size", 4, check=False)
     assert proc.returncode != 0 and "--batch-size over --mini-batch-size: 6 is not divisible by 4" in proc.stderr
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_config_preset_loads_and_cli_overrides():
+    import sys
+
+    sys.path.insert(0, str(REPO / "algos"))
+    import ppo_llm
+    from common.run import parse_args
+
+    preset = str(REPO / "configs" / "ppo_smollm2_cpu.yaml")
+    a = parse_args(ppo_llm.Args, ["--config", preset])
+    assert (a.total_steps, a.kl_target, a.max_new_tokens, a.config) == (60, 0.1, 48, preset)
+    b = parse_args(ppo_llm.Args, ["--config", preset, "--total-steps", "5", "--health.kl-max", "0.3"])
+    assert b.total_steps == 5 and b.batch_size == 16 and b.health.kl_max == 0.3
