@@ -91,3 +91,12 @@ def test_accelerate_configs_are_consistent():
             prod = pc["parallelism_config_dp_replicate_size"] * pc["parallelism_config_dp_shard_size"] * \
                 pc["parallelism_config_tp_size"] * pc["parallelism_config_cp_size"]
             assert prod == cfg["num_processes"], path
+
+
+def test_generation_from_fsdp2_sharded_model(tiny):
+    """torch's fully_shard (what Accelerate's FSDP2 uses on GPUs) over gloo: unshard once, generate, reshard."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO / "tests" / "fsdp2_generate_check.py"), tiny]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("FSDP2 generation OK") == 2

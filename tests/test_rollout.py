@@ -68,3 +68,16 @@ def test_generate_masks_and_truncation(tiny):
         assert ro.response_mask[i, : int(n[i])].eq(1).all() and ro.response_mask[i, int(n[i]):].eq(0).all()
         assert ro.logprobs[i, int(n[i]):].eq(0).all()
     assert ro.truncated.tolist() == [(int(x) == 8 and not e) for x, e in zip(n, ro.is_eos)]
+
+
+def test_stop_strings_end_responses(tiny_peaky):
+    tok, model, q, qm = _setup(tiny_peaky)
+    free = generate(model, tok, q, qm, 10)  # greedy, no stop: find a piece of text the model produces
+    text = tok.decode(free.responses[0])
+    stop = tok.decode(free.responses[0, 2:4])
+    assert stop.strip() and stop not in tok.decode(q[0]) + tok.decode(free.responses[0, :2])
+    ro = generate(model, tok, q, qm, 10, stop_strings=[stop])
+    n = int(ro.response_mask[0].sum())
+    assert n < 10 and stop in tok.decode(ro.responses[0, :n]) and not ro.truncated[0]
+    assert ro.responses[0, n:].eq(tok.pad_token_id).all()
+    assert text.startswith(tok.decode(ro.responses[0, :n]))
