@@ -150,6 +150,17 @@ def default_dtype(device: torch.device | str | None = None, override: str = "aut
     return torch.float32
 
 
+class _quiet_load:
+    """Silence transformers' load report while adding a new head ("score.weight MISSING" is expected)."""
+
+    def __enter__(self):
+        self.level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+
+    def __exit__(self, *exc):
+        hf_logging.set_verbosity(self.level)
+
+
 def _quantization_config(load_in_4bit: bool):
     if not load_in_4bit:
         return None
@@ -223,10 +234,11 @@ def load_value_model(name_or_path: str, tok=None, dtype: str = "auto", trust_rem
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     fresh_head = config.num_labels != 1 or not (config.architectures or [""])[0].endswith("TokenClassification")
     config.num_labels, config.classifier_dropout = 1, 0.0  # no dropout in RL: it would bias the values
-    model = AutoModelForTokenClassification.from_pretrained(
-        path, config=config, dtype=default_dtype(override=dtype),
-        trust_remote_code=trust_remote_code, quantization_config=_quantization_config(load_in_4bit),
-    )
+    with _quiet_load():
+        model = AutoModelForTokenClassification.from_pretrained(
+            path, config=config, dtype=default_dtype(override=dtype),
+            trust_remote_code=trust_remote_code, quantization_config=_quantization_config(load_in_4bit),
+        )
     if fresh_head:
         nn.init.zeros_(model.score.weight)
         if model.score.bias is not None:
@@ -239,10 +251,11 @@ def load_reward_model(name_or_path: str, tok=None, dtype: str = "auto", trust_re
     """A reward model: `AutoModelForSequenceClassification` with one label (score at the last real token)."""
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(
-        resolve_model_path(name_or_path), num_labels=1, dtype=default_dtype(override=dtype),
-        trust_remote_code=trust_remote_code,
-    )
+    with _quiet_load():
+        model = AutoModelForSequenceClassification.from_pretrained(
+            resolve_model_path(name_or_path), num_labels=1, dtype=default_dtype(override=dtype),
+            trust_remote_code=trust_remote_code,
+        )
     if lora:
         return _finish(model, tok, task_type="SEQ_CLS", modules_to_save=["score"], **lora)
     if tok is not None:
