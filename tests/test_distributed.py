@@ -36,6 +36,20 @@ def test_two_processes(script, sizes, tiny_peaky, toy_prompts, tmp_path):
     assert (run / "checkpoints" / "step_2" / "policy" / "model.safetensors").exists()
 
 
+@pytest.mark.parametrize("script,flags", [
+    ("dpo_llm.py", ["--batch-size", 4, "--micro-batch-size", 2, "--num-eval-pairs", 4, "--num-eval-prompts", 4, "--max-new-tokens", 4]),
+    ("sft_llm.py", ["--batch-size", 4, "--micro-batch-size", 2, "--num-eval-examples", 4, "--num-eval-prompts", 4, "--max-new-tokens", 4]),
+    ("rm_llm.py", ["--batch-size", 4, "--micro-batch-size", 2, "--num-eval-pairs", 4, "--num-norm-samples", 8]),
+])
+def test_two_processes_offline_scripts(script, flags, tiny, tmp_path):
+    """DPO, SFT and RM on their built-in data under 2 processes."""
+    launch(script, "--model-name-or-path", tiny, "--output-dir", tmp_path, "--total-steps", 2, "--eval-every", 2, *flags)
+    run = only_run(tmp_path)
+    assert json.loads((run / "args.json").read_text())["world_size"] == 2
+    rows = read_metrics(run)
+    assert rows[0]["step"] == 0 and any(r["step"] == 2 for r in rows)
+
+
 def test_batch_not_divisible_by_processes_names_the_flag(tiny, tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs/accelerate/cpu_2proc.yaml"),
            str(REPO / "algos/ppo_llm.py"), "--model-name-or-path", tiny, "--output-dir", str(tmp_path),
