@@ -93,16 +93,17 @@ def plot(groups: dict[str, list[dict]], metrics: list[str], x: str, window: int,
     rows = (len(metrics) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
     for ax, m in zip(axes.flat, metrics):
-        for g, runs in groups.items():
+        for gi, (g, runs) in enumerate(groups.items()):  # one colour per group in every panel
             curves = [series(r, m, x) for r in runs]
-            curves = [(xs, smooth(ys, window)) for xs, ys in curves if len(ys)]
+            w = 1 if m.startswith("eval/") else window  # eval points are sparse: never averaged together
+            curves = [(xs, smooth(ys, w)) for xs, ys in curves if len(ys)]
             if not curves:
                 continue
             n = min(len(c[1]) for c in curves)
             xs = curves[0][0][:n]
             ys = np.stack([c[1][:n] for c in curves])
             mean = ys.mean(0)
-            line, = ax.plot(xs, mean, label=f"{g} (n={len(curves)})")
+            line, = ax.plot(xs, mean, label=f"{g} (n={len(curves)})", color=f"C{gi}")
             if len(curves) > 1:
                 std = ys.std(0)
                 ax.fill_between(xs, mean - std, mean + std, alpha=0.2, color=line.get_color())
@@ -125,7 +126,7 @@ class Args:
     metrics: list[str] = field(default_factory=lambda: list(DEFAULT_METRICS))
     """metric keys to plot, one panel each"""
     smooth: int = 1
-    """trailing moving-average window (points)"""
+    """trailing moving-average window (points); eval/* metrics are never smoothed"""
     x: str = "step"
     """x-axis: step, samples or time"""
     out: str = "compare.png"
