@@ -24,8 +24,9 @@ log pi - log pi_ref per sequence, averaged over the batch: a per-token number, s
     python algos/dynamic_kl_ppo.py --policy-kl-target 0.05 --total-steps 200 --track
     accelerate launch algos/dynamic_kl_ppo.py --kl-target 0.1
     accelerate launch --multi_gpu --num_processes 2 algos/dynamic_kl_ppo.py   # 2 processes (gloo on CPU)
-    python algos/dynamic_kl_ppo.py --model-name-or-path tests/tiny --total-steps 2 --batch-size 4 \\
-        --mini-batch-size 2 --micro-batch-size 2 --max-new-tokens 8                    # smoke test
+    python -c "from common.models import tiny_model; tiny_model('/tmp/tiny')"        # smoke test: a tiny model,
+    python algos/dynamic_kl_ppo.py --model-name-or-path /tmp/tiny --total-steps 2 --batch-size 4 \\
+        --mini-batch-size 2 --micro-batch-size 2 --max-new-tokens 8                    # then 2 iterations
 
 Legend: B rollouts per rank, P prompt length (left-padded), T response length, V vocabulary.
 """
