@@ -107,3 +107,18 @@ def test_rm_learns_normalises_and_feeds_ppo(tiny, toy_pairs, toy_prompts, tmp_pa
                "--reward", "model:1.0", "--output-dir", tmp_path / "ppo", "--total-steps", 1, "--batch-size", 2,
                "--mini-batch-size", 2, "--micro-batch-size", 1, "--max-new-tokens", 4, "--eval-every", 0)
     assert "reward/model" in read_metrics(only_run(tmp_path / "ppo"))[-1]
+
+
+def test_rm_resume_gives_identical_metrics(tiny, toy_pairs, tmp_path):
+    flags = lambda out, n: ["--model-name-or-path", tiny, "--train-files", toy_pairs[0], "--val-files", toy_pairs[1],
+                            "--output-dir", out, "--total-steps", n, "--batch-size", 4, "--micro-batch-size", 2,
+                            "--learning-rate", 1e-3, "--warmup-steps", 0, "--lr-scheduler", "constant",
+                            "--eval-every", 2, "--num-norm-samples", 8]
+    run_script("rm_llm.py", *flags(tmp_path / "a", 4))
+    run_script("rm_llm.py", *flags(tmp_path / "b", 2))
+    first = only_run(tmp_path / "b")
+    run_script("rm_llm.py", *flags(tmp_path / "c", 4), "--resume", first)
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rs if "rm/norm_gain" not in r]
+    straight = strip(read_metrics(only_run(tmp_path / "a")))
+    assert straight[-1]["rm/margin"] != 0
+    assert straight == strip(read_metrics(first)) + strip(read_metrics(only_run(tmp_path / "c")))
