@@ -189,7 +189,7 @@ def _finish(model, tok, lora_r: int, lora_alpha: int, lora_dropout: float, lora_
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
     elif gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+        model.train()  # from_pretrained returns eval mode, where checkpointing is skipped (no dropout here either way)
     if lora_r > 0:
         from peft import LoraConfig, get_peft_model
 

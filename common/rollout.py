@@ -97,28 +97,33 @@ def unwrap_for_generation(accelerator, model):
     whole rollout phase and released on exit (what verl calls the hybrid engine). FSDP2
     (`fully_shard`): unshard once, keep unsharded across the many decode forwards, reshard on exit."""
     unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
-    ds = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
-    if ds is not None and ds.zero_stage == 3:
-        import deepspeed
+    was_training = unwrapped.training
+    unwrapped.eval()  # in train mode, gradient checkpointing would switch the KV cache off
+    try:
+        ds = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+        if ds is not None and ds.zero_stage == 3:
+            import deepspeed
 
-        with deepspeed.zero.GatheredParameters(list(model.parameters())):
-            yield unwrapped
-        return
-    from torch.distributed.fsdp import FSDPModule
+            with deepspeed.zero.GatheredParameters(list(model.parameters())):
+                yield unwrapped
+            return
+        from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(unwrapped, FSDPModule):
-        fsdp_modules = [m for m in unwrapped.modules() if isinstance(m, FSDPModule)]
-        for m in fsdp_modules:
-            m.set_reshard_after_forward(False, recurse=False)
-        unwrapped.unshard()
-        try:
-            yield unwrapped
-        finally:
+        if isinstance(unwrapped, FSDPModule):
+            fsdp_modules = [m for m in unwrapped.modules() if isinstance(m, FSDPModule)]
             for m in fsdp_modules:
-                m.set_reshard_after_forward(True, recurse=False)
-                m.reshard()
-        return
-    yield unwrapped
+                m.set_reshard_after_forward(False, recurse=False)
+            unwrapped.unshard()
+            try:
+                yield unwrapped
+            finally:
+                for m in fsdp_modules:
+                    m.set_reshard_after_forward(True, recurse=False)
+                    m.reshard()
+            return
+        yield unwrapped
+    finally:
+        unwrapped.train(was_training)
 
 
 @torch.no_grad()

@@ -99,7 +99,7 @@ def test_dapo_and_dr_grpo_flags_run(tiny, tmp_path):
     run_script("grpo_llm.py", "--model-name-or-path", tiny, "--output-dir", tmp_path / "dapo", "--total-steps", 1,
                "--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 2, "--max-new-tokens", 4,
                "--dynamic-sampling", "--max-resample-rounds", 2, "--clip-eps-high", 0.28, "--loss-agg", "token-mean",
-               "--overlong-buffer", 2, "--mask-truncated", "--eval-every", 0, "--lora-r", 4)
+               "--overlong-buffer", 2, "--mask-truncated", "--eval-every", 0, "--lora-r", 4, "--gradient-checkpointing")
     row = read_metrics(only_run(tmp_path / "dapo"))[-1]
     assert row["train/resample_rounds"] == 2 and row["train/filled_zero_std_groups"] == 2
     run_script("grpo_llm.py", "--model-name-or-path", tiny, "--output-dir", tmp_path / "dr", "--total-steps", 1,

@@ -67,7 +67,7 @@ def test_value_head_starts_at_zero(tiny):
 def test_gradient_checkpointing_switch(tiny):
     tok = M.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok, gradient_checkpointing=True)
-    assert model.is_gradient_checkpointing
+    assert model.is_gradient_checkpointing and model.training  # eval mode would skip checkpointing
     ids = tok(["hello world"], return_tensors="pt")["input_ids"]
     model.train()
     model(input_ids=ids, labels=ids).loss.backward()

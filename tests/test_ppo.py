@@ -44,9 +44,10 @@ def test_two_iterations_write_run_folder_and_change_params(tiny, toy_prompts, tm
 
 
 def test_default_task_and_lora(tiny, tmp_path):
-    """No --train-files: the built-in reasoning-gym task; LoRA policy + critic, reference = adapter off."""
+    """No --train-files: the built-in reasoning-gym task; LoRA policy + critic, reference = adapter off;
+    gradient checkpointing on (generation still uses the KV cache: the model is switched to eval mode)."""
     run_script("ppo_llm.py", "--model-name-or-path", tiny, "--output-dir", tmp_path, "--total-steps", 1, "--lora-r", 4,
-               "--eval-every", 1, *TINY)
+               "--eval-every", 1, "--gradient-checkpointing", *TINY)
     run = only_run(tmp_path)
     rows = read_metrics(run)
     assert "eval/accuracy" in rows[0] and rows[-1]["step"] == 1

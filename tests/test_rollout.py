@@ -81,3 +81,14 @@ def test_stop_strings_end_responses(tiny_peaky):
     assert n < 10 and stop in tok.decode(ro.responses[0, :n]) and not ro.truncated[0]
     assert ro.responses[0, n:].eq(tok.pad_token_id).all()
     assert text.startswith(tok.decode(ro.responses[0, :n]))
+
+
+def test_generation_mode_is_restored(tiny):
+    from common.rollout import unwrap_for_generation
+
+    tok = M.load_tokenizer(tiny)
+    model = M.load_causal_lm(tiny, tok, gradient_checkpointing=True)
+    assert model.training
+    with unwrap_for_generation(None, model) as m:
+        assert not m.training  # KV cache usable
+    assert model.training
