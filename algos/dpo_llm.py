@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` impo
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
 
 from common import models as M
 from common.data import Sampler, load_preferences, load_prompts
+from common.distributed import load_optimizer_state, make_accelerator, optimizer_state, prepare_frozen
 from common.evaluate import evaluate_policy
 from common.ops import exact_div, selective_log_softmax
 from common.prepare_data import default_preference_files, default_task_files
@@ -207,7 +207,7 @@ def completion_logps(model, ids, attn, comp):
 
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # no GPU: CPU processes over gloo
+    accelerator = make_accelerator()  # GPUs: as launched; no GPU: CPU processes over gloo (DDP or FSDP2)
     device = accelerator.device
     args.world_size = accelerator.num_processes
     args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")
@@ -223,8 +223,8 @@ def main(args: Args):
                               dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     ref_policy = None  # with LoRA: the policy with its adapter disabled
     if args.lora_r == 0:
-        ref_policy = M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
-        ref_policy.eval().requires_grad_(False).to(device)
+        ref_policy = prepare_frozen(accelerator, M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype,
+                                                                  trust_remote_code=args.trust_remote_code))
 
     train_files, val_files, eval_prompt_files = args.train_files, args.val_files, args.eval_prompt_files
     if train_files is None:
@@ -233,7 +233,7 @@ def main(args: Args):
         eval_prompt_files = eval_prompt_files or [default_task_files(args.task)[1]]
     reward = None
     if args.online:
-        rm = M.load_reward_model(args.reward_model, tok, args.dtype).eval().to(device) if args.reward_model else None
+        rm = prepare_frozen(accelerator, M.load_reward_model(args.reward_model, tok, args.dtype)) if args.reward_model else None
         reward = Reward(args.reward, args.reward_fn, rm, tok, args.max_new_tokens, args.reward_fallback)
         train_rows = load_prompts(train_files, tok, max_prompt_length=args.max_prompt_length, log=log)
         reward.check({r.data_source for r in train_rows})
@@ -256,7 +256,8 @@ def main(args: Args):
     policy, opt, sched = accelerator.prepare(policy, opt, sched)
     if args.resume:
         state = load_trainer_state(ckpt)
-        for obj, key in ((opt, "opt"), (sched, "sched"), (sampler, "sampler")):
+        load_optimizer_state(accelerator, policy, opt, state["opt"])  # full state, keyed by parameter name
+        for obj, key in ((sched, "sched"), (sampler, "sampler")):
             obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
         start_step = state["step"]
@@ -320,7 +321,7 @@ def main(args: Args):
 
     def checkpoint(step):
         save_checkpoint(accelerator, run_dir, step, {"policy": policy},
-                        {"opt": opt.state_dict(), "sched": sched.state_dict(), "sampler": sampler.state_dict()}, args.keep_last)
+                        {"opt": optimizer_state(accelerator, policy, opt), "sched": sched.state_dict(), "sampler": sampler.state_dict()}, args.keep_last)
 
     if args.eval_every and start_step == 0 and (val_pairs or eval_prompts):
         tracker.log(0, evaluate())

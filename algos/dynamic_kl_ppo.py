@@ -40,13 +40,13 @@ from typing import Literal, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` imports from a plain `python algos/...`
 
 import torch
-from accelerate import Accelerator
 
 from common import models as M
 from common.data import Sampler, load_prompts
+from common.distributed import load_optimizer_state, make_accelerator, optimizer_state, prepare_frozen
 from common.evaluate import evaluate_policy
 from common.health import HealthConfig, HealthMonitor
-from common.ops import (AdaptiveKLController, FixedKLController, exact_div, gae, kl_estimate, masked_mean,
+from common.ops import (AdaptiveKLController, FixedKLController, all_sum, exact_div, gae, kl_estimate, masked_mean,
                         masked_whiten)
 from common.prepare_data import default_task_files
 from common.rewards import Reward
@@ -249,7 +249,7 @@ def update_beta(beta, kl, target, beta_min, beta_max):
 
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # no GPU: CPU processes over gloo
+    accelerator = make_accelerator()  # GPUs: as launched; no GPU: CPU processes over gloo (DDP or FSDP2)
     device = accelerator.device
     args.world_size = accelerator.num_processes
     args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")
@@ -267,9 +267,9 @@ def main(args: Args):
     use_ref = args.kl_coef > 0 or args.kl_target is not None
     ref_policy = None  # with LoRA the reference is the policy with its adapter disabled
     if use_ref and args.lora_r == 0:
-        ref_policy = M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
-        ref_policy.eval().requires_grad_(False).to(device)
-    rm = M.load_reward_model(args.reward_model, tok, args.dtype).eval().to(device) if args.reward_model else None
+        ref_policy = prepare_frozen(accelerator, M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype,
+                                                                  trust_remote_code=args.trust_remote_code))
+    rm = prepare_frozen(accelerator, M.load_reward_model(args.reward_model, tok, args.dtype)) if args.reward_model else None
     reward = Reward(args.reward, args.reward_fn, rm, tok, args.max_new_tokens, args.reward_fallback)
 
     train_files, val_files = args.train_files, args.val_files
@@ -296,10 +296,13 @@ def main(args: Args):
         ckpt = resolve_checkpoint(args.resume)
         load_weights(policy, ckpt / "policy")
         load_weights(critic, ckpt / "critic")
-    policy, critic, opt, critic_opt, sched, critic_sched = accelerator.prepare(policy, critic, opt, critic_opt, sched, critic_sched)
+    policy, opt, sched = accelerator.prepare(policy, opt, sched)  # one model per call: FSDP2 pairs it with its optimizer
+    critic, critic_opt, critic_sched = accelerator.prepare(critic, critic_opt, critic_sched)
     if args.resume:
         state = load_trainer_state(ckpt)
-        for obj, key in ((opt, "opt"), (critic_opt, "critic_opt"), (sched, "sched"), (critic_sched, "critic_sched"),
+        load_optimizer_state(accelerator, policy, opt, state["opt"])  # full state, keyed by parameter name
+        load_optimizer_state(accelerator, critic, critic_opt, state["critic_opt"])
+        for obj, key in ((sched, "sched"), (critic_sched, "critic_sched"),
                          (sampler, "sampler"), (kl_ctl, "kl_ctl"), (health, "health")):
             obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
@@ -318,7 +321,7 @@ def main(args: Args):
 
     def checkpoint(step):
         save_checkpoint(accelerator, run_dir, step, {"policy": policy, "critic": critic},
-                        {"opt": opt.state_dict(), "critic_opt": critic_opt.state_dict(), "sched": sched.state_dict(),
+                        {"opt": optimizer_state(accelerator, policy, opt), "critic_opt": optimizer_state(accelerator, critic, critic_opt), "sched": sched.state_dict(),
                          "critic_sched": critic_sched.state_dict(), "sampler": sampler.state_dict(),
                          "kl_ctl": kl_ctl.state_dict(), "health": health.state_dict(), "beta": beta}, args.keep_last)
 
@@ -369,10 +372,10 @@ def main(args: Args):
 
         # ------------------------------------------------------------------ 3. advantages
         if args.whiten_rewards:
-            rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
+            rewards = masked_whiten(rewards, mask, shift_mean=False, distributed=True) * mask  # global batch stats
         advantages, returns = gae(rewards, values, mask, args.gamma, args.lam)  # (B, T) each
         if args.whiten_advantages:
-            advantages = masked_whiten(advantages, mask) * mask
+            advantages = masked_whiten(advantages, mask, distributed=True) * mask  # global batch stats
 
         # ------------------------------------------------------------------ 4. update
         t_train = time.time()
@@ -383,7 +386,9 @@ def main(args: Args):
             perm = torch.randperm(len(rows), generator=g).tolist()
             for mb_start in range(0, len(rows), args.local_mini_batch_size):
                 mb_ids = perm[mb_start:mb_start + args.local_mini_batch_size]
-                n_tokens = mask[mb_ids].sum().clamp(min=1)  # token-mean over the whole minibatch
+                # token-mean over the global minibatch: DDP/FSDP average the W ranks' gradients, so each
+                # rank divides by (all ranks' tokens) / W
+                n_tokens = all_sum(mask[mb_ids].sum()).clamp(min=1) / args.world_size
                 for k in range(0, len(mb_ids), args.micro_batch_size):
                     mi = mb_ids[k:k + args.micro_batch_size]
                     new_logprobs, entropy = forward_logprobs(policy, query_responses[mi], attn[mi], P, args.temperature, with_entropy=True)
@@ -430,7 +435,7 @@ def main(args: Args):
                 "train/response_len": accelerator.gather(lengths).float().mean().item(),
                 "train/truncated": accelerator.gather(ro.truncated.float()).mean().item(),
                 "train/beta": beta, "train/policy_kl": red(stats["pkl"]),
-                "train/lr": sched.get_last_lr()[0], "train/value_mean": masked_mean(values, mask).item(),
+                "train/lr": sched.get_last_lr()[0], "train/value_mean": masked_mean(values, mask, distributed=True).item(),
                 "loss/policy": red(stats["pg"]), "loss/value": red(stats["vf"]),
                 "loss/total": red(stats["pg"]) + args.vf_coef * red(stats["vf"]) - args.ent_coef * red(stats["ent"]),
                 "perf/step_s": step_s, "perf/gen_s": gen_s, "perf/train_s": train_s,

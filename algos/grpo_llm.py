@@ -31,13 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` impo
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
 
 from common import models as M
 from common.data import Sampler, load_prompts
+from common.distributed import load_optimizer_state, make_accelerator, optimizer_state, prepare_frozen
 from common.evaluate import evaluate_policy
 from common.health import HealthConfig, HealthMonitor
-from common.ops import exact_div, group_advantages, kl_estimate, rloo_advantages
+from common.ops import all_sum, exact_div, group_advantages, kl_estimate, masked_var, rloo_advantages
 from common.prepare_data import default_task_files
 from common.rewards import Reward
 from common.rollout import (forward_logprobs, generate, sample_seed, sequence_attention_mask, tokenize_queries,
@@ -191,14 +191,14 @@ class Args:
 def compute_advantages(scores, group_size, baseline, scale_rewards, eps=1e-6):
     """scores: (N*G,) with a prompt's G samples adjacent -> advantages (N*G,).
     group-mean: score - group mean (GRPO); rloo: score - mean of the other G-1. Then divided by the
-    group's std (group), the batch's std (batch), or nothing (none, Dr. GRPO)."""
+    group's std (group), the global batch's std over all processes (batch), or nothing (none, Dr. GRPO)."""
     if baseline == "group-mean":
-        return group_advantages(scores, group_size, scale_rewards, eps)
+        return group_advantages(scores, group_size, scale_rewards, eps, distributed=True)
     adv = rloo_advantages(scores, group_size)
     if scale_rewards == "group":
         adv = adv / (scores.view(-1, group_size).std(1, keepdim=True) + eps).expand(-1, group_size).reshape(-1)
     elif scale_rewards == "batch":
-        adv = adv / (scores.std() + eps)
+        adv = adv / (masked_var(scores, torch.ones_like(scores), distributed=True).sqrt() + eps)
     return adv
 
 
@@ -263,7 +263,7 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps
 
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # no GPU: CPU processes over gloo
+    accelerator = make_accelerator()  # GPUs: as launched; no GPU: CPU processes over gloo (DDP or FSDP2)
     device = accelerator.device
     G = args.group_size
     args.world_size = accelerator.num_processes
@@ -282,9 +282,9 @@ def main(args: Args):
                               dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     ref_policy = None  # kl_coef 0: no reference at all; with LoRA: the adapter disabled
     if args.kl_coef > 0 and args.lora_r == 0:
-        ref_policy = M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
-        ref_policy.eval().requires_grad_(False).to(device)
-    rm = M.load_reward_model(args.reward_model, tok, args.dtype).eval().to(device) if args.reward_model else None
+        ref_policy = prepare_frozen(accelerator, M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype,
+                                                                  trust_remote_code=args.trust_remote_code))
+    rm = prepare_frozen(accelerator, M.load_reward_model(args.reward_model, tok, args.dtype)) if args.reward_model else None
     reward = Reward(args.reward, args.reward_fn, rm, tok, args.max_new_tokens, args.reward_fallback)
 
     train_files, val_files = args.train_files, args.val_files
@@ -309,7 +309,8 @@ def main(args: Args):
     policy, opt, sched = accelerator.prepare(policy, opt, sched)
     if args.resume:
         state = load_trainer_state(ckpt)
-        for obj, key in ((opt, "opt"), (sched, "sched"), (sampler, "sampler"), (health, "health")):
+        load_optimizer_state(accelerator, policy, opt, state["opt"])  # full state, keyed by parameter name
+        for obj, key in ((sched, "sched"), (sampler, "sampler"), (health, "health")):
             obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
         start_step = state["step"]
@@ -344,7 +345,7 @@ def main(args: Args):
 
     def checkpoint(step):
         save_checkpoint(accelerator, run_dir, step, {"policy": policy},
-                        {"opt": opt.state_dict(), "sched": sched.state_dict(), "sampler": sampler.state_dict(),
+                        {"opt": optimizer_state(accelerator, policy, opt), "sched": sched.state_dict(), "sampler": sampler.state_dict(),
                          "health": health.state_dict()}, args.keep_last)
 
     if args.eval_every and val_rows and start_step == 0:
@@ -401,7 +402,9 @@ def main(args: Args):
             perm = torch.randperm(len(rows), generator=g).tolist()
             for mb_start in range(0, len(rows), args.local_mini_batch_size):
                 mb = perm[mb_start:mb_start + args.local_mini_batch_size]
-                n_tokens, n_seqs = loss_mask[mb].sum().clamp(min=1), len(mb)
+                # token totals over the global minibatch / W: DDP/FSDP average the W ranks' gradients, so
+                # token-mean is over all ranks' tokens (each rank holds len(mb) sequences: n_seqs needs no reduce)
+                n_tokens, n_seqs = all_sum(loss_mask[mb].sum()).clamp(min=1) / args.world_size, len(mb)
                 for k in range(0, len(mb), args.micro_batch_size):
                     mi = mb[k:k + args.micro_batch_size]
                     new_logprobs, entropy = forward_logprobs(policy, query_responses[mi], attn[mi], P, args.temperature, with_entropy=True)

@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` impo
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
 
 from common import models as M
 from common.data import Sampler, load_preferences
+from common.distributed import load_optimizer_state, make_accelerator, optimizer_state, reshard
 from common.ops import exact_div
 from common.prepare_data import default_preference_files
 from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, parse_args, peak_mem_gb,
@@ -147,7 +147,7 @@ def bt_loss(chosen, rejected):
 
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # no GPU: CPU processes over gloo
+    accelerator = make_accelerator()  # GPUs: as launched; no GPU: CPU processes over gloo (DDP or FSDP2)
     device = accelerator.device
     args.world_size = accelerator.num_processes
     args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")
@@ -177,7 +177,8 @@ def main(args: Args):
     model, opt, sched = accelerator.prepare(model, opt, sched)
     if args.resume:
         state = load_trainer_state(ckpt)
-        for obj, key in ((opt, "opt"), (sched, "sched"), (sampler, "sampler")):
+        load_optimizer_state(accelerator, model, opt, state["opt"])  # full state, keyed by parameter name
+        for obj, key in ((sched, "sched"), (sampler, "sampler")):
             obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
         start_step = state["step"]
@@ -232,13 +233,14 @@ def main(args: Args):
             tracker.log(step, metrics)
         if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
             save_checkpoint(accelerator, run_dir, step, {"model": model},
-                            {"opt": opt.state_dict(), "sched": sched.state_dict(), "sampler": sampler.state_dict()}, args.keep_last)
+                            {"opt": optimizer_state(accelerator, model, opt), "sched": sched.state_dict(), "sampler": sampler.state_dict()}, args.keep_last)
 
     # ------------------------------------------------------------------ normalise and save the reward model
     c, rj = score_pairs(train_pairs[:args.num_norm_samples])
     ref = torch.cat([c, rj])  # the reference sample's raw scores
     gain = 1.0 / ref.std().clamp(min=1e-6).item()
     bias = -ref.mean().item() * gain
+    reshard(model)  # FSDP2: scoring was a no_grad forward; see common.distributed.reshard
     unwrapped = accelerator.unwrap_model(model)
     if hasattr(unwrapped, "merge_and_unload"):  # LoRA: a plain folder is what --reward-model expects
         unwrapped = unwrapped.merge_and_unload()

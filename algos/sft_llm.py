@@ -25,10 +25,10 @@ from typing import Literal, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` imports from a plain `python algos/...`
 
 import torch
-from accelerate import Accelerator
 
 from common import models as M
 from common.data import Sampler, load_prompts, load_sft
+from common.distributed import load_optimizer_state, make_accelerator, optimizer_state
 from common.evaluate import evaluate_policy
 from common.ops import exact_div, selective_log_softmax
 from common.prepare_data import default_sft_files, default_task_files
@@ -149,7 +149,7 @@ def sft_loss_sum(model, ids, attn, loss_mask):
 
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # no GPU: CPU processes over gloo
+    accelerator = make_accelerator()  # GPUs: as launched; no GPU: CPU processes over gloo (DDP or FSDP2)
     device = accelerator.device
     args.world_size = accelerator.num_processes
     args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")
@@ -184,7 +184,8 @@ def main(args: Args):
     model, opt, sched = accelerator.prepare(model, opt, sched)
     if args.resume:
         state = load_trainer_state(ckpt)
-        for obj, key in ((opt, "opt"), (sched, "sched"), (sampler, "sampler")):
+        load_optimizer_state(accelerator, model, opt, state["opt"])  # full state, keyed by parameter name
+        for obj, key in ((sched, "sched"), (sampler, "sampler")):
             obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
         start_step = state["step"]
@@ -242,7 +243,7 @@ def main(args: Args):
             tracker.log(step, metrics)
         if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
             save_checkpoint(accelerator, run_dir, step, {"policy": model},
-                            {"opt": opt.state_dict(), "sched": sched.state_dict(), "sampler": sampler.state_dict()}, args.keep_last)
+                            {"opt": optimizer_state(accelerator, model, opt), "sched": sched.state_dict(), "sampler": sampler.state_dict()}, args.keep_last)
 
     tracker.close()
     log(f"done: {run_dir}")

@@ -47,34 +47,56 @@ def entropy_from_logits(logits: torch.Tensor, chunk: int = 4) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Masked statistics
 # ---------------------------------------------------------------------------------------------
+def all_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum of `x` over all processes (x itself when not distributed). A new tensor; x is untouched.
+    Used where a statistic must be the whole batch's, not one rank's slice of it."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     return (x * mask).sum() if dim is None else (x * mask).sum(dim)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None, distributed: bool = False) -> torch.Tensor:
     """Mean of x where mask is 1. Naive: `x[mask.bool()].mean()` (dim=None) or a loop over rows.
-    A row with an empty mask gives 0 (its sum is divided by 1), not NaN."""
+    A row with an empty mask gives 0 (its sum is divided by 1), not NaN.
+    distributed=True (dim=None only): the mean over every process's entries, as if one process held
+    the whole batch (every process must call it)."""
     if dim is None:
-        return masked_sum(x, mask) / mask.sum().clamp(min=1)
+        total, n = masked_sum(x, mask), mask.sum()
+        if distributed:
+            total, n = all_sum(total), all_sum(n)
+        return total / n.clamp(min=1)
     return masked_sum(x, mask, dim) / mask.sum(dim).clamp(min=1)
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, distributed: bool = False) -> torch.Tensor:
     """Variance of x over masked entries; unbiased (n-1) by default, as TRL/verl do.
-    Naive: `x[mask.bool()].var(unbiased=unbiased)`."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
+    Naive: `x[mask.bool()].var(unbiased=unbiased)`. distributed=True: over all processes' entries
+    (two passes, mean first: the sum-of-squares shortcut loses precision when |mean| >> std)."""
+    mean = masked_mean(x, mask, distributed=distributed)
+    sq, n = masked_sum((x - mean) ** 2, mask), mask.sum()
+    if distributed:
+        sq, n = all_sum(sq), all_sum(n)
+    var = sq / n.clamp(min=1)
     if unbiased:
-        n = mask.sum()
         var = var * n / (n - 1).clamp(min=1)
     return var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  distributed: bool = False) -> torch.Tensor:
     """(x - mean) / std over masked entries (unbiased variance). With `shift_mean=False` the mean
     is added back: only the scale changes (used for rewards, so their sign is kept).
-    Masked-out entries are returned as they were computed; callers multiply by the mask."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    Masked-out entries are returned as they were computed; callers multiply by the mask.
+    distributed=True: mean and std of the global batch (all processes), so N processes whiten
+    exactly as one process holding the whole batch would (verl's single controller does this)."""
+    mean, var = masked_mean(x, mask, distributed=distributed), masked_var(x, mask, distributed=distributed)
     whitened = (x - mean) * torch.rsqrt(var + eps)
     return whitened if shift_mean else whitened + mean
 
@@ -122,20 +144,23 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return adv, (adv + values) * mask
 
 
-def group_advantages(scores: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(scores: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-6,
+                     distributed: bool = False) -> torch.Tensor:
     """GRPO advantages: each score minus its group's mean, divided by the group's std.
 
     scores: (N*G,) with the G samples of a prompt adjacent -> (N*G,).
     scale: "group" divides by the group's unbiased std (+eps), "batch" by the whole batch's std,
     "none" does not divide (Dr. GRPO). A group of identical scores gives exactly 0 (its numerator
-    is 0), never NaN. eps = 1e-6 as in the GRPO reference code (TRL uses 1e-4)."""
+    is 0), never NaN. eps = 1e-6 as in the GRPO reference code (TRL uses 1e-4).
+    distributed=True: "batch" uses the std over all processes' scores (groups never straddle ranks,
+    so the group statistics need no communication)."""
     s = scores.view(-1, group_size)
     centered = s - s.mean(dim=1, keepdim=True)
     if scale == "group":
         std = s.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(s[:, :1])
         centered = centered / (std + eps)
     elif scale == "batch":
-        centered = centered / (scores.std() + eps)
+        centered = centered / (masked_var(scores, torch.ones_like(scores), distributed=distributed).sqrt() + eps)
     elif scale != "none":
         raise ValueError(f"unknown scale {scale!r}: use group, batch or none")
     return centered.reshape(-1)

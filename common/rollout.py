@@ -111,19 +111,35 @@ def unwrap_for_generation(accelerator, model):
 
         if isinstance(unwrapped, FSDPModule):
             fsdp_modules = [m for m in unwrapped.modules() if isinstance(m, FSDPModule)]
+            # torch has a setter but no getter for reshard_after_forward, and Accelerate sets it per
+            # unit (True for layers, False for the root and the embedding/head unit): save the
+            # per-unit settings (private attributes) and put them back exactly
+            saved = [_reshard_setting(m) for m in fsdp_modules]
             for m in fsdp_modules:
                 m.set_reshard_after_forward(False, recurse=False)
             unwrapped.unshard()
             try:
                 yield unwrapped
             finally:
-                for m in fsdp_modules:
-                    m.set_reshard_after_forward(True, recurse=False)
+                for m, setting in zip(fsdp_modules, saved):
+                    _restore_reshard_setting(m, setting)
                     m.reshard()
             return
         yield unwrapped
     finally:
         unwrapped.train(was_training)
+
+
+def _reshard_setting(m):
+    state = m._get_fsdp_state()
+    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]
+
+
+def _restore_reshard_setting(m, setting) -> None:
+    state = m._get_fsdp_state()
+    state._auto_reshard_after_forward = setting[0]
+    for g, info in zip(state._fsdp_param_groups, setting[1]):
+        g.post_forward_mesh_info = info
 
 
 @torch.no_grad()

@@ -2,7 +2,7 @@
 W&B tracking, checkpoints and exact resume.
 
 Run folder: runs/{algo}__{exp_name}__{seed}__{unix_time}/
-    args.json        every Args field, world_size, git commit/dirty, library versions
+    args.json        every Args field, world_size, distributed_type, git commit/dirty, library versions
     metrics.jsonl    one JSON object per logged step
     samples.jsonl    a few (prompt, response, reward) rows per log interval
     checkpoints/step_{N}/   save_pretrained folders + trainer_state.pt
@@ -118,6 +118,7 @@ def make_run_dir(accelerator, algo: str, args) -> Path:
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=False)
         record = {**dataclasses.asdict(args), "world_size": accelerator.num_processes,
+                  "distributed_type": str(accelerator.distributed_type).split(".")[-1],  # NO, MULTI_GPU, FSDP, ...
                   "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain")),
                   "versions": library_versions(), "argv": sys.argv}
         (run_dir / "args.json").write_text(json.dumps(record, indent=2, default=str))
@@ -199,7 +200,12 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, models: dict, state: 
     checkpoints untouched and no half checkpoint under a step_ name. `keep_last` > 0 deletes older ones."""
     ckpt_root = run_dir / "checkpoints"
     final = ckpt_root / f"step_{step}"
-    state_dicts = {name: accelerator.get_state_dict(m) for name, m in models.items()}  # collective under FSDP/ZeRO-3
+    from common.distributed import reshard
+
+    for m in models.values():
+        reshard(m)  # FSDP2: units left unsharded by a no_grad forward back to DTensor shards
+    state_dicts = {name: _drop_tied_copies(accelerator.unwrap_model(m), accelerator.get_state_dict(m))  # collective under FSDP/ZeRO-3
+                   for name, m in models.items()}
     if accelerator.is_main_process:
         ckpt_root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".step_{step}.tmp-", dir=ckpt_root))
@@ -214,6 +220,17 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, models: dict, state: 
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def _drop_tied_copies(model, state_dict: dict) -> dict:
+    """Keep one name per tied parameter (e.g. lm_head.weight = embed_tokens.weight). save_pretrained
+    spots ties by shared storage, but under FSDP2 / ZeRO-3 the gathered state dict holds separate
+    copies, so the folder would carry the tensor twice."""
+    first = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+    aliases = {name for name, p in model.named_parameters(remove_duplicate=False) if first[id(p)] != name}
+    return {k: v for k, v in state_dict.items() if k not in aliases} if state_dict is not None else state_dict
 
 
 def _step_of(p: Path) -> int:

@@ -1,9 +1,12 @@
-"""Two CPU processes over gloo through `accelerate launch` (configs/accelerate/cpu_2proc.yaml)."""
+"""Two CPU processes over gloo through `accelerate launch`: DDP (configs/accelerate/cpu_2proc.yaml)
+and FSDP2 (configs/accelerate/cpu_2proc_fsdp2.yaml: Accelerate's fully_shard path, switched on for
+CPU processes by common.distributed.make_accelerator)."""
 
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,40 +15,54 @@ from conftest import REPO, only_run, read_metrics
 TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
 
 
-def launch(script, *flags, env=None):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs/accelerate/cpu_2proc.yaml"),
+CONFIGS = {"DDP": "cpu_2proc", "FSDP": "cpu_2proc_fsdp2"}  # args.json distributed_type -> config
+
+
+def launch(script, *flags, env=None, config="cpu_2proc"):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / f"configs/accelerate/{config}.yaml"),
            str(REPO / "algos" / script), *map(str, flags)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 
 
+def assert_ran(run, kind):
+    """Two processes really ran, under the engine asked for (FSDP: the parameters were DTensors)."""
+    record = json.loads((run / "args.json").read_text())
+    assert record["world_size"] == 2, record["world_size"]
+    assert record["distributed_type"] == ("FSDP" if kind == "FSDP" else "MULTI_CPU"), record["distributed_type"]
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
 @pytest.mark.parametrize("script,sizes", [
     ("ppo_llm.py", ["--batch-size", 4, "--mini-batch-size", 4, "--micro-batch-size", 1]),
     ("grpo_llm.py", ["--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 1]),
     ("dynamic_kl_ppo.py", ["--batch-size", 4, "--mini-batch-size", 4, "--micro-batch-size", 1]),
 ])
-def test_two_processes(script, sizes, tiny_peaky, toy_prompts, tmp_path):
+def test_two_processes(script, sizes, kind, tiny_peaky, toy_prompts, tmp_path):
     launch(script, "--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--val-files", toy_prompts,
            "--reward-fn", TOY_REWARD, "--output-dir", tmp_path, "--total-steps", 2, "--eval-every", 2,
-           "--num-eval-prompts", 4, "--max-new-tokens", 6, "--learning-rate", 1e-3, *sizes, env={"TOY_MODEL": tiny_peaky})
+           "--num-eval-prompts", 4, "--max-new-tokens", 6, "--learning-rate", 1e-3, *sizes, env={"TOY_MODEL": tiny_peaky},
+           config=CONFIGS[kind])
     run = only_run(tmp_path)  # one run folder, written by the main process only
-    assert json.loads((run / "args.json").read_text())["world_size"] == 2  # two processes really ran
+    assert_ran(run, kind)
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval/accuracy" in rows[-1]
     assert (run / "checkpoints" / "step_2" / "policy" / "model.safetensors").exists()
 
 
+@pytest.mark.parametrize("kind", CONFIGS)
 @pytest.mark.parametrize("script,flags", [
     ("dpo_llm.py", ["--batch-size", 4, "--micro-batch-size", 2, "--num-eval-pairs", 4, "--num-eval-prompts", 4, "--max-new-tokens", 4]),
     ("sft_llm.py", ["--batch-size", 4, "--micro-batch-size", 2, "--num-eval-examples", 4, "--num-eval-prompts", 4, "--max-new-tokens", 4]),
     ("rm_llm.py", ["--batch-size", 4, "--micro-batch-size", 2, "--num-eval-pairs", 4, "--num-norm-samples", 8]),
 ])
-def test_two_processes_offline_scripts(script, flags, tiny, tmp_path):
+def test_two_processes_offline_scripts(script, flags, kind, tiny, tmp_path):
     """DPO, SFT and RM on their built-in data under 2 processes."""
-    launch(script, "--model-name-or-path", tiny, "--output-dir", tmp_path, "--total-steps", 2, "--eval-every", 2, *flags)
+    launch(script, "--model-name-or-path", tiny, "--output-dir", tmp_path, "--total-steps", 2, "--eval-every", 2, *flags,
+           config=CONFIGS[kind])
     run = only_run(tmp_path)
-    assert json.loads((run / "args.json").read_text())["world_size"] == 2
+    assert_ran(run, kind)
     rows = read_metrics(run)
     assert rows[0]["step"] == 0 and any(r["step"] == 2 for r in rows)
 
@@ -58,39 +75,119 @@ def test_batch_not_divisible_by_processes_names_the_flag(tiny, tmp_path):
     assert proc.returncode != 0 and "--batch-size over the number of processes: 3 is not divisible by 2" in proc.stderr
 
 
-def test_ddp_update_equals_single_process_update(tiny_peaky, tmp_path):
-    """Same global batch, one GRPO update: 2 processes (DDP over gloo) end with the parameters of 1 process."""
-    import torch
-    from safetensors.torch import load_file
-
+def equal_length_prompts(tmp_path):
     prompts = tmp_path / "same_len.jsonl"
     with open(prompts, "w") as f:  # prompts of equal token length: identical padding on every process
         for ch in "abcdefgh":
             f.write(json.dumps({"prompt": f"say {ch}", "data_source": "toy"}) + "\n")
-    flags = ["--model-name-or-path", tiny_peaky, "--train-files", str(prompts), "--reward-fn", TOY_REWARD,
-             "--total-steps", 1, "--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 1,
-             "--max-new-tokens", 6, "--learning-rate", 1e-3, "--eval-every", 0]
-    env = {"TOY_MODEL": tiny_peaky}
-    from conftest import run_script
+    return str(prompts)
 
-    run_script("grpo_llm.py", *flags, "--output-dir", tmp_path / "one", env=env)
-    launch("grpo_llm.py", *flags, "--output-dir", tmp_path / "two", env=env)
-    one = only_run(tmp_path / "one")
-    two = only_run(tmp_path / "two")
-    assert json.loads((two / "args.json").read_text())["world_size"] == 2
-    assert read_metrics(one)[-1]["train/reward"] == pytest.approx(read_metrics(two)[-1]["train/reward"], abs=1e-6)
-    a = load_file(one / "checkpoints/step_1/policy/model.safetensors")
-    b = load_file(two / "checkpoints/step_1/policy/model.safetensors")
-    base = load_file(f"{tiny_peaky}/model.safetensors")
+
+def assert_same_update(a_dir, b_dir, base, rel=1e-4):
+    """Two save_pretrained folders hold the same update of `base` (a state dict).
+
+    Adam's first step moves every parameter by ~lr * g/|g|, so a parameter whose gradient is ~0 turns
+    float-summation-order noise (1e-9: 2 processes add gradients in another order than 1) into a
+    visible step; so the update is compared as a whole: the summed |difference| is under `rel` of the
+    summed |update|, and fewer than `rel` of the parameters differ by more than 1e-6.
+    (Adam is blind to a global gradient scale: this checks the data each process used, the
+    normalisations and the averaging.)"""
+    import torch
+    from safetensors.torch import load_file
+
+    a, b = load_file(Path(a_dir) / "model.safetensors"), load_file(Path(b_dir) / "model.safetensors")
+    assert a.keys() == b.keys()
     assert any(not torch.equal(a[k], base[k]) for k in a)  # the update did something
-    # Adam's first step moves every parameter by ~lr * g/|g|, so a parameter whose gradient is ~0 turns
-    # float-summation-order noise (1e-9) into a visible step; compare the update as a whole instead:
-    # here 17 of 3.2M parameters differ by more than 1e-6 and the total difference is 1e-6 of the update.
-    # (Adam is blind to a global gradient scale: this checks the data each process used and the averaging.)
     diff = sum((a[k] - b[k]).abs().sum().item() for k in a)
     update = sum((a[k] - base[k]).abs().sum().item() for k in a)
     n_off = sum(((a[k] - b[k]).abs() > 1e-6).sum().item() for k in a)
-    assert diff / update < 1e-4 and n_off < 1e-4 * sum(v.numel() for v in a.values()), (diff / update, n_off)
+    assert diff / update < rel and n_off < rel * sum(v.numel() for v in a.values()), (diff / update, n_off)
+
+
+def base_weights(path, value=False):
+    """The state dict a policy (or critic) built from `path` starts with, keyed as save_pretrained keys it."""
+    from common import models as M
+
+    tok = M.load_tokenizer(path)
+    model = M.load_value_model(path, tok) if value else M.load_causal_lm(path, tok)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_grpo_ddp_update_equals_single_process_update(tiny_peaky, tmp_path):
+    """Same global batch, one GRPO update (token-mean over the global minibatch): 2 processes (DDP over
+    gloo) end with the parameters of 1 process."""
+    from conftest import run_script
+
+    flags = ["--model-name-or-path", tiny_peaky, "--train-files", equal_length_prompts(tmp_path), "--reward-fn", TOY_REWARD,
+             "--total-steps", 1, "--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 1,
+             "--max-new-tokens", 6, "--learning-rate", 1e-3, "--eval-every", 0]
+    env = {"TOY_MODEL": tiny_peaky}
+    run_script("grpo_llm.py", *flags, "--output-dir", tmp_path / "one", env=env)
+    launch("grpo_llm.py", *flags, "--output-dir", tmp_path / "two", env=env)
+    one, two = only_run(tmp_path / "one"), only_run(tmp_path / "two")
+    assert_ran(two, "DDP")
+    assert read_metrics(one)[-1]["train/reward"] == pytest.approx(read_metrics(two)[-1]["train/reward"], abs=1e-6)
+    assert_same_update(one / "checkpoints/step_1/policy", two / "checkpoints/step_1/policy", base_weights(tiny_peaky))
+
+
+def test_ppo_ddp_update_equals_single_process_update(tiny_peaky, tmp_path):
+    """One PPO update of policy and critic with advantages whitened over the global batch and the
+    token-mean over the global minibatch: 2 processes end where 1 process does. With per-rank
+    whitening (each rank's own mean and std) this fails."""
+    from conftest import run_script
+
+    flags = ["--model-name-or-path", tiny_peaky, "--train-files", equal_length_prompts(tmp_path), "--reward-fn", TOY_REWARD,
+             "--total-steps", 1, "--batch-size", 4, "--mini-batch-size", 4, "--micro-batch-size", 1, "--whiten-rewards",
+             "--max-new-tokens", 6, "--learning-rate", 1e-3, "--critic-learning-rate", 1e-3, "--eval-every", 0]
+    env = {"TOY_MODEL": tiny_peaky}
+    run_script("ppo_llm.py", *flags, "--output-dir", tmp_path / "one", env=env)
+    launch("ppo_llm.py", *flags, "--output-dir", tmp_path / "two", env=env)
+    one, two = only_run(tmp_path / "one"), only_run(tmp_path / "two")
+    assert_ran(two, "DDP")
+    m1, m2 = read_metrics(one)[-1], read_metrics(two)[-1]
+    for key in ("train/reward", "train/kl", "train/value_mean", "loss/policy", "loss/value", "train/entropy"):
+        assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
+    assert_same_update(one / "checkpoints/step_1/policy", two / "checkpoints/step_1/policy", base_weights(tiny_peaky))
+    assert_same_update(one / "checkpoints/step_1/critic", two / "checkpoints/step_1/critic", base_weights(tiny_peaky, value=True))
+
+
+def test_fsdp2_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
+    """PPO (policy, critic, reference) for 2 iterations under FSDP2 (fully_shard, DTensor parameters and
+    optimizer states) ends with the parameters of the DDP run; and FSDP2 1 iteration + resume + 1
+    equals FSDP2 2 straight (optimizer states gathered to a full checkpoint and re-sharded)."""
+    flags = ["--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD,
+             "--batch-size", 4, "--mini-batch-size", 2, "--micro-batch-size", 1, "--ppo-epochs", 2,
+             "--max-new-tokens", 6, "--learning-rate", 1e-3, "--critic-learning-rate", 1e-3, "--eval-every", 0,
+             "--kl-coef", 0.1]
+    env = {"TOY_MODEL": tiny_peaky}
+    launch("ppo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path / "ddp", env=env)
+    launch("ppo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path / "fsdp", env=env, config="cpu_2proc_fsdp2")
+    launch("ppo_llm.py", *flags, "--total-steps", 1, "--output-dir", tmp_path / "half", env=env, config="cpu_2proc_fsdp2")
+    half = only_run(tmp_path / "half")
+    launch("ppo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path / "resumed", "--resume", half, env=env,
+           config="cpu_2proc_fsdp2")
+    ddp, fsdp, resumed = (only_run(tmp_path / n) for n in ("ddp", "fsdp", "resumed"))
+    assert_ran(ddp, "DDP"), assert_ran(fsdp, "FSDP"), assert_ran(resumed, "FSDP")
+    for name, value in (("policy", False), ("critic", True)):
+        base = base_weights(tiny_peaky, value)
+        assert_same_update(ddp / f"checkpoints/step_2/{name}", fsdp / f"checkpoints/step_2/{name}", base)
+        assert_same_update(fsdp / f"checkpoints/step_2/{name}", resumed / f"checkpoints/step_2/{name}", base)
+    no_perf = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+    straight = no_perf(read_metrics(fsdp))
+    assert [r["step"] for r in straight] == [1, 2] and straight[-1]["train/kl"] > 0  # the policy moved
+    for a, b in zip(no_perf(read_metrics(half) + read_metrics(resumed)), straight, strict=True):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-7)
+    for a, b in zip(no_perf(read_metrics(ddp)), straight, strict=True):
+        assert a == pytest.approx(b, rel=1e-3, abs=1e-5)
+
+
+def test_distributed_statistics():
+    """masked mean/var/whiten and batch-scaled group advantages with distributed=True over 2 gloo ranks
+    holding uneven slices equal numpy over the whole batch."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(REPO / "tests" / "dist_ops_check.py")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("distributed stats OK") == 2
 
 
 def test_accelerate_configs_are_consistent():
