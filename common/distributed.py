@@ -29,6 +29,14 @@ def make_accelerator():
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        # DeepSpeed's engine steps inside backward at its own accumulation boundary and keeps its
+        # optimizer state in its own sharded format; these scripts step once per minibatch after a
+        # micro-batch loop and checkpoint a full state. Running them under ZeRO as they are would
+        # step on every micro-batch, silently; so refuse (see docs/distributed.md).
+        raise SystemExit("DeepSpeed (distributed_type: DEEPSPEED in the accelerate config) is not supported by the "
+                         "cleanrlhf scripts yet; use configs/accelerate/fsdp2.yaml: FSDP2 shards parameters, gradients "
+                         "and optimizer states as ZeRO-3 does, and it is tested (docs/distributed.md)")
     if torch.cuda.is_available():
         return Accelerator()
     accelerator = Accelerator(cpu=True)

@@ -211,3 +211,11 @@ def test_generation_from_fsdp2_sharded_model(tiny):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count("FSDP2 generation OK") == 2
+
+
+def test_deepspeed_config_is_refused_with_a_clear_message(tiny, tmp_path):
+    """A DeepSpeed launch stops at start-up and points to FSDP2, before any run folder is written."""
+    proc = subprocess.run([sys.executable, str(REPO / "algos/grpo_llm.py"), "--model-name-or-path", tiny, "--output-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "ACCELERATE_USE_DEEPSPEED": "true"})
+    assert proc.returncode != 0 and "configs/accelerate/fsdp2.yaml" in proc.stderr
+    assert not any(tmp_path.iterdir())
