@@ -33,9 +33,10 @@ import torch.nn.functional as F
 
 from common import models as M
 from common.data import Sampler, load_preferences, load_prompts
-from common.distributed import load_optimizer_state, make_accelerator, optimizer_state, prepare_frozen
+from common.distributed import (backward, configure_deepspeed, load_optimizer_state, make_accelerator, optimizer_state,
+                                prepare_frozen)
 from common.evaluate import evaluate_policy
-from common.ops import exact_div, selective_log_softmax
+from common.ops import all_sum, exact_div, selective_log_softmax
 from common.prepare_data import default_preference_files, default_task_files
 from common.rewards import Reward
 from common.rollout import generate, sample_seed, tokenize_queries, unwrap_for_generation
@@ -214,6 +215,8 @@ def main(args: Args):
     exact_div(args.local_batch_size, args.micro_batch_size, "--batch-size per process over --micro-batch-size")
     if args.online and args.num_samples < 2:
         raise ValueError("--online needs --num-samples >= 2 to form a pair")
+    # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
+    configure_deepspeed(accelerator, args.micro_batch_size, args.local_batch_size // args.micro_batch_size, args.max_grad_norm)
     seed_everything(args.seed)
     log = accelerator.print
 
@@ -256,7 +259,7 @@ def main(args: Args):
     policy, opt, sched = accelerator.prepare(policy, opt, sched)
     if args.resume:
         state = load_trainer_state(ckpt)
-        load_optimizer_state(accelerator, policy, opt, state["opt"])  # full state, keyed by parameter name
+        load_optimizer_state(accelerator, policy, opt, state["opt"], ckpt / "policy")
         for obj, key in ((sched, "sched"), (sampler, "sampler")):
             obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
@@ -352,6 +355,7 @@ def main(args: Args):
                 pairs.append({"prompt": train_rows[i].text, "chosen": texts[k * args.num_samples + best],
                               "rejected": texts[k * args.num_samples + worst]})
             pair_ids = None
+            filler = {"prompt": rows[0].text, "chosen": texts[0], "rejected": texts[0]}  # see the update below
             gen_s = time.time() - t_gen
         else:
             pairs, pair_ids = [train_rows[i] for i in ids], ids
@@ -359,15 +363,22 @@ def main(args: Args):
         # ------------------------------------------------------------------ 2. update
         t_train = time.time()
         stats = {k: [] for k in ("loss", "sft", "chosen", "rejected", "logps_c", "logps_r")}
-        n = max(len(pairs), 1)
-        for k in range(0, len(pairs), args.micro_batch_size):
-            mp = pairs[k:k + args.micro_batch_size]
-            losses, nll, c, rj, lc, lr_ = pair_stats(mp, pair_ids[k:k + args.micro_batch_size] if pair_ids else None)
-            loss = (losses.sum() + args.sft_coef * nll.sum()) / n  # mean over this rank's pairs
-            accelerator.backward(loss)
-            for key, v in zip(stats, (losses, nll, c, rj, lc, lr_)):
-                stats[key].append(v.detach())
-        if pairs:
+        # mean over all ranks' pairs: DDP averages the ranks' gradients, so divide by (global count) / W.
+        # --online skips ties, so ranks can hold different numbers of pairs; every rank still runs the
+        # same number of backward passes (DDP and DeepSpeed reduce inside them), a short rank running
+        # a filler pair with weight 0
+        n_global = all_sum(torch.tensor(float(len(pairs)), device=device)).item()
+        n_micro = int(accelerator.gather(torch.tensor([-(-len(pairs) // args.micro_batch_size)], device=device)).max())
+        for j in range(n_micro):
+            mp = pairs[j * args.micro_batch_size:(j + 1) * args.micro_batch_size]
+            weight = 1.0 if mp else 0.0
+            losses, nll, c, rj, lc, lr_ = pair_stats(mp or [filler], pair_ids[j * args.micro_batch_size:(j + 1) * args.micro_batch_size] if pair_ids else None)
+            loss = weight * (losses.sum() + args.sft_coef * nll.sum()) / (n_global / args.world_size)
+            backward(accelerator, policy, loss, last=j == n_micro - 1)
+            if mp:
+                for key, v in zip(stats, (losses, nll, c, rj, lc, lr_)):
+                    stats[key].append(v.detach())
+        if n_global > 0:
             accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             opt.step()
         sched.step()

@@ -43,7 +43,8 @@ import torch
 
 from common import models as M
 from common.data import Sampler, load_prompts
-from common.distributed import load_optimizer_state, make_accelerator, optimizer_state, prepare_frozen
+from common.distributed import (backward, configure_deepspeed, load_optimizer_state, make_accelerator, optimizer_state,
+                                prepare_frozen)
 from common.evaluate import evaluate_policy
 from common.health import HealthConfig, HealthMonitor
 from common.ops import (AdaptiveKLController, FixedKLController, all_sum, exact_div, gae, kl_estimate, masked_mean,
@@ -256,6 +257,8 @@ def main(args: Args):
     args.local_mini_batch_size = exact_div(args.mini_batch_size, args.world_size, "--mini-batch-size over the number of processes")
     exact_div(args.batch_size, args.mini_batch_size, "--batch-size over --mini-batch-size")
     exact_div(args.local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size")
+    # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
+    configure_deepspeed(accelerator, args.micro_batch_size, args.local_mini_batch_size // args.micro_batch_size, args.max_grad_norm)
     seed_everything(args.seed)
     log = accelerator.print
 
@@ -300,8 +303,8 @@ def main(args: Args):
     critic, critic_opt, critic_sched = accelerator.prepare(critic, critic_opt, critic_sched)
     if args.resume:
         state = load_trainer_state(ckpt)
-        load_optimizer_state(accelerator, policy, opt, state["opt"])  # full state, keyed by parameter name
-        load_optimizer_state(accelerator, critic, critic_opt, state["critic_opt"])
+        load_optimizer_state(accelerator, policy, opt, state["opt"], ckpt / "policy")
+        load_optimizer_state(accelerator, critic, critic_opt, state["critic_opt"], ckpt / "critic")
         for obj, key in ((sched, "sched"), (critic_sched, "critic_sched"),
                          (sampler, "sampler"), (kl_ctl, "kl_ctl"), (health, "health")):
             obj.load_state_dict(state[key])
@@ -391,15 +394,19 @@ def main(args: Args):
                 n_tokens = all_sum(mask[mb_ids].sum()).clamp(min=1) / args.world_size
                 for k in range(0, len(mb_ids), args.micro_batch_size):
                     mi = mb_ids[k:k + args.micro_batch_size]
-                    new_logprobs, entropy = forward_logprobs(policy, query_responses[mi], attn[mi], P, args.temperature, with_entropy=True)
+                    last = k + args.micro_batch_size >= len(mb_ids)  # the minibatch's last micro-batch
+                    with torch.set_grad_enabled(train_policy):  # critic warm-up: no policy graph
+                        new_logprobs, entropy = forward_logprobs(policy, query_responses[mi], attn[mi], P, args.temperature, with_entropy=True)
                     new_values = forward_values(critic, query_responses[mi], attn[mi], P)
                     pg, clip_frac, approx_kl = policy_loss(new_logprobs, logprobs[mi], advantages[mi], mask[mi],
                                                            n_tokens, args.clip_eps, args.dual_clip_c)
                     vf = value_loss(new_values, values[mi], returns[mi], mask[mi], n_tokens, args.clip_eps_value)
                     ent = (entropy * mask[mi]).sum() / n_tokens
                     policy_kl = (kl_estimate(logprobs[mi], new_logprobs, args.policy_kl_estimator) * mask[mi]).sum() / n_tokens  # KL(pi_old || pi_theta)
-                    loss = (pg - args.ent_coef * ent + beta * policy_kl if train_policy else 0) + args.vf_coef * vf
-                    accelerator.backward(loss)
+                    # two models, two backward passes (disjoint graphs): under DeepSpeed each engine steps itself
+                    if train_policy:
+                        backward(accelerator, policy, pg - args.ent_coef * ent + beta * policy_kl, last)
+                    backward(accelerator, critic, args.vf_coef * vf, last)
                     for key, v in zip(stats, (pg, vf, ent, clip_frac, approx_kl, policy_kl)):
                         stats[key].append(v.detach())
                 if train_policy:

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from common import models as M
 from common.data import Sampler, load_prompts
-from common.distributed import load_optimizer_state, make_accelerator, optimizer_state, prepare_frozen
+from common.distributed import (backward, configure_deepspeed, load_optimizer_state, make_accelerator, optimizer_state,
+                                prepare_frozen)
 from common.evaluate import evaluate_policy
 from common.health import HealthConfig, HealthMonitor
 from common.ops import all_sum, exact_div, group_advantages, kl_estimate, masked_var, rloo_advantages
@@ -273,6 +274,8 @@ def main(args: Args):
     exact_div(args.local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size")
     if G < 2:
         raise ValueError("--group-size must be >= 2: advantages compare the samples of a prompt")
+    # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
+    configure_deepspeed(accelerator, args.micro_batch_size, args.local_mini_batch_size // args.micro_batch_size, args.max_grad_norm)
     seed_everything(args.seed)
     log = accelerator.print
 
@@ -309,7 +312,7 @@ def main(args: Args):
     policy, opt, sched = accelerator.prepare(policy, opt, sched)
     if args.resume:
         state = load_trainer_state(ckpt)
-        load_optimizer_state(accelerator, policy, opt, state["opt"])  # full state, keyed by parameter name
+        load_optimizer_state(accelerator, policy, opt, state["opt"], ckpt / "policy")
         for obj, key in ((sched, "sched"), (sampler, "sampler"), (health, "health")):
             obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
@@ -413,7 +416,7 @@ def main(args: Args):
                     kl = kl_estimate(new_logprobs, ref_logprobs[mi], args.kl_estimator) if ref_logprobs is not None else torch.zeros_like(token_loss)
                     agg = lambda x: aggregate(x, loss_mask[mi], args.loss_agg, n_tokens, n_seqs, args.max_new_tokens)
                     pg, kl_term = agg(token_loss), agg(kl)
-                    accelerator.backward(pg + args.kl_coef * kl_term)
+                    backward(accelerator, policy, pg + args.kl_coef * kl_term, last=k + args.micro_batch_size >= len(mb))
                     for key, v in zip(stats, (pg, kl_term, agg(entropy), agg(clipped))):
                         stats[key].append(v.detach())
                 accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)

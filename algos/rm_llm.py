@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from common import models as M
 from common.data import Sampler, load_preferences
-from common.distributed import load_optimizer_state, make_accelerator, optimizer_state, reshard
+from common.distributed import backward, configure_deepspeed, load_optimizer_state, make_accelerator, optimizer_state, reshard
 from common.ops import exact_div
 from common.prepare_data import default_preference_files
 from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, parse_args, peak_mem_gb,
@@ -152,6 +152,8 @@ def main(args: Args):
     args.world_size = accelerator.num_processes
     args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")
     exact_div(args.local_batch_size, args.micro_batch_size, "--batch-size per process over --micro-batch-size")
+    # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
+    configure_deepspeed(accelerator, args.micro_batch_size, -(-args.local_batch_size // args.micro_batch_size), args.max_grad_norm)
     seed_everything(args.seed)
     log = accelerator.print
 
@@ -177,7 +179,7 @@ def main(args: Args):
     model, opt, sched = accelerator.prepare(model, opt, sched)
     if args.resume:
         state = load_trainer_state(ckpt)
-        load_optimizer_state(accelerator, model, opt, state["opt"])  # full state, keyed by parameter name
+        load_optimizer_state(accelerator, model, opt, state["opt"], ckpt / "model")
         for obj, key in ((sched, "sched"), (sampler, "sampler")):
             obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
@@ -216,7 +218,7 @@ def main(args: Args):
         for k in range(0, len(batch), args.micro_batch_size):
             c, rj = scores_of(model, tok, batch[k:k + args.micro_batch_size], args.max_length, device)
             loss = bt_loss(c, rj)
-            accelerator.backward(loss.sum() / len(batch))
+            backward(accelerator, model, loss.sum() / len(batch), last=k + args.micro_batch_size >= len(batch))
             for key, v in zip(stats, (loss, c, rj)):
                 stats[key].append(v.detach())
         accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)

@@ -28,7 +28,7 @@ import torch
 
 from common import models as M
 from common.data import Sampler, load_prompts, load_sft
-from common.distributed import load_optimizer_state, make_accelerator, optimizer_state
+from common.distributed import backward, configure_deepspeed, load_optimizer_state, make_accelerator, optimizer_state
 from common.evaluate import evaluate_policy
 from common.ops import exact_div, selective_log_softmax
 from common.prepare_data import default_sft_files, default_task_files
@@ -154,6 +154,8 @@ def main(args: Args):
     args.world_size = accelerator.num_processes
     args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")
     exact_div(args.local_batch_size, args.micro_batch_size, "--batch-size per process over --micro-batch-size")
+    # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
+    configure_deepspeed(accelerator, args.micro_batch_size, -(-args.local_batch_size // args.micro_batch_size), args.max_grad_norm)
     seed_everything(args.seed)
     log = accelerator.print
 
@@ -184,7 +186,7 @@ def main(args: Args):
     model, opt, sched = accelerator.prepare(model, opt, sched)
     if args.resume:
         state = load_trainer_state(ckpt)
-        load_optimizer_state(accelerator, model, opt, state["opt"])  # full state, keyed by parameter name
+        load_optimizer_state(accelerator, model, opt, state["opt"], ckpt / "policy")
         for obj, key in ((sched, "sched"), (sampler, "sampler")):
             obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
@@ -224,10 +226,10 @@ def main(args: Args):
         n_local = sum(e[2][:, 1:].sum() for e in encoded)
         n_global = accelerator.reduce(n_local.clone(), "sum")
         total = torch.zeros((), device=device)
-        for ids, attn, loss_mask in encoded:
+        for j, (ids, attn, loss_mask) in enumerate(encoded):
             s, _ = sft_loss_sum(model, ids, attn, loss_mask)
             # DDP averages gradients over processes, so scale by world_size to get the global token mean
-            accelerator.backward(s * args.world_size / n_global)
+            backward(accelerator, model, s * args.world_size / n_global, last=j == len(encoded) - 1)
             total += s.detach()
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         opt.step()

@@ -1,44 +1,49 @@
-"""Accelerate glue every script shares: building the Accelerator, sharding frozen models, and
-optimizer state that survives sharding.
+"""Accelerate glue every script shares: building the Accelerator, one training backward, frozen
+models, and optimizer state that survives sharding.
 
-Accelerate owns placement (DDP, FSDP2, DeepSpeed); this module only fills three gaps:
+Accelerate owns placement (DDP, FSDP2, DeepSpeed ZeRO); this module fills the gaps between it and
+scripts that accumulate micro-batches into minibatches:
 
 1. No GPU: `Accelerator(cpu=True)` gives CPU processes over gloo, but Accelerate ignores an FSDP
    launch config there and runs DDP. When the launch asked for FSDP2 (ACCELERATE_USE_FSDP=true,
    FSDP_VERSION=2, e.g. configs/accelerate/cpu_2proc_fsdp2.yaml) we switch Accelerate's own FSDP2
    path on for the CPU process group, so the code GPUs run (fully_shard per decoder layer) is the
-   code the CPU tests run.
-2. Under FSDP2, `accelerator.prepare` takes one model *with its optimizer* per call; a reference
+   code the CPU tests run. DeepSpeed runs on CPU through its CPU accelerator when the process group
+   is gloo (configs/accelerate/cpu_2proc_zero{2,3}.yaml).
+2. DeepSpeed's engine, not the script, owns the optimizer step: it steps inside backward at an
+   accumulation boundary and divides the loss by its accumulation count. `configure_deepspeed`
+   tells it the scripts' micro-batch / minibatch sizes and clipping; `backward` marks the boundary
+   and keeps the scripts' own loss scaling, so the same loop is exact under DDP, FSDP2 and ZeRO.
+3. Under FSDP2, `accelerator.prepare` takes one model *with its optimizer* per call; a reference
    policy or reward model has no optimizer, so `prepare_frozen` shards it with Accelerate's FSDP2
    preparation directly (a 70B reference does not fit one GPU any more than the policy does).
-3. An FSDP2 optimizer holds DTensor shards; `optimizer_state` gathers them into a full state keyed
-   by parameter name (torch.distributed.checkpoint.state_dict), so a checkpoint written by N
-   processes resumes on M processes, under DDP or FSDP2, or on one process.
+4. Optimizer state: under DDP/FSDP2 gathered into a full state keyed by parameter name
+   (torch.distributed.checkpoint.state_dict), so a checkpoint written by N processes resumes on M
+   processes, under DDP or FSDP2, or on one process. Under DeepSpeed it stays in DeepSpeed's own
+   per-rank files (engine.save_checkpoint), so resume needs the same number of processes.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
 
 def make_accelerator():
     """The Accelerator of every script: on GPUs whatever `accelerate launch` configured; without a
-    GPU, CPU processes over gloo, with FSDP2 when the launch config asks for it (see above)."""
+    GPU, CPU processes over gloo: DDP, or FSDP2 / DeepSpeed when the launch config asks (see above)."""
     from accelerate import Accelerator, PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        # DeepSpeed's engine steps inside backward at its own accumulation boundary and keeps its
-        # optimizer state in its own sharded format; these scripts step once per minibatch after a
-        # micro-batch loop and checkpoint a full state. Running them under ZeRO as they are would
-        # step on every micro-batch, silently; so refuse (see docs/distributed.md).
-        raise SystemExit("DeepSpeed (distributed_type: DEEPSPEED in the accelerate config) is not supported by the "
-                         "cleanrlhf scripts yet; use configs/accelerate/fsdp2.yaml: FSDP2 shards parameters, gradients "
-                         "and optimizer states as ZeRO-3 does, and it is tested (docs/distributed.md)")
     if torch.cuda.is_available():
         return Accelerator()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it, rather than DeepSpeed warning that it guessed
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        # cpu=True would skip DeepSpeed; naming the gloo backend lets DeepSpeed's CPU accelerator
+        # start the process group and Accelerate count the processes
+        return Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
     accelerator = Accelerator(cpu=True)
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.num_processes > 1:
         plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* variables `accelerate launch` set
@@ -51,10 +56,55 @@ def make_accelerator():
     return accelerator
 
 
+def is_deepspeed(accelerator) -> bool:
+    return str(accelerator.distributed_type).endswith("DEEPSPEED")
+
+
+def configure_deepspeed(accelerator, micro_batch_size: int, accumulation_steps: int, max_grad_norm: float) -> None:
+    """Before `accelerator.prepare`: give DeepSpeed the per-process micro-batch size, the number of
+    micro-batches per optimizer step and the clipping norm (it clips inside its step; the scripts'
+    `accelerator.clip_grad_norm_` is a no-op there). Does nothing unless DeepSpeed is on."""
+    if not is_deepspeed(accelerator):
+        return
+    cfg = accelerator.state.deepspeed_plugin.deepspeed_config
+    cfg["train_micro_batch_size_per_gpu"] = micro_batch_size
+    cfg["gradient_accumulation_steps"] = accumulation_steps
+    cfg["train_batch_size"] = micro_batch_size * accumulation_steps * accelerator.num_processes
+    cfg["gradient_clipping"] = max_grad_norm
+    cfg.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True  # full save_pretrained folders
+
+
+def backward(accelerator, model, loss: torch.Tensor, last: bool) -> None:
+    """Backward of one micro-batch's share of a minibatch loss; `last` marks the minibatch's final
+    micro-batch. DDP / FSDP2 / one process: `accelerator.backward`; gradients add up and the script
+    steps the optimizer after the loop. DeepSpeed: the engine of `model` accumulates, and at `last`
+    reduces, clips and steps (the script's opt.step / sched.step / zero_grad are then no-ops).
+    The loss is not divided again (scale_wrt_gas=False): it already is a share of the minibatch mean."""
+    if is_deepspeed(accelerator):
+        model.set_gradient_accumulation_boundary(last)
+        model.backward(loss, scale_wrt_gas=False)
+        if last:
+            model.step()
+    else:
+        accelerator.backward(loss)
+
+
 def prepare_frozen(accelerator, model: torch.nn.Module) -> torch.nn.Module:
-    """A model only run forward (reference policy, reward model): FSDP2-sharded like the trained
-    models when FSDP2 is on, else moved to the device (never DDP-wrapped: it has no gradients)."""
+    """A model only run forward (reference policy, reward model): sharded like the trained models
+    under FSDP2 and ZeRO-3, else moved to the device (never DDP-wrapped: it has no gradients).
+    ZeRO-3: transformers loaded it partitioned already, so it needs an (optimizer-less) DeepSpeed
+    engine to gather each layer in forward; call `configure_deepspeed` first."""
     model.eval().requires_grad_(False)
+    if is_deepspeed(accelerator) and accelerator.state.deepspeed_plugin.zero_stage == 3:
+        import copy
+
+        import deepspeed
+
+        cfg = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+        cfg.pop("optimizer", None), cfg.pop("scheduler", None)
+        engine = deepspeed.initialize(model=model, config=cfg)[0]
+        engine.eval()
+        return engine
     if getattr(accelerator, "is_fsdp2", False):
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
@@ -84,7 +134,10 @@ def _options(**kw):
 def optimizer_state(accelerator, model, opt) -> dict:
     """The optimizer's full state, keyed by parameter name, on CPU. Collective: every process calls
     it; with several processes only the main one gets the tensors (the others get what they need to
-    call it, which is enough since only the main process writes checkpoints)."""
+    call it, which is enough since only the main process writes checkpoints). Under DeepSpeed the
+    state is saved by `save_engine_states` instead and this returns a marker."""
+    if is_deepspeed(accelerator):
+        return {"deepspeed": True}
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     reshard(model)
@@ -92,9 +145,29 @@ def optimizer_state(accelerator, model, opt) -> dict:
                                     options=_options(cpu_offload=accelerator.num_processes > 1))
 
 
-def load_optimizer_state(accelerator, model, opt, state: dict) -> None:
-    """Inverse of optimizer_state: every process loads the full state and keeps its own shard."""
+def load_optimizer_state(accelerator, model, opt, state: dict, folder: Path) -> None:
+    """Inverse of optimizer_state: every process loads the full state and keeps its own shard.
+    `folder` is the checkpoint's folder of this model (checkpoints/step_N/{name}); under DeepSpeed
+    the engine reloads its per-rank files from {folder}/deepspeed."""
+    if is_deepspeed(accelerator):
+        if not state.get("deepspeed"):
+            raise SystemExit(f"--resume {folder.parent}: written without DeepSpeed; resume it under DDP or FSDP2")
+        model.load_checkpoint(str(folder / "deepspeed"), tag="state", load_module_strict=False,
+                              load_optimizer_states=True, load_lr_scheduler_states=True)
+        return
+    if state.get("deepspeed"):
+        raise SystemExit(f"--resume {folder.parent}: written under DeepSpeed; resume it under the same DeepSpeed config")
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     reshard(model)
     set_optimizer_state_dict(model, getattr(opt, "optimizer", opt), state, options=_options())
+
+
+def save_engine_states(accelerator, folder: Path, models: dict) -> None:
+    """DeepSpeed only (no-op otherwise): each engine writes its optimizer and module shards, every
+    rank its own files, into {folder}/{name}/deepspeed (a folder all processes see). Collective."""
+    if not is_deepspeed(accelerator):
+        return
+    for name, m in models.items():
+        m.save_checkpoint(str(Path(folder) / name / "deepspeed"), tag="state", save_latest=False,
+                          exclude_frozen_parameters=True)

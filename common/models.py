@@ -14,6 +14,7 @@ Smoke test (the README's pre-training check):
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -220,6 +221,22 @@ def load_causal_lm(name_or_path: str, tok=None, dtype: str = "auto", trust_remot
                    load_in_4bit, "CAUSAL_LM")
 
 
+@contextlib.contextmanager
+def full_parameters(module: nn.Module, modify: bool = False):
+    """Inside the block `module`'s parameters are whole. Under a DeepSpeed ZeRO-3 config transformers
+    loads models already partitioned (deepspeed.zero.Init: each local tensor is empty), so an in-place
+    edit (zeroing a head, loading a checkpoint) must gather first; `modify=True` then broadcasts rank
+    0's edit back to the shards. A no-op for every other model."""
+    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
+    if not params:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None):
+        yield
+
+
 def load_value_model(name_or_path: str, tok=None, dtype: str = "auto", trust_remote_code: bool = False,
                      lora_r: int = 0, lora_alpha: int = 32, lora_dropout: float = 0.0, lora_target: str = "all-linear",
                      gradient_checkpointing: bool = False, load_in_4bit: bool = False):
@@ -240,9 +257,10 @@ def load_value_model(name_or_path: str, tok=None, dtype: str = "auto", trust_rem
             trust_remote_code=trust_remote_code, quantization_config=_quantization_config(load_in_4bit),
         )
     if fresh_head:
-        nn.init.zeros_(model.score.weight)
-        if model.score.bias is not None:
-            nn.init.zeros_(model.score.bias)
+        with full_parameters(model.score, modify=True):
+            nn.init.zeros_(model.score.weight)
+            if model.score.bias is not None:
+                nn.init.zeros_(model.score.bias)
     return _finish(model, tok, lora_r, lora_alpha, lora_dropout, lora_target, gradient_checkpointing,
                    load_in_4bit, "TOKEN_CLS", modules_to_save=["score"])
 

@@ -118,7 +118,8 @@ def make_run_dir(accelerator, algo: str, args) -> Path:
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=False)
         record = {**dataclasses.asdict(args), "world_size": accelerator.num_processes,
-                  "distributed_type": str(accelerator.distributed_type).split(".")[-1],  # NO, MULTI_GPU, FSDP, ...
+                  "distributed_type": str(accelerator.distributed_type).split(".")[-1],  # NO, MULTI_GPU, FSDP, DEEPSPEED...
+                  "zero_stage": getattr(accelerator.state.deepspeed_plugin, "zero_stage", None),
                   "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain")),
                   "versions": library_versions(), "argv": sys.argv}
         (run_dir / "args.json").write_text(json.dumps(record, indent=2, default=str))
@@ -198,17 +199,26 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, models: dict, state: 
 
     Written into a temp folder and renamed at the end, so a crash mid-save leaves the previous
     checkpoints untouched and no half checkpoint under a step_ name. `keep_last` > 0 deletes older ones."""
+    from accelerate.utils import broadcast_object_list
+
+    from common.distributed import reshard, save_engine_states
+
     ckpt_root = run_dir / "checkpoints"
     final = ckpt_root / f"step_{step}"
-    from common.distributed import reshard
-
     for m in models.values():
         reshard(m)  # FSDP2: units left unsharded by a no_grad forward back to DTensor shards
     state_dicts = {name: _drop_tied_copies(accelerator.unwrap_model(m), accelerator.get_state_dict(m))  # collective under FSDP/ZeRO-3
                    for name, m in models.items()}
+    tmp = [None]
     if accelerator.is_main_process:
         ckpt_root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".step_{step}.tmp-", dir=ckpt_root))
+        tmp = [tempfile.mkdtemp(prefix=f".step_{step}.tmp-", dir=ckpt_root)]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(tmp, from_process=0)  # DeepSpeed: every rank writes its shards there
+    tmp = Path(tmp[0])
+    save_engine_states(accelerator, tmp, models)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
         for name, m in models.items():
             accelerator.unwrap_model(m).save_pretrained(tmp / name, state_dict=state_dicts[name], safe_serialization=True)
         torch.save({**state, "rng": rng_state(), "step": step}, tmp / "trainer_state.pt")
@@ -278,7 +288,10 @@ def load_weights(model, folder: Path) -> None:
         if unexpected:
             raise RuntimeError(f"{folder}: unexpected adapter keys {unexpected[:5]}")
         return
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    from common.models import full_parameters
+
+    with full_parameters(model, modify=True):  # ZeRO-3: parameters are partitioned from loading on
+        missing, unexpected = model.load_state_dict(sd, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or []) | {"lm_head.weight"}
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:

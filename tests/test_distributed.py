@@ -1,6 +1,7 @@
-"""Two CPU processes over gloo through `accelerate launch`: DDP (configs/accelerate/cpu_2proc.yaml)
-and FSDP2 (configs/accelerate/cpu_2proc_fsdp2.yaml: Accelerate's fully_shard path, switched on for
-CPU processes by common.distributed.make_accelerator)."""
+"""Two CPU processes over gloo through `accelerate launch`: DDP (configs/accelerate/cpu_2proc.yaml),
+FSDP2 (cpu_2proc_fsdp2.yaml: Accelerate's fully_shard path, switched on for CPU processes by
+common.distributed.make_accelerator) and DeepSpeed ZeRO-2/3 (cpu_2proc_zero{2,3}.yaml: DeepSpeed's
+CPU accelerator over gloo)."""
 
 import json
 import os
@@ -15,7 +16,8 @@ from conftest import REPO, only_run, read_metrics
 TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
 
 
-CONFIGS = {"DDP": "cpu_2proc", "FSDP": "cpu_2proc_fsdp2"}  # args.json distributed_type -> config
+CONFIGS = {"DDP": "cpu_2proc", "FSDP": "cpu_2proc_fsdp2", "ZERO2": "cpu_2proc_zero2", "ZERO3": "cpu_2proc_zero3"}
+RUN_ALL_SCRIPTS = ("DDP", "FSDP", "ZERO3")  # every script under these; ZeRO-2 in the parity test
 
 
 def launch(script, *flags, env=None, config="cpu_2proc"):
@@ -27,13 +29,16 @@ def launch(script, *flags, env=None, config="cpu_2proc"):
 
 
 def assert_ran(run, kind):
-    """Two processes really ran, under the engine asked for (FSDP: the parameters were DTensors)."""
+    """Two processes really ran, under the engine asked for."""
     record = json.loads((run / "args.json").read_text())
     assert record["world_size"] == 2, record["world_size"]
-    assert record["distributed_type"] == ("FSDP" if kind == "FSDP" else "MULTI_CPU"), record["distributed_type"]
+    expected = {"DDP": "MULTI_CPU", "FSDP": "FSDP", "ZERO2": "DEEPSPEED", "ZERO3": "DEEPSPEED"}[kind]
+    assert record["distributed_type"] == expected, record["distributed_type"]
+    if kind.startswith("ZERO"):
+        assert record["zero_stage"] == int(kind[-1]), record["zero_stage"]
 
 
-@pytest.mark.parametrize("kind", CONFIGS)
+@pytest.mark.parametrize("kind", RUN_ALL_SCRIPTS)
 @pytest.mark.parametrize("script,sizes", [
     ("ppo_llm.py", ["--batch-size", 4, "--mini-batch-size", 4, "--micro-batch-size", 1]),
     ("grpo_llm.py", ["--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 1]),
@@ -51,7 +56,7 @@ def test_two_processes(script, sizes, kind, tiny_peaky, toy_prompts, tmp_path):
     assert (run / "checkpoints" / "step_2" / "policy" / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("kind", CONFIGS)
+@pytest.mark.parametrize("kind", RUN_ALL_SCRIPTS)
 @pytest.mark.parametrize("script,flags", [
     ("dpo_llm.py", ["--batch-size", 4, "--micro-batch-size", 2, "--num-eval-pairs", 4, "--num-eval-prompts", 4, "--max-new-tokens", 4]),
     ("sft_llm.py", ["--batch-size", 4, "--micro-batch-size", 2, "--num-eval-examples", 4, "--num-eval-prompts", 4, "--max-new-tokens", 4]),
@@ -213,9 +218,56 @@ def test_generation_from_fsdp2_sharded_model(tiny):
     assert proc.stdout.count("FSDP2 generation OK") == 2
 
 
-def test_deepspeed_config_is_refused_with_a_clear_message(tiny, tmp_path):
-    """A DeepSpeed launch stops at start-up and points to FSDP2, before any run folder is written."""
-    proc = subprocess.run([sys.executable, str(REPO / "algos/grpo_llm.py"), "--model-name-or-path", tiny, "--output-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "ACCELERATE_USE_DEEPSPEED": "true"})
-    assert proc.returncode != 0 and "configs/accelerate/fsdp2.yaml" in proc.stderr
-    assert not any(tmp_path.iterdir())
+def test_deepspeed_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
+    """PPO (policy, critic, ZeRO-3-partitioned reference) for 2 iterations of 2 minibatches x 2
+    micro-batches under ZeRO-2 and ZeRO-3 ends with the parameters and metrics of the DDP run (the
+    engines step at the minibatch boundary, with the scripts' loss scaling); ZeRO-3 1 iteration +
+    resume + 1 equals 2 straight; a DeepSpeed checkpoint resumed under DDP stops with a clear message."""
+    flags = ["--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD,
+             "--batch-size", 4, "--mini-batch-size", 2, "--micro-batch-size", 1, "--max-new-tokens", 6,
+             "--learning-rate", 1e-3, "--critic-learning-rate", 1e-3, "--eval-every", 0, "--kl-coef", 0.1]
+    env = {"TOY_MODEL": tiny_peaky}
+    for kind in ("DDP", "ZERO2", "ZERO3"):
+        launch("ppo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path / kind, env=env, config=CONFIGS[kind])
+    launch("ppo_llm.py", *flags, "--total-steps", 1, "--output-dir", tmp_path / "half", env=env, config=CONFIGS["ZERO3"])
+    half = only_run(tmp_path / "half")
+    launch("ppo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path / "resumed", "--resume", half, env=env,
+           config=CONFIGS["ZERO3"])
+    runs = {kind: only_run(tmp_path / kind) for kind in ("DDP", "ZERO2", "ZERO3")}
+    for kind, run in runs.items():
+        assert_ran(run, kind)
+    resumed = only_run(tmp_path / "resumed")
+    assert (half / "checkpoints/step_1/policy/deepspeed/state").is_dir()  # DeepSpeed's own per-rank files
+    no_perf = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+    ddp = no_perf(read_metrics(runs["DDP"]))
+    assert ddp[-1]["train/kl"] > 0  # the policy moved
+    for kind in ("ZERO2", "ZERO3"):
+        for a, b in zip(no_perf(read_metrics(runs[kind])), ddp, strict=True):
+            assert a == pytest.approx(b, rel=1e-4, abs=1e-6), kind
+    for a, b in zip(no_perf(read_metrics(half) + read_metrics(resumed)), no_perf(read_metrics(runs["ZERO3"])), strict=True):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-8)
+    for name, value in (("policy", False), ("critic", True)):
+        base = base_weights(tiny_peaky, value)
+        for kind in ("ZERO2", "ZERO3"):
+            assert_same_update(runs["DDP"] / f"checkpoints/step_2/{name}", runs[kind] / f"checkpoints/step_2/{name}", base)
+        assert_same_update(runs["ZERO3"] / f"checkpoints/step_2/{name}", resumed / f"checkpoints/step_2/{name}", base, rel=1e-6)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs/accelerate/cpu_2proc.yaml"),
+           str(REPO / "algos/ppo_llm.py"), *map(str, flags), "--total-steps", "2", "--output-dir", str(tmp_path / "wrong"),
+           "--resume", str(half)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+    assert proc.returncode != 0 and "written under DeepSpeed" in proc.stderr
+
+
+def test_online_dpo_two_processes_with_uneven_pairs(tiny_peaky, toy_prompts, tmp_path):
+    """--online skips tied groups, so the 2 ranks hold different numbers of pairs (0 to 2 each): every
+    rank still runs the same number of backward passes (a weight-0 filler), so DDP does not hang, and
+    both ranks step together."""
+    launch("dpo_llm.py", "--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--online", "--reward-fn", TOY_REWARD,
+           "--output-dir", tmp_path, "--total-steps", 4, "--batch-size", 4, "--micro-batch-size", 1, "--num-samples", 2,
+           "--max-new-tokens", 6, "--eval-every", 0, "--learning-rate", 1e-3, env={"TOY_MODEL": tiny_peaky})
+    run = only_run(tmp_path)
+    assert_ran(run, "DDP")
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert sum(r["train/pairs"] for r in rows) + sum(r["train/skipped_ties"] for r in rows) == 16
+    assert any(r["train/pairs"] in (1, 3) for r in rows), rows  # an odd total: the two ranks held different counts
