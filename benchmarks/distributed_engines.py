@@ -57,8 +57,9 @@ def main():
     ref, base = weights(ref_run), load_file(next(Path(model).glob("*.safetensors")))
     update = sum((ref[k] - base[k]).abs().sum().item() for k in ref if k in base)
     print(f"PPO, {a.steps} iterations of 2 minibatches x 2 micro-batches, 2 processes; reference: {a.configs[0]}\n")
-    print("| config | engine | policy: sum abs diff / sum abs update | max abs diff | final loss/value | wall s | checkpoint MB |")
-    print("|---|---|---|---|---|---|---|")
+    print("| config | engine | policy: sum abs diff / sum abs update | max abs diff | final loss/value | wall s "
+          "| rank-0 peak memory GB | checkpoint MB |")
+    print("|---|---|---|---|---|---|---|---|")
     for cfg, (run, wall) in runs.items():
         w = weights(run)
         diff = sum((w[k] - ref[k]).abs().sum().item() for k in ref)
@@ -67,7 +68,8 @@ def main():
         engine = record["distributed_type"] + (f" ZeRO-{record['zero_stage']}" if record.get("zero_stage") else "")
         last = [json.loads(line) for line in open(run / "metrics.jsonl")][-1]
         size = sum(f.stat().st_size for f in (run / f"checkpoints/step_{a.steps}").rglob("*") if f.is_file()) / 2**20
-        print(f"| {cfg} | {engine} | {diff / update:.2e} | {mx:.2e} | {last['loss/value']:.6f} | {wall:.1f} | {size:.1f} |")
+        print(f"| {cfg} | {engine} | {diff / update:.2e} | {mx:.2e} | {last['loss/value']:.6f} | {wall:.1f} "
+              f"| {last['perf/peak_mem_gb']:.2f} | {size:.1f} |")
 
 
 if __name__ == "__main__":

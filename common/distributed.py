@@ -37,6 +37,13 @@ def make_accelerator():
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 
+    tp_size = int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1"))  # set by `accelerate launch` from the config
+    if tp_size > 1:
+        # tensor parallelism splits every layer over a group of processes that must all see the same
+        # batch; the scripts split batches by process index and load models without a tp_plan
+        raise SystemExit(f"parallelism_config_tp_size {tp_size}: tensor parallelism is not supported by the cleanrlhf "
+                         "scripts yet (batches are split by process, models load without tp_plan); use tp_size 1 "
+                         "(FSDP2 shard x replicate, on GPUs) or configs/accelerate/fsdp2.yaml")
     if torch.cuda.is_available():
         return Accelerator()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it, rather than DeepSpeed warning that it guessed

@@ -271,3 +271,12 @@ def test_online_dpo_two_processes_with_uneven_pairs(tiny_peaky, toy_prompts, tmp
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert sum(r["train/pairs"] for r in rows) + sum(r["train/skipped_ties"] for r in rows) == 16
     assert any(r["train/pairs"] in (1, 3) for r in rows), rows  # an odd total: the two ranks held different counts
+
+
+def test_tensor_parallel_config_is_refused_with_a_clear_message(tiny, tmp_path):
+    """tp_size > 1 (what `accelerate launch` sets from a parallelism_config) stops at start-up, before any
+    run folder is written, instead of training every TP rank on a different batch."""
+    proc = subprocess.run([sys.executable, str(REPO / "algos/grpo_llm.py"), "--model-name-or-path", tiny, "--output-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PARALLELISM_CONFIG_TP_SIZE": "2"})
+    assert proc.returncode != 0 and "tensor parallelism is not supported" in proc.stderr
+    assert not any(tmp_path.iterdir())
