@@ -166,6 +166,10 @@ def load_optimizer_state(accelerator, model, opt, state: dict, folder: Path) -> 
         raise SystemExit(f"--resume {folder.parent}: written under DeepSpeed; resume it under the same DeepSpeed config")
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+    groups = state.get("param_groups") or [{}]
+    if groups[0].get("params") and isinstance(groups[0]["params"][0], int):  # older checkpoints: plain opt.state_dict()
+        opt.load_state_dict(state)
+        return
     reshard(model)
     set_optimizer_state_dict(model, getattr(opt, "optimizer", opt), state, options=_options())
 

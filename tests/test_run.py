@@ -168,3 +168,35 @@ def test_keep_last_and_resume_errors(tmp_path):
     assert sorted(p.name for p in R.list_checkpoints(tmp_path)) == ["step_2", "step_3"]
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         R.resolve_checkpoint(str(tmp_path / "nothing"))
+
+
+def test_optimizer_state_is_keyed_by_name_and_loads_old_checkpoints(tiny):
+    """Single process: common.distributed.optimizer_state keys Adam's moments by parameter name and
+    load_optimizer_state restores them exactly; a plain opt.state_dict() (checkpoints written before the
+    name-keyed format) still loads."""
+    from types import SimpleNamespace
+
+    from common import models as M
+    from common.distributed import load_optimizer_state, optimizer_state
+
+    acc = SimpleNamespace(distributed_type="DistributedType.NO", num_processes=1)
+    tok = M.load_tokenizer(tiny)
+
+    def trained():
+        model = M.load_causal_lm(tiny, tok)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randint(0, 100, (2, 6))
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        return model, opt
+
+    model, opt = trained()
+    full = optimizer_state(acc, model, opt)
+    assert "model.layers.0.self_attn.q_proj.weight" in full["state"]
+    for state in (full, opt.state_dict()):  # name-keyed, and the older plain format
+        fresh = M.load_causal_lm(tiny, tok)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+        load_optimizer_state(acc, fresh, fresh_opt, state, Path("unused"))
+        for (_, p), (_, q) in zip(model.named_parameters(), fresh.named_parameters()):
+            assert torch.equal(opt.state[p]["exp_avg_sq"], fresh_opt.state[q]["exp_avg_sq"])
+            assert opt.state[p]["step"] == fresh_opt.state[q]["step"]
