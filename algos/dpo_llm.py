@@ -208,7 +208,7 @@ def completion_logps(model, ids, attn, comp):
 
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
-    accelerator = make_accelerator()  # GPUs: as launched; no GPU: CPU processes over gloo (DDP or FSDP2)
+    accelerator = make_accelerator()  # as launched: DDP, FSDP2 or DeepSpeed; without GPU, CPU processes over gloo
     device = accelerator.device
     args.world_size = accelerator.num_processes
     args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")

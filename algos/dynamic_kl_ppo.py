@@ -250,7 +250,7 @@ def update_beta(beta, kl, target, beta_min, beta_max):
 
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
-    accelerator = make_accelerator()  # GPUs: as launched; no GPU: CPU processes over gloo (DDP or FSDP2)
+    accelerator = make_accelerator()  # as launched: DDP, FSDP2 or DeepSpeed; without GPU, CPU processes over gloo
     device = accelerator.device
     args.world_size = accelerator.num_processes
     args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")
@@ -409,7 +409,7 @@ def main(args: Args):
                     backward(accelerator, critic, args.vf_coef * vf, last)
                     for key, v in zip(stats, (pg, vf, ent, clip_frac, approx_kl, policy_kl)):
                         stats[key].append(v.detach())
-                if train_policy:
+                if train_policy:  # (clip, step, zero_grad: no-ops under DeepSpeed, whose engines stepped in backward)
                     accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                     opt.step()
                     sched.step()

@@ -264,7 +264,7 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps
 
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
-    accelerator = make_accelerator()  # GPUs: as launched; no GPU: CPU processes over gloo (DDP or FSDP2)
+    accelerator = make_accelerator()  # as launched: DDP, FSDP2 or DeepSpeed; without GPU, CPU processes over gloo
     device = accelerator.device
     G = args.group_size
     args.world_size = accelerator.num_processes
@@ -419,7 +419,7 @@ def main(args: Args):
                     backward(accelerator, policy, pg + args.kl_coef * kl_term, last=k + args.micro_batch_size >= len(mb))
                     for key, v in zip(stats, (pg, kl_term, agg(entropy), agg(clipped))):
                         stats[key].append(v.detach())
-                accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)  # these three: no-ops under DeepSpeed
                 opt.step()
                 sched.step()
                 opt.zero_grad()
