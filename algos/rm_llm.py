@@ -243,11 +243,12 @@ def main(args: Args):
     gain = 1.0 / ref.std().clamp(min=1e-6).item()
     bias = -ref.mean().item() * gain
     reshard(model)  # FSDP2: scoring was a no_grad forward; see common.distributed.reshard
+    state_dict = accelerator.get_state_dict(model)  # full weights, gathered under FSDP2 / ZeRO-3
     unwrapped = accelerator.unwrap_model(model)
-    if hasattr(unwrapped, "merge_and_unload"):  # LoRA: a plain folder is what --reward-model expects
-        unwrapped = unwrapped.merge_and_unload()
+    if args.lora_r:  # LoRA: merged into the weights, since --reward-model expects a plain folder
+        state_dict = M.merge_lora_state_dict(state_dict, args.lora_alpha / args.lora_r) if accelerator.is_main_process else None
+        unwrapped = unwrapped.get_base_model()
     unwrapped.config.reward_gain, unwrapped.config.reward_bias = gain, bias
-    state_dict = accelerator.get_state_dict(model) if not args.lora_r else unwrapped.state_dict()
     if accelerator.is_main_process:
         unwrapped.save_pretrained(run_dir / "reward_model", state_dict=state_dict)
         tok.save_pretrained(run_dir / "reward_model")

@@ -281,6 +281,28 @@ def load_reward_model(name_or_path: str, tok=None, dtype: str = "auto", trust_re
     return model
 
 
+def merge_lora_state_dict(state_dict: dict, scaling: float, adapter: str = "default") -> dict:
+    """A peft LoRA model's full state dict -> the plain base model's state dict, each adapted weight
+    replaced by W + scaling * B @ A (scaling = lora_alpha / r) and `modules_to_save` copies taken as
+    the module. What peft's merge_and_unload does to modules, done on tensors: it works on the state
+    dict that Accelerate gathers when the model itself is sharded (FSDP2, ZeRO-3), where merging the
+    modules in place would merge empty shards."""
+    prefix, out = "base_model.model.", {}
+    for key, value in state_dict.items():
+        name = key[len(prefix):] if key.startswith(prefix) else key
+        if ".lora_" in name or ".original_module." in name:
+            continue
+        if ".base_layer." in name:
+            module = key.rsplit(".base_layer.", 1)[0]
+            if name.endswith(".base_layer.weight"):
+                a, b = state_dict[f"{module}.lora_A.{adapter}.weight"], state_dict[f"{module}.lora_B.{adapter}.weight"]
+                value = value + (scaling * (b.float() @ a.float())).to(value.dtype)
+            name = name.replace(".base_layer.", ".")
+        name = name.replace(f".modules_to_save.{adapter}.", ".")
+        out[name] = value
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Tiny models for tests
 # ---------------------------------------------------------------------------------------------

@@ -117,6 +117,9 @@ def unwrap_for_generation(accelerator, model):
             saved = [_reshard_setting(m) for m in fsdp_modules]
             for m in fsdp_modules:
                 m.set_reshard_after_forward(False, recurse=False)
+            # generate() may enter below the FSDP root (a peft model generates through its base model),
+            # and FSDP infers its root from the first module that runs: initialise it from the root here
+            unwrapped._get_fsdp_state()._lazy_init()
             unwrapped.unshard()
             try:
                 yield unwrapped

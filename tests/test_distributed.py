@@ -280,3 +280,45 @@ def test_tensor_parallel_config_is_refused_with_a_clear_message(tiny, tmp_path):
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PARALLELISM_CONFIG_TP_SIZE": "2"})
     assert proc.returncode != 0 and "tensor parallelism is not supported" in proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_lora_under_fsdp2_and_zero3_equals_ddp(tiny_peaky, toy_prompts, tmp_path):
+    """GRPO with LoRA (reference = adapter disabled) for 2 iterations: the adapters saved under FSDP2 and
+    ZeRO-3 equal the DDP ones. (Under FSDP2 a peft model generates through its base model, below the
+    FSDP root; unwrap_for_generation initialises FSDP from the root first.)"""
+    from safetensors.torch import load_file
+
+    flags = ["--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD, "--total-steps", 2,
+             "--eval-every", 0, "--max-new-tokens", 6, "--learning-rate", 1e-2, "--lora-r", 4, "--kl-coef", 0.05,
+             "--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 2, "--micro-batch-size", 1]
+    for kind in ("DDP", "FSDP", "ZERO3"):
+        launch("grpo_llm.py", *flags, "--output-dir", tmp_path / kind, env={"TOY_MODEL": tiny_peaky}, config=CONFIGS[kind])
+    runs = {kind: only_run(tmp_path / kind) for kind in ("DDP", "FSDP", "ZERO3")}
+    adapters = {k: load_file(r / "checkpoints/step_2/policy/adapter_model.safetensors") for k, r in runs.items()}
+    ddp = adapters["DDP"]
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in ddp.items())  # B starts at 0: it trained
+    for kind in ("FSDP", "ZERO3"):
+        assert_ran(runs[kind], kind)
+        assert adapters[kind].keys() == ddp.keys()
+        diff = sum((adapters[kind][k] - ddp[k]).abs().sum().item() for k in ddp)
+        assert diff / sum(v.abs().sum().item() for v in ddp.values()) < 1e-5, (kind, diff)
+
+
+def test_lora_reward_model_export_under_sharding(tiny, tmp_path):
+    """rm_llm.py --lora-r exports a merged plain reward model; under FSDP2 and ZeRO-3 the model is sharded,
+    so the merge runs on the gathered state dict (merging modules in place wrote empty (0,) tensors under
+    ZeRO-3). The three exports are equal and full-size."""
+    import torch
+    from safetensors.torch import load_file
+
+    flags = ["--model-name-or-path", tiny, "--total-steps", 2, "--eval-every", 2, "--batch-size", 4, "--micro-batch-size", 2,
+             "--num-eval-pairs", 4, "--num-norm-samples", 8, "--lora-r", 4, "--learning-rate", 1e-2]
+    for kind in ("DDP", "FSDP", "ZERO3"):
+        launch("rm_llm.py", *flags, "--output-dir", tmp_path / kind, config=CONFIGS[kind])
+    exports = {k: load_file(only_run(tmp_path / k) / "reward_model/model.safetensors") for k in ("DDP", "FSDP", "ZERO3")}
+    ddp = exports["DDP"]
+    assert ddp["model.embed_tokens.weight"].shape[0] > 0 and not any("lora" in k for k in ddp)
+    for kind in ("FSDP", "ZERO3"):
+        assert exports[kind].keys() == ddp.keys()
+        for k in ddp:
+            torch.testing.assert_close(exports[kind][k], ddp[k], rtol=1e-5, atol=1e-5)

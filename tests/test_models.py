@@ -108,3 +108,24 @@ def test_default_alias_loads_offline_and_answers(tmp_path, monkeypatch):
     enc = tok(M.apply_chat(tok, "What is 2+3?"), return_tensors="pt", add_special_tokens=False)
     out = model.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
     assert "5" in tok.decode(out[0, enc["input_ids"].shape[1]:])
+
+
+def test_merge_lora_state_dict_equals_peft_merge_and_unload(tiny):
+    """The tensor-level merge (used on gathered state dicts of sharded models) gives the weights peft's
+    own merge_and_unload gives, for a reward model with LoRA on every linear layer and a trained score head."""
+    tok = M.load_tokenizer(tiny)
+    model = M.load_reward_model(tiny, tok, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target="all-linear",
+                                gradient_checkpointing=False, load_in_4bit=False)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:  # B starts at 0: make the merge matter
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    merged = M.merge_lora_state_dict(model.state_dict(), scaling=8 / 4)
+    reference = model.merge_and_unload().state_dict()
+    assert merged.keys() == reference.keys()
+    for k in reference:
+        torch.testing.assert_close(merged[k], reference[k], rtol=1e-5, atol=1e-6)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    base = M.load_reward_model(tiny, tok).state_dict()[q]
+    assert not torch.allclose(merged[q], base)  # the adapter really changed the merged weight
