@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from common import models as M
-from common.data import Sampler, load_preferences, load_prompts
+from common.data import Sampler, encode_prompt_completion, load_preferences, load_prompts
 from common.distributed import (backward, configure_deepspeed, load_optimizer_state, make_accelerator, optimizer_state,
                                 prepare_frozen)
 from common.evaluate import evaluate_policy
@@ -182,20 +182,14 @@ def dpo_loss(pi_c, pi_r, ref_c, ref_r, loss_type, beta, label_smoothing=0.0):
 
 
 def encode_pairs(tok, pairs, max_prompt_length, max_completion_length, device):
-    """Chosen and rejected of each pair as one right-padded batch [chosen..., rejected...].
-    Returns input_ids, attention_mask, completion_mask: (2B, L). EOS ends every completion."""
-    seqs, comp = [], []
-    for key in ("chosen", "rejected"):
-        for p in pairs:
-            prompt = tok(p["prompt"], add_special_tokens=False)["input_ids"][-max_prompt_length:]
-            completion = tok(p[key], add_special_tokens=False)["input_ids"][:max_completion_length - 1] + [tok.eos_token_id]
-            seqs.append(prompt + completion)
-            comp.append([0] * len(prompt) + [1] * len(completion))
-    L = max(map(len, seqs))
-    ids = torch.tensor([s + [tok.pad_token_id] * (L - len(s)) for s in seqs], device=device)  # (2B, L)
-    attn = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in seqs], device=device)  # (2B, L)
-    comp = torch.tensor([c + [0] * (L - len(c)) for c in comp], device=device, dtype=torch.float)  # (2B, L)
-    return ids, attn, comp
+    """Chosen and rejected of each pair as one right-padded batch [chosen..., rejected...] (the shared
+    encoder). Completions are texts (EOS appended) or, with --online, the policy's own token ids (kept
+    as generated: a truncated sample gets no EOS it never emitted).
+    Returns input_ids, attention_mask, completion_mask: (2B, L)."""
+    return encode_prompt_completion(tok, [p["prompt"] for p in pairs] * 2,
+                                    [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], eos=True,
+                                    max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
+                                    device=device)
 
 
 def completion_logps(model, ids, attn, comp):
@@ -236,8 +230,10 @@ def main(args: Args):
         eval_prompt_files = eval_prompt_files or [default_task_files(args.task)[1]]
     reward = None
     if args.online:
-        rm = prepare_frozen(accelerator, M.load_reward_model(args.reward_model, tok, args.dtype)) if args.reward_model else None
-        reward = Reward(args.reward, args.reward_fn, rm, tok, args.max_new_tokens, args.reward_fallback)
+        # the reward model's own tokenizer and chat template (it may differ from the policy's)
+        rm_tok = M.load_tokenizer(args.reward_model, args.trust_remote_code) if args.reward_model else None
+        rm = prepare_frozen(accelerator, M.load_reward_model(args.reward_model, rm_tok, args.dtype)) if args.reward_model else None
+        reward = Reward(args.reward, args.reward_fn, rm, rm_tok, args.max_new_tokens, args.reward_fallback)
         train_rows = load_prompts(train_files, tok, max_prompt_length=args.max_prompt_length, log=log)
         reward.check({r.data_source for r in train_rows})
     else:
@@ -344,7 +340,9 @@ def main(args: Args):
             with unwrap_for_generation(accelerator, policy) as gen_model:
                 ro = generate(gen_model, tok, q, qm, args.max_new_tokens, args.temperature, seeds=seeds)
             texts = tok.batch_decode(ro.responses, skip_special_tokens=True)
-            scores, _, _ = reward(rows, texts, ro.response_mask.sum(1), device)
+            # the pairs train on the generated ids (EOS only where the policy emitted it), not on re-tokenised text
+            response_ids = [resp[:n].tolist() for resp, n in zip(ro.responses, ro.response_mask.sum(1).long())]
+            scores, _, _ = reward(rows, texts, ro.response_mask.sum(1), device, ro.is_eos)
             scores = scores.view(-1, args.num_samples)  # (B, K)
             pairs, pair_ids = [], []
             for k, i in enumerate(ids):
@@ -352,10 +350,10 @@ def main(args: Args):
                 if scores[k, best] == scores[k, worst]:
                     ties += 1
                     continue
-                pairs.append({"prompt": train_rows[i].text, "chosen": texts[k * args.num_samples + best],
-                              "rejected": texts[k * args.num_samples + worst]})
+                pairs.append({"prompt": train_rows[i].text, "chosen": response_ids[k * args.num_samples + best],
+                              "rejected": response_ids[k * args.num_samples + worst]})
             pair_ids = None
-            filler = {"prompt": rows[0].text, "chosen": texts[0], "rejected": texts[0]}  # see the update below
+            filler = {"prompt": rows[0].text, "chosen": response_ids[0], "rejected": response_ids[0]}  # see the update below
             gen_s = time.time() - t_gen
         else:
             pairs, pair_ids = [train_rows[i] for i in ids], ids
@@ -414,7 +412,8 @@ def main(args: Args):
             if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
                 metrics.update(evaluate())
             tracker.log(step, metrics)
-            tracker.samples(step, [{"prompt": p["prompt"], "chosen": p["chosen"], "rejected": p["rejected"]}
+            as_text = lambda c: c if isinstance(c, str) else tok.decode(c, skip_special_tokens=True)  # --online: ids
+            tracker.samples(step, [{"prompt": p["prompt"], "chosen": as_text(p["chosen"]), "rejected": as_text(p["rejected"])}
                                    for p in pairs[:args.num_samples_logged]])
         if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
             checkpoint(step)

@@ -2,9 +2,10 @@
 
 On top of the clipped surrogate, the loss carries beta * KL(pi_old || pi_theta), the KL between the
 rollout policy and the policy being trained (mean over response tokens of log pi_old - log pi_theta),
-and beta adapts after every minibatch update: x1.5 (capped at --beta-max) when that KL exceeds
-1.5 x --policy-kl-target, x0.5 (floored at --beta-min) when it is below 0.5 x target (the adaptive
-KL penalty of Schulman et al. 2017, PPO paper section 4). The reference-KL penalty in the reward,
+and beta adapts once per iteration from the KL the update actually produced, measured after the
+iteration's last optimizer step over the whole rollout batch: x1.5 (capped at --beta-max) when it
+exceeds 1.5 x --policy-kl-target, x0.5 (floored at --beta-min) when it is below 0.5 x target (the
+adaptive KL penalty of Schulman et al. 2017, PPO paper section 4, where d is computed after the update). The reference-KL penalty in the reward,
 with --kl-coef / --kl-target, stays exactly as in ppo_llm.py.
 
 Docs: docs/algos/dynamic_kl_ppo.md (parent: docs/algos/ppo.md). References: Ziegler et al. 2019 "Fine-Tuning Language Models from Human
@@ -190,6 +191,8 @@ class Args:
     """adaptive controller horizon (samples)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """per-token KL estimator in the reward penalty"""
+    tis_cap: float = 0.0
+    """truncated importance sampling: weight each token's loss by min(pi_old / pi_sampler, C) (0 = off)"""
     whiten_rewards: bool = False
     """scale per-token rewards to unit variance (mean kept) before GAE"""
     whiten_advantages: bool = True
@@ -197,7 +200,7 @@ class Args:
     critic_warmup_steps: int = 0
     """first N iterations train only the critic"""
     policy_kl_target: float = 0.1
-    """target of KL(pi_old || pi_theta) per minibatch; beta adapts toward it"""
+    """target of KL(pi_old || pi_theta) after each iteration's update (token mean); beta adapts toward it"""
     beta_init: float = 0.5
     """initial beta of the policy-KL term in the loss"""
     beta_max: float = 1.0
@@ -217,16 +220,19 @@ class Args:
 
 
 # ALGO LOGIC: the PPO losses
-def policy_loss(logprobs, old_logprobs, advantages, mask, n_tokens, clip_eps, dual_clip_c=None):
+def policy_loss(logprobs, old_logprobs, advantages, mask, n_tokens, clip_eps, dual_clip_c=None, tis_weights=None):
     """Clipped surrogate, summed over masked tokens and divided by the minibatch's token count.
-    All (b, T) except n_tokens (scalar). Returns (loss, clip_frac, approx_kl) as sums over tokens / n_tokens."""
-    log_ratio = logprobs - old_logprobs
+    All (b, T) except n_tokens (scalar); tis_weights (b, T) multiply each token's loss (--tis-cap).
+    Returns (loss, clip_frac, approx_kl) as sums over tokens / n_tokens."""
+    log_ratio = (logprobs - old_logprobs).clamp(-20, 20)  # as verl: a ratio that exploded stays finite
     ratio = torch.exp(log_ratio)
     pg1 = -advantages * ratio
     pg2 = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
     pg = torch.max(pg1, pg2)
     if dual_clip_c is not None:  # for A < 0 the loss is at most -A * c
         pg = torch.where(advantages < 0, torch.min(pg, -advantages * dual_clip_c), pg)
+    if tis_weights is not None:
+        pg = pg * tis_weights
     clip_frac = ((pg2 > pg1).float() * mask).sum() / n_tokens
     approx_kl = (0.5 * log_ratio**2 * mask).sum() / n_tokens
     return (pg * mask).sum() / n_tokens, clip_frac, approx_kl
@@ -240,12 +246,12 @@ def value_loss(values, old_values, returns, mask, n_tokens, clip_eps_value):
 
 
 def update_beta(beta, kl, target, beta_min, beta_max):
-    """After each minibatch: x1.5 above 1.5 x target (<= beta_max), x0.5 below 0.5 x target (>= beta_min)."""
+    """After each iteration's update: x1.5 above 1.5 x target, x0.5 below 0.5 x target; always within [beta_min, beta_max]."""
     if kl > 1.5 * target:
-        return min(1.5 * beta, beta_max)
-    if kl < 0.5 * target:
-        return max(0.5 * beta, beta_min)
-    return beta
+        beta = 1.5 * beta
+    elif kl < 0.5 * target:
+        beta = 0.5 * beta
+    return min(max(beta, beta_min), beta_max)
 
 
 def main(args: Args):
@@ -259,6 +265,8 @@ def main(args: Args):
     exact_div(args.local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size")
     # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
     configure_deepspeed(accelerator, args.micro_batch_size, args.local_mini_batch_size // args.micro_batch_size, args.max_grad_norm)
+    if args.kl_target is not None and args.kl_target <= 0:
+        raise ValueError(f"--kl-target {args.kl_target}: must be > 0 (omit it for a fixed --kl-coef)")
     seed_everything(args.seed)
     log = accelerator.print
 
@@ -272,8 +280,10 @@ def main(args: Args):
     if use_ref and args.lora_r == 0:
         ref_policy = prepare_frozen(accelerator, M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype,
                                                                   trust_remote_code=args.trust_remote_code))
-    rm = prepare_frozen(accelerator, M.load_reward_model(args.reward_model, tok, args.dtype)) if args.reward_model else None
-    reward = Reward(args.reward, args.reward_fn, rm, tok, args.max_new_tokens, args.reward_fallback)
+    # the reward model's own tokenizer and chat template (it may differ from the policy's)
+    rm_tok = M.load_tokenizer(args.reward_model, args.trust_remote_code) if args.reward_model else None
+    rm = prepare_frozen(accelerator, M.load_reward_model(args.reward_model, rm_tok, args.dtype)) if args.reward_model else None
+    reward = Reward(args.reward, args.reward_fn, rm, rm_tok, args.max_new_tokens, args.reward_fallback)
 
     train_files, val_files = args.train_files, args.val_files
     if train_files is None:
@@ -355,7 +365,7 @@ def main(args: Args):
         # ------------------------------------------------------------------ 2. score
         texts = tok.batch_decode(responses, skip_special_tokens=True)
         lengths = mask.sum(1)  # (B,)
-        scores, components, extras = reward(rows, texts, lengths, device)  # (B,)
+        scores, components, extras = reward(rows, texts, lengths, device, ro.is_eos)  # (B,)
         scores = scores - args.missing_eos_penalty * (~ro.is_eos).float()
         with torch.no_grad():
             logprobs, values, ref_logprobs = [], [], []
@@ -368,6 +378,10 @@ def main(args: Args):
             logprobs = torch.cat(logprobs) * mask  # (B, T)
             values = torch.cat(values) * mask  # (B, T)
             ref_logprobs = torch.cat(ref_logprobs) * mask if use_ref else logprobs  # (B, T)
+        # pi_old is the trainer's recomputed log-probs; the sampler's (KV cache, maybe another precision
+        # or engine) can differ: the gap is a metric, and --tis-cap corrects for it
+        sampler_diff = all_sum(((logprobs - ro.logprobs).abs() * mask).sum()) / all_sum(mask.sum()).clamp(min=1)
+        tis_weights = torch.exp(logprobs - ro.logprobs).clamp(max=args.tis_cap) * mask if args.tis_cap > 0 else None  # (B, T)
         kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T) per-token KL
         rewards = -kl_ctl.value * kl  # (B, T)
         last = (lengths.long() - 1).clamp(min=0)  # (B,) index of the last real token
@@ -399,7 +413,8 @@ def main(args: Args):
                         new_logprobs, entropy = forward_logprobs(policy, query_responses[mi], attn[mi], P, args.temperature, with_entropy=True)
                     new_values = forward_values(critic, query_responses[mi], attn[mi], P)
                     pg, clip_frac, approx_kl = policy_loss(new_logprobs, logprobs[mi], advantages[mi], mask[mi],
-                                                           n_tokens, args.clip_eps, args.dual_clip_c)
+                                                           n_tokens, args.clip_eps, args.dual_clip_c,
+                                                           tis_weights[mi] if tis_weights is not None else None)
                     vf = value_loss(new_values, values[mi], returns[mi], mask[mi], n_tokens, args.clip_eps_value)
                     ent = (entropy * mask[mi]).sum() / n_tokens
                     policy_kl = (kl_estimate(logprobs[mi], new_logprobs, args.policy_kl_estimator) * mask[mi]).sum() / n_tokens  # KL(pi_old || pi_theta)
@@ -413,13 +428,18 @@ def main(args: Args):
                     accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                     opt.step()
                     sched.step()
-                    mb_kl = accelerator.reduce(torch.stack(stats["pkl"][-len(range(0, len(mb_ids), args.micro_batch_size)):]).sum(), "mean").item()
-                    beta = update_beta(beta, mb_kl, args.policy_kl_target, args.beta_min, args.beta_max)
                 accelerator.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
                 critic_opt.step()
                 critic_sched.step()
                 opt.zero_grad()
                 critic_opt.zero_grad()
+        # ALGO LOGIC: beta follows the KL the update produced, measured after it (one extra forward)
+        if train_policy:
+            with torch.no_grad():
+                new_logprobs = torch.cat([forward_logprobs(policy, query_responses[i:i + args.micro_batch_size], attn[i:i + args.micro_batch_size],
+                                                           P, args.temperature) for i in range(0, len(rows), args.micro_batch_size)])  # (B, T)
+            policy_kl_after = (all_sum((kl_estimate(logprobs, new_logprobs, args.policy_kl_estimator) * mask).sum()) / all_sum(mask.sum()).clamp(min=1)).item()
+            beta = update_beta(beta, policy_kl_after, args.policy_kl_target, args.beta_min, args.beta_max)
         train_s = time.time() - t_train
 
         # ------------------------------------------------------------------ 5. KL controller
@@ -437,11 +457,11 @@ def main(args: Args):
             step_s = time.time() - t_step
             metrics = {
                 "train/reward": all_scores.mean().item(), "train/reward_std": all_scores.std().item(),
-                "train/kl": mean_kl, "train/kl_coef": kl_coef_used,
+                "train/kl": mean_kl, "train/kl_coef": kl_coef_used, "train/sampler_logprob_diff": sampler_diff.item(),
                 "train/entropy": red(stats["ent"]), "train/clip_frac": red(stats["clip"]), "train/approx_kl": red(stats["akl"]),
                 "train/response_len": accelerator.gather(lengths).float().mean().item(),
                 "train/truncated": accelerator.gather(ro.truncated.float()).mean().item(),
-                "train/beta": beta, "train/policy_kl": red(stats["pkl"]),
+                "train/beta": beta, "train/policy_kl": red(stats["pkl"]), "train/policy_kl_after": policy_kl_after if train_policy else 0.0,
                 "train/lr": sched.get_last_lr()[0], "train/value_mean": masked_mean(values, mask, distributed=True).item(),
                 "loss/policy": red(stats["pg"]), "loss/value": red(stats["vf"]),
                 "loss/total": red(stats["pg"]) + args.vf_coef * red(stats["vf"]) - args.ent_coef * red(stats["ent"]),

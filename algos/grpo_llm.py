@@ -178,6 +178,8 @@ class Args:
     """reward subtracted at max_new_tokens (linear from 0 at max_new_tokens - buffer)"""
     mask_truncated: bool = False
     """exclude responses cut at max_new_tokens from the loss (DAPO overlong filtering)"""
+    tis_cap: float = 0.0
+    """truncated importance sampling: weight each token's loss by min(pi_old / pi_sampler, C) (0 = off)"""
 
     health: HealthConfig = field(default_factory=HealthConfig)
     """training-health warning thresholds (--health.kl-max, ...; docs/experiments.md)"""
@@ -186,6 +188,8 @@ class Args:
     world_size: int = field(default=1, init=False)
     local_num_prompts: int = field(default=0, init=False)
     local_mini_batch_size: int = field(default=0, init=False)
+    old_logprobs_from: str = field(default="", init=False)
+    """runtime: 'sampler' (pi_old = the sampler's log-probs, provably equal here) or 'trainer' (recomputed)"""
 
 
 # ALGO LOGIC: advantages, reward shaping and loss aggregation
@@ -256,7 +260,7 @@ def take_informative_groups(parts, G, n_groups, pad_id):
 
 def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high):
     """Per-token PPO loss with asymmetric clipping. (b, T) each, advantages (b, 1) broadcast. Returns (loss, clipped)."""
-    ratio = torch.exp(logprobs - old_logprobs)
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))  # as verl: a ratio that exploded stays finite
     pg1 = -advantages * ratio
     pg2 = -advantages * torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)
     return torch.max(pg1, pg2), (pg2 > pg1).float()
@@ -287,8 +291,10 @@ def main(args: Args):
     if args.kl_coef > 0 and args.lora_r == 0:
         ref_policy = prepare_frozen(accelerator, M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype,
                                                                   trust_remote_code=args.trust_remote_code))
-    rm = prepare_frozen(accelerator, M.load_reward_model(args.reward_model, tok, args.dtype)) if args.reward_model else None
-    reward = Reward(args.reward, args.reward_fn, rm, tok, args.max_new_tokens, args.reward_fallback)
+    # the reward model's own tokenizer and chat template (it may differ from the policy's)
+    rm_tok = M.load_tokenizer(args.reward_model, args.trust_remote_code) if args.reward_model else None
+    rm = prepare_frozen(accelerator, M.load_reward_model(args.reward_model, rm_tok, args.dtype)) if args.reward_model else None
+    reward = Reward(args.reward, args.reward_fn, rm, rm_tok, args.max_new_tokens, args.reward_fallback)
 
     train_files, val_files = args.train_files, args.val_files
     if train_files is None:
@@ -318,6 +324,11 @@ def main(args: Args):
         set_rng_state(state["rng"])
         start_step = state["step"]
         log(f"resumed from {ckpt} at step {start_step}")
+    # pi_old may be the sampler's log-probs only where sampler and trainer compute the same numbers: one
+    # pass (mu = 1), float32 weights without autocast (bf16 KV-cache decoding differs from the batched
+    # forward by up to 0.24 nats on SmolLM2), and no importance correction asked for; else recompute
+    same_numerics = next(policy.parameters()).dtype == torch.float32 and accelerator.mixed_precision == "no"
+    args.old_logprobs_from = "sampler" if args.num_iterations == 1 and same_numerics and args.tis_cap == 0 else "trainer"
     run_dir = make_run_dir(accelerator, Path(__file__).stem, args)
     tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
     log(f"run folder: {run_dir}")
@@ -341,7 +352,7 @@ def main(args: Args):
             ro = generate(gen_model, tok, queries, query_mask, args.max_new_tokens, args.temperature,
                           args.top_k, args.top_p, seeds)
         texts = tok.batch_decode(ro.responses, skip_special_tokens=True)
-        scores, components, extras = reward(rows, texts, ro.response_mask.sum(1), device)  # (B,)
+        scores, components, extras = reward(rows, texts, ro.response_mask.sum(1), device, ro.is_eos)  # (B,)
         return dict(rows=rows, texts=texts, queries=queries, query_mask=query_mask, responses=ro.responses,
                     mask=ro.response_mask, logprobs=ro.logprobs, truncated=ro.truncated, scores=scores,
                     solved=extras.get("acc", (scores >= 1).float()), **{f"reward/{k}": v for k, v in components.items()})
@@ -384,8 +395,8 @@ def main(args: Args):
         advantages = compute_advantages(scores, G, args.baseline, args.scale_rewards)  # (B,)
         loss_mask = mask * (~truncated).float()[:, None] if args.mask_truncated else mask  # (B, T)
         with torch.no_grad():
-            if args.num_iterations == 1:
-                old_logprobs = b["logprobs"]  # on-policy: the sampler's log-probs, no extra forward
+            if args.old_logprobs_from == "sampler":
+                old_logprobs = b["logprobs"]  # on-policy, same numerics: the sampler's log-probs, no extra forward
             else:
                 old_logprobs = torch.cat([forward_logprobs(policy, query_responses[i:i + args.micro_batch_size],
                                                            attn[i:i + args.micro_batch_size], P, args.temperature)
@@ -395,6 +406,13 @@ def main(args: Args):
                 ref_logprobs = torch.cat([ref_logprobs_of(query_responses[i:i + args.micro_batch_size],
                                                           attn[i:i + args.micro_batch_size], P)
                                           for i in range(0, len(rows), args.micro_batch_size)]) * mask
+
+        # sampler-vs-trainer gap of pi_old (mean |delta| per token); with the sampler path it is measured
+        # on the first minibatch's forward below, before any optimizer step
+        diff_sum, diff_n = ((old_logprobs - b["logprobs"]).abs() * mask).sum(), mask.sum()
+        if args.old_logprobs_from == "sampler":
+            diff_sum, diff_n = torch.zeros_like(diff_sum), torch.zeros_like(diff_n)
+        tis_weights = torch.exp(old_logprobs - b["logprobs"]).clamp(max=args.tis_cap) * mask if args.tis_cap > 0 else None  # (B, T)
 
         # ------------------------------------------------------------------ 3. update
         t_train = time.time()
@@ -413,6 +431,11 @@ def main(args: Args):
                     new_logprobs, entropy = forward_logprobs(policy, query_responses[mi], attn[mi], P, args.temperature, with_entropy=True)
                     token_loss, clipped = clipped_surrogate(new_logprobs, old_logprobs[mi], advantages[mi, None],
                                                             args.clip_eps_low, args.clip_eps_high)  # (b, T)
+                    if tis_weights is not None:
+                        token_loss = token_loss * tis_weights[mi]
+                    if args.old_logprobs_from == "sampler" and it == 0 and mb_start == 0:  # weights not yet stepped
+                        diff_sum = diff_sum + ((new_logprobs.detach() - b["logprobs"][mi]).abs() * mask[mi]).sum()
+                        diff_n = diff_n + mask[mi].sum()
                     kl = kl_estimate(new_logprobs, ref_logprobs[mi], args.kl_estimator) if ref_logprobs is not None else torch.zeros_like(token_loss)
                     agg = lambda x: aggregate(x, loss_mask[mi], args.loss_agg, n_tokens, n_seqs, args.max_new_tokens)
                     pg, kl_term = agg(token_loss), agg(kl)
@@ -436,6 +459,7 @@ def main(args: Args):
                 "train/reward": all_scores.mean().item(), "train/reward_std": all_scores.std().item(),
                 "train/zero_std_groups": (by_group.std(1) == 0).float().mean().item(),
                 "train/kl": red(stats["kl"]), "train/kl_coef": args.kl_coef,
+                "train/sampler_logprob_diff": (all_sum(diff_sum) / all_sum(diff_n).clamp(min=1)).item(),
                 "train/entropy": red(stats["ent"]), "train/clip_frac": red(stats["clip"]),
                 "train/response_len": accelerator.gather(lengths).float().mean().item(),
                 "train/truncated": accelerator.gather(truncated.float()).mean().item(),

@@ -183,6 +183,8 @@ class Args:
     """adaptive controller horizon (samples)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """per-token KL estimator in the reward penalty"""
+    tis_cap: float = 0.0
+    """truncated importance sampling: weight each token's loss by min(pi_old / pi_sampler, C) (0 = off)"""
     whiten_rewards: bool = False
     """scale per-token rewards to unit variance (mean kept) before GAE"""
     whiten_advantages: bool = True
@@ -200,16 +202,19 @@ class Args:
 
 
 # ALGO LOGIC: the PPO losses
-def policy_loss(logprobs, old_logprobs, advantages, mask, n_tokens, clip_eps, dual_clip_c=None):
+def policy_loss(logprobs, old_logprobs, advantages, mask, n_tokens, clip_eps, dual_clip_c=None, tis_weights=None):
     """Clipped surrogate, summed over masked tokens and divided by the minibatch's token count.
-    All (b, T) except n_tokens (scalar). Returns (loss, clip_frac, approx_kl) as sums over tokens / n_tokens."""
-    log_ratio = logprobs - old_logprobs
+    All (b, T) except n_tokens (scalar); tis_weights (b, T) multiply each token's loss (--tis-cap).
+    Returns (loss, clip_frac, approx_kl) as sums over tokens / n_tokens."""
+    log_ratio = (logprobs - old_logprobs).clamp(-20, 20)  # as verl: a ratio that exploded stays finite
     ratio = torch.exp(log_ratio)
     pg1 = -advantages * ratio
     pg2 = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
     pg = torch.max(pg1, pg2)
     if dual_clip_c is not None:  # for A < 0 the loss is at most -A * c
         pg = torch.where(advantages < 0, torch.min(pg, -advantages * dual_clip_c), pg)
+    if tis_weights is not None:
+        pg = pg * tis_weights
     clip_frac = ((pg2 > pg1).float() * mask).sum() / n_tokens
     approx_kl = (0.5 * log_ratio**2 * mask).sum() / n_tokens
     return (pg * mask).sum() / n_tokens, clip_frac, approx_kl
@@ -233,6 +238,8 @@ def main(args: Args):
     exact_div(args.local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size")
     # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
     configure_deepspeed(accelerator, args.micro_batch_size, args.local_mini_batch_size // args.micro_batch_size, args.max_grad_norm)
+    if args.kl_target is not None and args.kl_target <= 0:
+        raise ValueError(f"--kl-target {args.kl_target}: must be > 0 (omit it for a fixed --kl-coef)")
     seed_everything(args.seed)
     log = accelerator.print
 
@@ -246,8 +253,10 @@ def main(args: Args):
     if use_ref and args.lora_r == 0:
         ref_policy = prepare_frozen(accelerator, M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype,
                                                                   trust_remote_code=args.trust_remote_code))
-    rm = prepare_frozen(accelerator, M.load_reward_model(args.reward_model, tok, args.dtype)) if args.reward_model else None
-    reward = Reward(args.reward, args.reward_fn, rm, tok, args.max_new_tokens, args.reward_fallback)
+    # the reward model's own tokenizer and chat template (it may differ from the policy's)
+    rm_tok = M.load_tokenizer(args.reward_model, args.trust_remote_code) if args.reward_model else None
+    rm = prepare_frozen(accelerator, M.load_reward_model(args.reward_model, rm_tok, args.dtype)) if args.reward_model else None
+    reward = Reward(args.reward, args.reward_fn, rm, rm_tok, args.max_new_tokens, args.reward_fallback)
 
     train_files, val_files = args.train_files, args.val_files
     if train_files is None:
@@ -327,7 +336,7 @@ def main(args: Args):
         # ------------------------------------------------------------------ 2. score
         texts = tok.batch_decode(responses, skip_special_tokens=True)
         lengths = mask.sum(1)  # (B,)
-        scores, components, extras = reward(rows, texts, lengths, device)  # (B,)
+        scores, components, extras = reward(rows, texts, lengths, device, ro.is_eos)  # (B,)
         scores = scores - args.missing_eos_penalty * (~ro.is_eos).float()
         with torch.no_grad():
             logprobs, values, ref_logprobs = [], [], []
@@ -340,6 +349,10 @@ def main(args: Args):
             logprobs = torch.cat(logprobs) * mask  # (B, T)
             values = torch.cat(values) * mask  # (B, T)
             ref_logprobs = torch.cat(ref_logprobs) * mask if use_ref else logprobs  # (B, T)
+        # pi_old is the trainer's recomputed log-probs; the sampler's (KV cache, maybe another precision
+        # or engine) can differ: the gap is a metric, and --tis-cap corrects for it
+        sampler_diff = all_sum(((logprobs - ro.logprobs).abs() * mask).sum()) / all_sum(mask.sum()).clamp(min=1)
+        tis_weights = torch.exp(logprobs - ro.logprobs).clamp(max=args.tis_cap) * mask if args.tis_cap > 0 else None  # (B, T)
         kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T) per-token KL
         rewards = -kl_ctl.value * kl  # (B, T)
         last = (lengths.long() - 1).clamp(min=0)  # (B,) index of the last real token
@@ -371,7 +384,8 @@ def main(args: Args):
                         new_logprobs, entropy = forward_logprobs(policy, query_responses[mi], attn[mi], P, args.temperature, with_entropy=True)
                     new_values = forward_values(critic, query_responses[mi], attn[mi], P)
                     pg, clip_frac, approx_kl = policy_loss(new_logprobs, logprobs[mi], advantages[mi], mask[mi],
-                                                           n_tokens, args.clip_eps, args.dual_clip_c)
+                                                           n_tokens, args.clip_eps, args.dual_clip_c,
+                                                           tis_weights[mi] if tis_weights is not None else None)
                     vf = value_loss(new_values, values[mi], returns[mi], mask[mi], n_tokens, args.clip_eps_value)
                     ent = (entropy * mask[mi]).sum() / n_tokens
                     # two models, two backward passes (disjoint graphs): under DeepSpeed each engine steps itself
@@ -406,7 +420,7 @@ def main(args: Args):
             step_s = time.time() - t_step
             metrics = {
                 "train/reward": all_scores.mean().item(), "train/reward_std": all_scores.std().item(),
-                "train/kl": mean_kl, "train/kl_coef": kl_coef_used,
+                "train/kl": mean_kl, "train/kl_coef": kl_coef_used, "train/sampler_logprob_diff": sampler_diff.item(),
                 "train/entropy": red(stats["ent"]), "train/clip_frac": red(stats["clip"]), "train/approx_kl": red(stats["akl"]),
                 "train/response_len": accelerator.gather(lengths).float().mean().item(),
                 "train/truncated": accelerator.gather(ro.truncated.float()).mean().item(),

@@ -30,10 +30,11 @@ import torch
 import torch.nn.functional as F
 
 from common import models as M
-from common.data import Sampler, load_preferences
+from common.data import Sampler, encode_prompt_completion, load_preferences
 from common.distributed import backward, configure_deepspeed, load_optimizer_state, make_accelerator, optimizer_state, reshard
 from common.ops import exact_div
 from common.prepare_data import default_preference_files
+from common.rollout import position_ids_from_mask
 from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, parse_args, peak_mem_gb,
                         resolve_checkpoint, save_checkpoint, seed_everything, set_rng_state)
 
@@ -118,25 +119,14 @@ class Args:
 
 
 # ALGO LOGIC: Bradley-Terry
-def encode(tok, prompts, completions, max_length, device):
-    """Right-padded prompt+completion+EOS: input_ids, attention_mask (N, L). The classification
-    head reads the last non-pad token (transformers finds it from pad_token_id, which is not EOS)."""
-    seqs = []
-    for p, c in zip(prompts, completions):
-        comp = tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        prompt = tok(p, add_special_tokens=False)["input_ids"]
-        seqs.append((prompt[max(0, len(prompt) + len(comp) - max_length):] + comp)[-max_length:])
-    L = max(map(len, seqs))
-    ids = torch.tensor([s + [tok.pad_token_id] * (L - len(s)) for s in seqs], device=device)
-    attn = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in seqs], device=device)
-    return ids, attn
-
-
 def scores_of(model, tok, pairs, max_length, device):
-    """Raw scores of chosen and rejected, one forward pass: (B,), (B,)."""
-    ids, attn = encode(tok, [p["prompt"] for p in pairs] * 2, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs],
-                       max_length, device)
-    s = model(input_ids=ids, attention_mask=attn).logits[:, 0].float()  # (2B,)
+    """Raw scores of chosen and rejected, one forward pass: (B,), (B,). Each sequence is
+    prompt + completion + EOS (the shared encoder, which the RL reward scorer uses too); the head
+    reads the last non-pad token, i.e. EOS (transformers finds it from pad_token_id, which is not EOS)."""
+    ids, attn, _ = encode_prompt_completion(tok, [p["prompt"] for p in pairs] * 2,
+                                            [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs],
+                                            eos=True, max_length=max_length, device=device)  # (2B, L)
+    s = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits[:, 0].float()  # (2B,)
     return s[:len(pairs)], s[len(pairs):]
 
 
@@ -249,6 +239,7 @@ def main(args: Args):
         state_dict = M.merge_lora_state_dict(state_dict, args.lora_alpha / args.lora_r) if accelerator.is_main_process else None
         unwrapped = unwrapped.get_base_model()
     unwrapped.config.reward_gain, unwrapped.config.reward_bias = gain, bias
+    unwrapped.config.reward_max_length = args.max_length  # the RL scorer truncates as training did
     if accelerator.is_main_process:
         unwrapped.save_pretrained(run_dir / "reward_model", state_dict=state_dict)
         tok.save_pretrained(run_dir / "reward_model")

@@ -124,20 +124,10 @@ class Args:
 
 # ALGO LOGIC: response-only next-token loss
 def encode_examples(tok, examples, max_length, device):
-    """Right-padded prompt+response+EOS. Returns input_ids, attention_mask, loss_mask: (B, L).
-    loss_mask is 1 on response tokens and EOS only: the prompt is context, not a target."""
-    seqs, masks = [], []
-    for ex in examples:
-        prompt = tok(ex["prompt"], add_special_tokens=False)["input_ids"]
-        response = tok(ex["response"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        prompt = prompt[max(0, len(prompt) + len(response) - max_length):]  # cut the prompt's start if too long
-        seqs.append((prompt + response)[:max_length])
-        masks.append(([0] * len(prompt) + [1] * len(response))[:max_length])
-    L = max(map(len, seqs))
-    ids = torch.tensor([s + [tok.pad_token_id] * (L - len(s)) for s in seqs], device=device)
-    attn = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in seqs], device=device)
-    loss_mask = torch.tensor([m + [0] * (L - len(m)) for m in masks], device=device, dtype=torch.float)
-    return ids, attn, loss_mask
+    """Right-padded prompt+response+EOS (the shared encoder). Returns input_ids, attention_mask,
+    loss_mask: (B, L). loss_mask is 1 on response tokens and EOS only: the prompt is context, not a target."""
+    return encode_prompt_completion(tok, [ex["prompt"] for ex in examples], [ex["response"] for ex in examples],
+                                    eos=True, max_length=max_length, device=device)
 
 
 def sft_loss_sum(model, ids, attn, loss_mask):

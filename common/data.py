@@ -11,8 +11,10 @@ hub dataset id (`name` or `name:split`). Several files are merged in order; thei
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,6 +109,7 @@ class PromptRow:
     ground_truth: object
     extra_info: dict = field(default_factory=dict)
     uid: int = 0  # position in the merged dataset
+    messages: object = None  # the prompt before any template (string or messages): a reward model renders it with its own
 
 
 def load_prompts(files, tok, prompt_key: str = "prompt", reward_fn_key: str = "data_source",
@@ -117,7 +120,8 @@ def load_prompts(files, tok, prompt_key: str = "prompt", reward_fn_key: str = "d
     out, dropped = [], 0
     for r in rows:
         where = f"{r['_file']} row {r['_row']} column '{prompt_key}'"
-        text = apply_chat(tok, _check_messages(r[prompt_key], where))
+        messages = _check_messages(r[prompt_key], where)
+        text = apply_chat(tok, messages)
         n = len(tok(text, add_special_tokens=False)["input_ids"])
         if n > max_prompt_length:
             if not truncate:
@@ -128,12 +132,88 @@ def load_prompts(files, tok, prompt_key: str = "prompt", reward_fn_key: str = "d
         rm = r.get("reward_model") or {}
         extra = r.get("extra_info") or {}
         out.append(PromptRow(text, str(r[reward_fn_key]), rm.get("ground_truth") if isinstance(rm, dict) else rm,
-                             dict(extra) if isinstance(extra, dict) else {"value": extra}, len(out)))
+                             dict(extra) if isinstance(extra, dict) else {"value": extra}, len(out), messages))
     if dropped:
         log(f"[data] dropped {dropped} of {len(rows)} prompts longer than --max-prompt-length {max_prompt_length}")
     if not out:
         raise DataError(f"{files}: no prompts left after dropping those over --max-prompt-length {max_prompt_length}")
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Problems: what "held out" compares
+# ---------------------------------------------------------------------------------------------
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def problem_key(prompt) -> str:
+    """The canonical problem of a prompt (string or messages), as a short hash: the text with every
+    number replaced by `#`, plus the numbers sorted. So "3 + 5 =" and "5 + 3 =" are one problem
+    (and, conservatively, so are "5 - 3" and "3 - 5"): a test problem is then never trained on in
+    any order of its operands. Over-merging only makes splits stricter."""
+    text = prompt if isinstance(prompt, str) else "\n".join(str(m.get("content", "")) for m in prompt)
+    text = " ".join(text.split())
+    numbers = sorted(float(x) for x in _NUMBER.findall(text))
+    return hashlib.sha1(json.dumps([_NUMBER.sub("#", text), numbers]).encode()).hexdigest()[:16]
+
+
+def overlap_report(train_rows: list[dict], test_rows: list[dict], prompt_key: str = "prompt") -> dict:
+    """How much of a test set occurs in a training set: exact-duplicate prompts and duplicate problems
+    (`problem_key`), as counts of test rows and of distinct test problems."""
+    exact = {json.dumps(r.get(prompt_key), sort_keys=True, default=str) for r in train_rows}
+    train_problems = {problem_key(r[prompt_key]) for r in train_rows if r.get(prompt_key) is not None}
+    test_keys = [problem_key(r[prompt_key]) for r in test_rows if r.get(prompt_key) is not None]
+    return {
+        "test_rows": len(test_rows),
+        "test_rows_with_prompt_in_train": sum(json.dumps(r.get(prompt_key), sort_keys=True, default=str) in exact for r in test_rows),
+        "test_rows_with_problem_in_train": sum(k in train_problems for k in test_keys),
+        "distinct_test_problems": len(set(test_keys)),
+        "distinct_test_problems_in_train": len(set(test_keys) & train_problems),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt + completion as one sequence (SFT, reward model training and scoring, DPO)
+# ---------------------------------------------------------------------------------------------
+def encode_prompt_completion(tok, prompts: list[str], completions: list, eos=True, max_length: int | None = None,
+                             max_prompt_length: int | None = None, max_completion_length: int | None = None,
+                             device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded `prompt + completion (+ EOS)` token sequences, the one encoder of the project.
+
+    prompts: templated prompt texts. completions: texts, or token-id lists (a rollout's own ids,
+    taken as they are: they already hold the EOS the policy emitted, so nothing is appended).
+    eos: per completion (or one bool for all): append EOS after a text completion. A reward model
+    is trained on `prompt + chosen + EOS` and reads its score at the last real token, so the RL
+    reward scorer must pass eos=True exactly for responses that ended with EOS.
+    Truncation, in this order: completion (EOS included) to its first `max_completion_length`
+    tokens (a cut completion loses its EOS: the policy never emitted one there); prompt to its last
+    `max_prompt_length`; then, past `max_length`, the prompt's start is cut, then the completion's end.
+    Prompt and completion are tokenized separately (as the policy sees them: prompt ids, then response ids).
+
+    Returns input_ids, attention_mask, completion_mask: (N, L) each, L = the longest sequence.
+    Naive: `ids = tok(prompt).input_ids + tok(completion).input_ids + [eos]` per row, padded right."""
+    eos = [eos] * len(prompts) if isinstance(eos, bool) else list(eos)
+    seqs, comp_masks = [], []
+    for prompt, completion, add_eos in zip(prompts, completions, eos):
+        p = tok(prompt, add_special_tokens=False)["input_ids"]
+        if isinstance(completion, str):
+            c = tok(completion, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if add_eos else [])
+        else:
+            c = [int(t) for t in completion]
+        if max_completion_length is not None:
+            c = c[:max_completion_length]
+        if max_prompt_length is not None:
+            p = p[len(p) - min(len(p), max_prompt_length):]
+        if max_length is not None:
+            p = p[len(p) - min(len(p), max(0, max_length - len(c))):]
+            c = c[:max_length]
+        seqs.append(p + c)
+        comp_masks.append([0] * len(p) + [1] * len(c))
+    L = max(map(len, seqs))
+    ids = torch.tensor([x + [tok.pad_token_id] * (L - len(x)) for x in seqs], device=device, dtype=torch.long)  # (N, L)
+    attn = torch.tensor([[1] * len(x) + [0] * (L - len(x)) for x in seqs], device=device, dtype=torch.long)  # (N, L)
+    comp = torch.tensor([m + [0] * (L - len(m)) for m in comp_masks], device=device, dtype=torch.float)  # (N, L)
+    return ids, attn, comp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,7 +315,9 @@ def write_rows(rows: list[dict], path: str | Path) -> None:
     """Write rows to .parquet or .jsonl (by extension); atomic (temp file + rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    # a temp name of this process's own: two ranks generating the same default task at once must not
+    # rename each other's half-written file
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     if path.suffix == ".parquet":
         import pandas as pd
 

@@ -38,27 +38,33 @@ def load_any(path: str, tok):
 
 @torch.no_grad()
 def answer(model, tok, rows, max_new_tokens: int, batch_size: int = 16, samples: int = 1, temperature: float = 1.0,
-           seed: int = 0) -> list[list[str]]:
-    """responses[i][k]: the k-th answer to rows[i] (greedy when samples == 1 and temperature == 0)."""
+           seed: int = 0, with_lengths: bool = False):
+    """responses[i][k]: the k-th answer to rows[i] (greedy when temperature == 0). With
+    `with_lengths`, also lengths[i][k] (response tokens) and is_eos[i][k] (ended with EOS), which
+    the `length` and `model` reward terms need."""
     device = next(model.parameters()).device
-    out = [[] for _ in rows]
+    out, lengths, eos = [[] for _ in rows], [[] for _ in rows], [[] for _ in rows]
     for k in range(samples):
         for i in range(0, len(rows), batch_size):
             batch = rows[i:i + batch_size]
             q, qm = tokenize_queries(tok, [r.text for r in batch], device)
             seeds = None if temperature == 0 else [sample_seed(seed, k, r.uid) for r in batch]
             ro = generate(model, tok, q, qm, max_new_tokens, max(temperature, 1e-5), seeds=seeds)
+            n, e = ro.response_mask.sum(1).tolist(), ro.is_eos.tolist()
             for j, text in enumerate(tok.batch_decode(ro.responses, skip_special_tokens=True)):
                 out[i + j].append(text)
-    return out
+                lengths[i + j].append(n[j])
+                eos[i + j].append(e[j])
+    return (out, lengths, eos) if with_lengths else out
 
 
-def score(rows, responses: list[list[str]], reward: Reward) -> dict:
+def score(rows, responses: list[list[str]], reward: Reward, lengths=None, is_eos=None) -> dict:
     """Mean reward and accuracy overall and per data_source (over all k samples)."""
     per = defaultdict(lambda: {"reward": [], "accuracy": []})
     for k in range(len(responses[0])):
         texts = [r[k] for r in responses]
-        s, _, extra = reward(rows, texts, torch.ones(len(rows)))
+        lens = torch.tensor([n[k] for n in lengths]) if lengths else torch.ones(len(rows))
+        s, _, extra = reward(rows, texts, lens, is_eos=[e[k] for e in is_eos] if is_eos else None)
         acc = extra.get("acc", (s >= 1).float())
         for row, sv, av in zip(rows, s.tolist(), acc.tolist()):
             for key in ("all", row.data_source):
@@ -84,7 +90,7 @@ def evaluate_policy(accelerator, policy, tok, reward: Reward, rows, max_new_toke
             q, qm = tokenize_queries(tok, [x.text for x in batch], accelerator.device)
             ro = generate(model, tok, q, qm, max_new_tokens)
             texts = tok.batch_decode(ro.responses, skip_special_tokens=True)
-            s, _, extra = reward(batch, texts, ro.response_mask.sum(1), accelerator.device)
+            s, _, extra = reward(batch, texts, ro.response_mask.sum(1), accelerator.device, ro.is_eos)
             scores.append(s)
             accs.append(extra.get("acc", (s >= 1).float()))
             samples += [{"prompt": x.text, "response": t, "reward": float(v)} for x, t, v in zip(batch, texts, s)]
@@ -129,8 +135,9 @@ def main(args: Args) -> dict:
     results, answers = {}, {}
     for name in args.models:
         model = load_any(M.resolve_model_path(name), M.load_tokenizer(name) if Path(M.resolve_model_path(name), "tokenizer_config.json").exists() else tok).eval()
-        answers[name] = answer(model, tok, rows, args.max_new_tokens, args.batch_size, args.samples, args.temperature)
-        results[name] = score(rows, answers[name], reward)
+        answers[name], lengths, is_eos = answer(model, tok, rows, args.max_new_tokens, args.batch_size, args.samples,
+                                                args.temperature, with_lengths=True)
+        results[name] = score(rows, answers[name], reward, lengths, is_eos)
         del model
     from rich.console import Console
     from rich.table import Table

@@ -59,8 +59,11 @@ def main(args: Args) -> dict:
     reward = Reward(args.reward, args.reward_fn, max_new_tokens=args.max_new_tokens)
     reward.check({r.data_source for r in rows})
     model = load_any(M.resolve_model_path(args.model), tok).eval()
-    responses = answer(model, tok, rows, args.max_new_tokens, args.batch_size, args.k, args.temperature, args.seed)
-    scores = torch.stack([reward(rows, [r[k] for r in responses], torch.ones(len(rows)))[0] for k in range(args.k)], 1)  # (N, K)
+    responses, lengths, is_eos = answer(model, tok, rows, args.max_new_tokens, args.batch_size, args.k, args.temperature,
+                                        args.seed, with_lengths=True)
+    # real response lengths (the `length` term) and EOS flags (the `model` term), per sample
+    scores = torch.stack([reward(rows, [r[k] for r in responses], torch.tensor([n[k] for n in lengths]),
+                                 is_eos=[e[k] for e in is_eos])[0] for k in range(args.k)], 1)  # (N, K)
     pairs, ties = [], 0
     for i, (row, src) in enumerate(zip(rows, raw)):
         best, worst = scores[i].argmax().item(), scores[i].argmin().item()

@@ -1,10 +1,13 @@
 """The checklist to read before training on a dataset.
 
     python -m common.inspect_data data/chain_sum/train.parquet [more files] [--model smollm2-135m-instruct]
+    python -m common.inspect_data data/chain_sum/test.parquet --against data/chain_sum/train.parquet
 
 Prints: rows per file, columns, empty or missing fields, data_source counts, prompt token-length
 percentiles (after the chat template), duplicate prompts, and for preference / scored data the
-range of the scores.
+range of the scores. With `--against TRAIN...`: how much of the given (test) files occurs in
+the training files, as exact-duplicate prompts and as duplicate problems (`common.data.problem_key`:
+the same question up to the order of its numbers).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections import Counter
 
 import numpy as np
 
-from common.data import read_table
+from common.data import overlap_report, read_table
 from common.models import DEFAULT_MODEL, apply_chat, load_tokenizer
 
 SCORE_COLUMNS = ("score", "reward", "chosen_score", "rejected_score")
@@ -25,7 +28,7 @@ def _empty(v) -> bool:
     return v is None or (isinstance(v, (str, list, dict)) and len(v) == 0)
 
 
-def report(files: list[str], model: str = DEFAULT_MODEL, prompt_key: str = "prompt") -> dict:
+def report(files: list[str], model: str = DEFAULT_MODEL, prompt_key: str = "prompt", against: list[str] | None = None) -> dict:
     tok = load_tokenizer(model)
     rows = []
     per_file = {}
@@ -46,6 +49,9 @@ def report(files: list[str], model: str = DEFAULT_MODEL, prompt_key: str = "prom
         out["duplicate_prompts"] = len(keys) - len(set(keys))
     if any("chosen" in r for r in rows):
         out["chosen_equals_rejected"] = sum(r.get("chosen") == r.get("rejected") for r in rows)
+    if against:
+        train = [r for f in against for r in read_table(f)]
+        out["overlap_with_train"] = overlap_report(train, rows, prompt_key)
     for c in SCORE_COLUMNS:
         vals = [float(r[c]) for r in rows if isinstance(r.get(c), (int, float))]
         if vals:
@@ -58,11 +64,13 @@ def main() -> None:
     p.add_argument("files", nargs="+")
     p.add_argument("--model", default=DEFAULT_MODEL, help="tokenizer used for prompt lengths")
     p.add_argument("--prompt-key", default="prompt")
+    p.add_argument("--against", nargs="+", default=None, metavar="TRAIN",
+                   help="training files: report test rows whose prompt or problem also occurs there")
     a = p.parse_args()
     from rich.console import Console
     from rich.table import Table
 
-    r = report(a.files, a.model, a.prompt_key)
+    r = report(a.files, a.model, a.prompt_key, a.against)
     table = Table(title="dataset report", show_header=False)
     for k, v in r.items():
         table.add_row(k, json.dumps(v) if not isinstance(v, (int, str)) else str(v))

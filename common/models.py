@@ -205,6 +205,28 @@ def _finish(model, tok, lora_r: int, lora_alpha: int, lora_dropout: float, lora_
     return model
 
 
+def no_dropout(config):
+    """Set every dropout probability of a transformers config to 0 (in place) and return it.
+
+    RL and preference losses compare log-probs of the same tokens across forward passes (ratios,
+    KL to the reference, values): dropout would make them random, and `--gradient-checkpointing`
+    keeps models in train mode, where it is live. Llama-style models have attention_dropout = 0
+    already; GPT-2 (attn/resid/embd_pdrop), OPT (dropout, attention_dropout) and others do not."""
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0:
+            setattr(config, key, 0.0)
+    for sub in ("text_config",):  # composite configs keep the language model's settings here
+        if getattr(config, sub, None) is not None:
+            no_dropout(getattr(config, sub))
+    return config
+
+
+def _config(path: str, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    return no_dropout(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+
+
 def load_causal_lm(name_or_path: str, tok=None, dtype: str = "auto", trust_remote_code: bool = False,
                    lora_r: int = 0, lora_alpha: int = 32, lora_dropout: float = 0.0, lora_target: str = "all-linear",
                    gradient_checkpointing: bool = False, load_in_4bit: bool = False):
@@ -212,9 +234,10 @@ def load_causal_lm(name_or_path: str, tok=None, dtype: str = "auto", trust_remot
     linear layers (or the comma-separated `lora_target`); `load_in_4bit` makes that QLoRA."""
     from transformers import AutoModelForCausalLM
 
+    path = resolve_model_path(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(name_or_path), dtype=default_dtype(override=dtype), trust_remote_code=trust_remote_code,
-        quantization_config=_quantization_config(load_in_4bit),
+        path, config=_config(path, trust_remote_code), dtype=default_dtype(override=dtype),
+        trust_remote_code=trust_remote_code, quantization_config=_quantization_config(load_in_4bit),
     )
     model.generation_config.pad_token_id = tok.pad_token_id if tok is not None else None
     return _finish(model, tok, lora_r, lora_alpha, lora_dropout, lora_target, gradient_checkpointing,
@@ -248,7 +271,7 @@ def load_value_model(name_or_path: str, tok=None, dtype: str = "auto", trust_rem
     from transformers import AutoConfig, AutoModelForTokenClassification
 
     path = resolve_model_path(name_or_path)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    config = _config(path, trust_remote_code)
     fresh_head = config.num_labels != 1 or not (config.architectures or [""])[0].endswith("TokenClassification")
     config.num_labels, config.classifier_dropout = 1, 0.0  # no dropout in RL: it would bias the values
     with _quiet_load():
@@ -269,10 +292,12 @@ def load_reward_model(name_or_path: str, tok=None, dtype: str = "auto", trust_re
     """A reward model: `AutoModelForSequenceClassification` with one label (score at the last real token)."""
     from transformers import AutoModelForSequenceClassification
 
+    path = resolve_model_path(name_or_path)
+    config = _config(path, trust_remote_code)
+    config.num_labels = 1
     with _quiet_load():
         model = AutoModelForSequenceClassification.from_pretrained(
-            resolve_model_path(name_or_path), num_labels=1, dtype=default_dtype(override=dtype),
-            trust_remote_code=trust_remote_code,
+            path, config=config, dtype=default_dtype(override=dtype), trust_remote_code=trust_remote_code,
         )
     if lora:
         return _finish(model, tok, task_type="SEQ_CLS", modules_to_save=["score"], **lora)

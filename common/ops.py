@@ -18,27 +18,28 @@ import torch.nn.functional as F
 # ---------------------------------------------------------------------------------------------
 # Log-probabilities and entropy
 # ---------------------------------------------------------------------------------------------
-def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, chunk: int = 4) -> torch.Tensor:
-    """log softmax(logits)[..., index], without a float32 copy of the whole (B, T, V) tensor.
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, chunk: int = 4, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[..., index], without a float32 copy of the whole (B, T, V) tensor.
 
-    logits: (B, T, V) any float dtype; index: (B, T) token ids -> (B, T) float32.
-    Naive equivalent: `torch.log_softmax(logits.float(), -1).gather(-1, index[..., None])[..., 0]`.
+    logits: (B, T, V) any float dtype; index: (B, T) token ids -> (B, T) float32. The temperature
+    divides after the float32 cast (dividing bf16 logits first rounds them a second time).
+    Naive equivalent: `torch.log_softmax(logits.float() / t, -1).gather(-1, index[..., None])[..., 0]`.
     We loop over `chunk` rows of the batch at a time (a (chunk, T, V) float32 temporary), since
     for V = 49k and T = 1k the full tensor is 200 MB per sequence."""
     out = []
     for lg, ix in zip(logits.split(chunk), index.split(chunk)):
-        lg = lg.float()
+        lg = lg.float() / temperature if temperature != 1.0 else lg.float()
         picked = lg.gather(-1, ix.unsqueeze(-1)).squeeze(-1)  # (b, T)
         out.append(picked - torch.logsumexp(lg, dim=-1))
     return torch.cat(out)
 
 
-def entropy_from_logits(logits: torch.Tensor, chunk: int = 4) -> torch.Tensor:
-    """Entropy of softmax(logits) per position: (B, T, V) -> (B, T), in float32, chunked as above.
-    Naive: `-(p * log p).sum(-1)` with `p = softmax(logits)`."""
+def entropy_from_logits(logits: torch.Tensor, chunk: int = 4, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) per position: (B, T, V) -> (B, T), in float32, chunked as above.
+    Naive: `-(p * log p).sum(-1)` with `p = softmax(logits.float() / temperature)`."""
     out = []
     for lg in logits.split(chunk):
-        lg = lg.float()
+        lg = lg.float() / temperature if temperature != 1.0 else lg.float()
         logp = torch.log_softmax(lg, dim=-1)
         out.append(-(logp.exp() * logp).sum(-1))
     return torch.cat(out)
@@ -111,15 +112,16 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
       k1 = d                      unbiased, high variance, can be negative per token
       k2 = d^2 / 2                biased, low variance, >= 0
       k3 = exp(-d) - 1 + d        unbiased, low variance, >= 0 ("low-var KL" in verl, GRPO paper)
-    For k3 we clamp -d to [-20, 20] before exp so a token whose ratio exploded gives a large finite
-    value instead of inf (verl clamps the result to [-10, 10]; we keep it unclamped above)."""
+    k3 is clamped to [-10, 10] as in verl (and -d to [-20, 20] before exp, so nothing overflows):
+    one token whose ratio exploded (d = -10 gives exp(10) - 11 = 22015) cannot outweigh the rest
+    of the sequence's reward."""
     d = logprobs - ref_logprobs
     if kind == "k1":
         return d
     if kind == "k2":
         return 0.5 * d**2
     if kind == "k3":
-        return torch.exp((-d).clamp(-20, 20)) - 1 + d
+        return (torch.exp((-d).clamp(-20, 20)) - 1 + d).clamp(-10, 10)
     raise ValueError(f"unknown KL estimator {kind!r}: use k1, k2 or k3")
 
 

@@ -6,7 +6,10 @@
     python -m common.prepare_data --math path/to/math.jsonl
     python -m common.prepare_data --preferences Anthropic/hh-rlhf
 
-Built-in tasks come from reasoning-gym (procedural, offline, seeded). Each writes
+Built-in tasks come from reasoning-gym (procedural, offline, seeded), split by problem: a
+hash-chosen share of the problems (`--test-fraction`) is test-only, so no test problem, in any
+order of its operands, is ever trained on (`python -m common.inspect_data TEST --against TRAIN`
+checks a pair of files). Each writes
 `{out}/{task}/train.parquet` and `test.parquet` (prompts), `sft_{train,test}.parquet` (prompt +
 correct formatted response, for sft_llm.py) and `pairs_{train,test}.parquet` (right vs wrong
 answer, for dpo_llm.py and rm_llm.py); `data_source` is
@@ -23,7 +26,7 @@ from pathlib import Path
 import tyro
 from dataclasses import dataclass, field
 
-from common.data import read_table, write_rows
+from common.data import problem_key, read_table, write_rows
 
 # The one place the answer format is stated. The reward functions read <answer>...</answer>
 # (common/rewards.py falls back to the last number when the tags are missing). No example answer:
@@ -44,40 +47,79 @@ TASKS = {
 DEFAULT_TASK = "chain_sum_1d"
 
 
+def _task_row(name: str, e: dict, split: str, index: int) -> dict:
+    return {
+        "data_source": f"reasoning_gym/{name}",
+        "prompt": [{"role": "user", "content": f"{e['question']}\n{ANSWER_INSTRUCTION}"}],
+        "ability": "reasoning",
+        "reward_model": {"style": "rule", "ground_truth": str(e["answer"])},
+        "extra_info": {"split": split, "index": index, "entry": json.dumps(e, default=str)},
+    }
+
+
 def reasoning_gym_rows(task: str, size: int, seed: int, split: str) -> list[dict]:
+    """`size` rows of a task drawn with `seed`, unsplit (`split_task_rows` makes the train/test files)."""
+    import reasoning_gym
+
+    name, settings = TASKS.get(task, (task, {}))
+    return [_task_row(name, e, split, i) for i, e in enumerate(reasoning_gym.create_dataset(name, size=size, seed=seed, **settings))]
+
+
+def is_test_problem(key: str, test_fraction: float) -> bool:
+    """A problem's split, fixed by its hash alone: the same problem lands in the same split whatever
+    the seed or sizes, so no test problem is ever trained on."""
+    return int(key, 16) % 10_000 < test_fraction * 10_000
+
+
+def split_task_rows(task: str, train_size: int, test_size: int, seed: int, test_fraction: float = 0.25):
+    """(train rows, test rows) of a reasoning-gym task, split by problem (`common.data.problem_key`).
+
+    Entries are drawn from one seeded stream. A hash-chosen `test_fraction` of all problems is
+    reserved for test: test keeps each distinct question of those problems once (up to
+    `test_size`), train the rest (repeats allowed, as small problem spaces need: chain_sum_1d has
+    200 distinct questions). A small problem space can give fewer test rows than asked; the caller
+    is told. Before: train and test were drawn with different seeds from the same space, so every
+    chain_sum_1d test question also occurred in training."""
     import reasoning_gym
 
     name, settings = TASKS.get(task, (task, {}))  # any reasoning-gym dataset name works, at its defaults
-    ds = reasoning_gym.create_dataset(name, size=size, seed=seed, **settings)
-    rows = []
-    for i, e in enumerate(ds):
-        rows.append({
-            "data_source": f"reasoning_gym/{name}",
-            "prompt": [{"role": "user", "content": f"{e['question']}\n{ANSWER_INSTRUCTION}"}],
-            "ability": "reasoning",
-            "reward_model": {"style": "rule", "ground_truth": str(e["answer"])},
-            "extra_info": {"split": split, "index": i, "entry": json.dumps(e, default=str)},
-        })
-    return rows
+    max_draws = 50 * (train_size + test_size)
+    ds = reasoning_gym.create_dataset(name, size=max_draws, seed=seed, **settings)
+    train, test, seen_test = [], [], set()
+    for i in range(max_draws):
+        if len(train) >= train_size and len(test) >= test_size:
+            break
+        e = ds[i]
+        if is_test_problem(problem_key(e["question"]), test_fraction):
+            if len(test) < test_size and e["question"] not in seen_test:
+                seen_test.add(e["question"])
+                test.append(_task_row(name, e, "test", len(test)))
+        elif len(train) < train_size:
+            train.append(_task_row(name, e, "train", len(train)))
+    return train, test
 
 
-def write_task(task: str, out: Path, train_size: int, test_size: int, seed: int) -> tuple[Path, Path]:
-    # different seeds for the splits; reasoning-gym's generators are deterministic per seed
+def write_task(task: str, out: Path, train_size: int, test_size: int, seed: int, test_fraction: float = 0.25,
+               log=print) -> tuple[Path, Path]:
+    train_rows, test_rows = split_task_rows(task, train_size, test_size, seed, test_fraction)
+    if len(test_rows) < test_size or len(train_rows) < train_size:
+        log(f"[prepare_data] {task}: {len(train_rows)} train / {len(test_rows)} test rows (asked {train_size} / "
+            f"{test_size}): the task has few distinct problems, and test holds only problems never in train")
     train, test = out / task / "train.parquet", out / task / "test.parquet"
-    write_rows(reasoning_gym_rows(task, train_size, seed, "train"), train)
-    write_rows(reasoning_gym_rows(task, test_size, seed + 1_000_000, "test"), test)
+    write_rows(train_rows, train)
+    write_rows(test_rows, test)
     return train, test
 
 
 def default_task_files(task: str = DEFAULT_TASK, train_size: int = 2000, test_size: int = 64, seed: int = 0):
-    """The built-in task's (train, test) parquet paths, generated once into the cache directory.
-    Used by every script when no --train-files is given, so `python algos/X.py` always runs."""
+    """The built-in task's (train, test) parquet paths, generated once into the cache directory and
+    split by problem. Used by every script when no --train-files is given, so `python algos/X.py` always runs."""
     from common.models import cache_dir
 
-    out = cache_dir() / "data" / f"{task}_{train_size}_{test_size}_{seed}"
+    out = cache_dir() / "data" / f"{task}_{train_size}_{test_size}_{seed}_by_problem"
     train, test = out / task / "train.parquet", out / task / "test.parquet"
     if not (train.exists() and test.exists()):
-        write_task(task, out, train_size, test_size, seed)
+        write_task(task, out, train_size, test_size, seed, log=lambda *a: None)
     return str(train), str(test)
 
 
@@ -212,7 +254,9 @@ class Args:
     test_size: int = 200
     """rows per task in test.parquet"""
     seed: int = 0
-    """seed of the train split (test uses seed + 1,000,000)"""
+    """seed of the stream both splits are drawn from"""
+    test_fraction: float = 0.25
+    """share of a task's problems reserved for test (split by problem, never by seed alone)"""
     gsm8k: str | None = None
     """GSM8K source: hub id (e.g. openai/gsm8k, config 'main') or a local jsonl/parquet with question, answer"""
     math: str | None = None
@@ -233,11 +277,12 @@ def _read_source(src: str, split: str) -> list[dict]:
 def main(args: Args) -> None:
     out = Path(args.out)
     for task in args.tasks if not (args.gsm8k or args.math or args.preferences) else []:
-        train, test = write_task(task, out, args.train_size, args.test_size, args.seed)
+        train, test = write_task(task, out, args.train_size, args.test_size, args.seed, args.test_fraction)
         for split, src in (("train", train), ("test", test)):  # SFT examples and answer pairs of the same prompts
             write_rows(sft_rows(read_table(str(src))), out / task / f"sft_{split}.parquet")
             write_rows(answer_pairs(read_table(str(src)), args.seed), out / task / f"pairs_{split}.parquet")
-        print(f"wrote {out / task}: train/test.parquet ({args.train_size}/{args.test_size} prompts), sft_*.parquet, pairs_*.parquet")
+        n_train, n_test = len(read_table(str(train))), len(read_table(str(test)))
+        print(f"wrote {out / task}: train/test.parquet ({n_train}/{n_test} prompts, split by problem), sft_*.parquet, pairs_*.parquet")
     for src, conv, name in ((args.gsm8k, gsm8k_rows, "gsm8k"), (args.math, math_rows, "math")):
         if src:
             for split in ("train", "test"):

@@ -8,7 +8,7 @@ A dict holds `score` plus extra fields that get logged (we use `acc`: exact-matc
 
 `Reward` combines sources by weight, `--reward "rule:1.0,model:0.5,length:0.1"`:
     rule    the dispatcher (or --reward-fn)         per data_source
-    model   a sequence-classification reward model  (--reward-model PATH)
+    model   a sequence-classification reward model  (--reward-model PATH; scored with its own tokenizer)
     format  1 if the response has <answer>...</answer>, else 0
     length  -(response tokens / max_new_tokens): a length penalty in [-1, 0]
 """
@@ -219,18 +219,29 @@ class Reward:
         return score, extra
 
     @torch.no_grad()
-    def _model(self, prompts: list[str], responses: list[str], device) -> torch.Tensor:
-        tok, out = self.reward_tok, []
-        for i in range(0, len(prompts), self.batch_size):
-            texts = [p + r for p, r in zip(prompts[i:i + self.batch_size], responses[i:i + self.batch_size])]
-            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            out.append(self.reward_model(**enc).logits[:, 0].float())
+    def _model(self, rows, responses: list[str], is_eos, device) -> torch.Tensor:
+        """Normalised reward-model scores (B,), each sequence encoded exactly as rm_llm.py trained on it:
+        the prompt rendered with the reward model's *own* tokenizer and chat template, the response
+        text, and EOS when the response ended with one (the head was trained to read the score there)."""
+        from common.data import encode_prompt_completion
+        from common.models import apply_chat
+        from common.rollout import position_ids_from_mask
+
+        tok, cfg, out = self.reward_tok, self.reward_model.config, []
+        prompts = [apply_chat(tok, r.messages) if r.messages is not None else r.text for r in rows]  # text: already templated
+        eos = [bool(e) for e in is_eos] if is_eos is not None else [False] * len(rows)
+        for i in range(0, len(rows), self.batch_size):
+            sl = slice(i, i + self.batch_size)
+            ids, attn, _ = encode_prompt_completion(tok, prompts[sl], responses[sl], eos[sl],
+                                                    max_length=getattr(cfg, "reward_max_length", None), device=device)
+            # right padding, and position ids given anyway: absolute-position models (GPT-2) need them
+            out.append(self.reward_model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits[:, 0].float())
         # rm_llm.py stores the normalisation (mean 0, std 1 on a reference sample) in the config
-        cfg = self.reward_model.config
         return torch.cat(out) * getattr(cfg, "reward_gain", 1.0) + getattr(cfg, "reward_bias", 0.0)
 
-    def __call__(self, rows, responses: list[str], response_lens: torch.Tensor, device="cpu"):
-        """rows: PromptRow per response; responses: decoded texts; response_lens: (B,) token counts.
+    def __call__(self, rows, responses: list[str], response_lens: torch.Tensor, device="cpu", is_eos=None):
+        """rows: PromptRow per response; responses: decoded texts (no special tokens); response_lens:
+        (B,) token counts; is_eos: (B,) bool, the response ended with EOS (for the reward model).
         Returns (scores (B,), components {name: (B,)}, extras {field: (B,)} e.g. acc)."""
         B = len(responses)
         comps, extras = {}, {}
@@ -240,7 +251,7 @@ class Reward:
             for k in {k for _, e in vals for k in e}:
                 extras[k] = torch.tensor([float(e.get(k, 0.0)) for _, e in vals], device=device)
         if "model" in self.mix:
-            comps["model"] = self._model([r.text for r in rows], responses, device).to(device)
+            comps["model"] = self._model(rows, responses, is_eos, device).to(device)
         if "format" in self.mix:
             comps["format"] = torch.tensor([format_score(s) for s in responses], device=device)
         if "length" in self.mix:

@@ -145,6 +145,26 @@ def _restore_reshard_setting(m, setting) -> None:
         g.post_forward_mesh_info = info
 
 
+@contextlib.contextmanager
+def own_generation_config(model):
+    """Inside the block, every model under `model` has an empty `generation_config`.
+
+    transformers fills each unset field of the config passed to `generate` from the model's own
+    `generation_config.json`, so a model that ships `repetition_penalty`, `no_repeat_ngram_size`,
+    `bad_words_ids`, `suppress_tokens`, `min_new_tokens`, ... would have its logits changed before
+    `SeededSampler` sees them: rollouts would come from a penalised distribution whose log-probs
+    differ from the trainer's. Sampling knobs are our flags only. (A peft model generates through
+    its base model, hence every submodule that has a generation config.)"""
+    saved = [(m, m.generation_config) for m in model.modules() if isinstance(getattr(m, "generation_config", None), GenerationConfig)]
+    try:
+        for m, _ in saved:
+            m.generation_config = GenerationConfig()
+        yield
+    finally:
+        for m, cfg in saved:
+            m.generation_config = cfg
+
+
 @torch.no_grad()
 def generate(model, tok, queries: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seeds: list[int] | None = None,
@@ -159,11 +179,12 @@ def generate(model, tok, queries: torch.Tensor, attention_mask: torch.Tensor, ma
         max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, stop_strings=stop_strings or None,
     )
-    out = model.generate(
-        input_ids=queries, attention_mask=attention_mask, generation_config=gen_config,
-        logits_processor=LogitsProcessorList([sampler]) if sampler else None,
-        tokenizer=tok if stop_strings else None,
-    )
+    with own_generation_config(model):
+        out = model.generate(
+            input_ids=queries, attention_mask=attention_mask, generation_config=gen_config,
+            logits_processor=LogitsProcessorList([sampler]) if sampler else None,
+            tokenizer=tok if stop_strings else None,
+        )
     responses = out[:, P:]  # (B, T)
     T = responses.shape[1]
     stopped_early = None
@@ -201,10 +222,11 @@ def forward_logprobs(model, query_responses: torch.Tensor, attention_mask: torch
     # logits_to_keep: project only the last T+1 positions onto the vocabulary (not the prompt's)
     logits = model(input_ids=query_responses, attention_mask=attention_mask, logits_to_keep=T + 1,
                    position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits
-    logits = logits[:, :-1] / temperature  # (B, T, V): the logits that predicted each response token
-    logprobs = selective_log_softmax(logits, query_responses[:, P:])  # (B, T)
+    logits = logits[:, :-1]  # (B, T, V): the logits that predicted each response token
+    # the temperature divides inside the helpers, after their float32 cast (bf16 logits / T would round again)
+    logprobs = selective_log_softmax(logits, query_responses[:, P:], temperature=temperature)  # (B, T)
     if with_entropy:
-        return logprobs, entropy_from_logits(logits)
+        return logprobs, entropy_from_logits(logits, temperature=temperature)
     return logprobs
 
 

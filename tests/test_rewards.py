@@ -96,8 +96,8 @@ def test_reward_model_scores_batched(tiny):
     r = Reward("model:2.0", reward_model=rm, reward_tok=tok, batch_size=2)
     rows = [PromptRow(f"prompt {i}", "x", None, {}, i) for i in range(3)]
     scores, comps, _ = r(rows, ["a", "bb", "ccc"], torch.tensor([1, 1, 1]))
-    enc = tok(["prompt 0a"], return_tensors="pt", add_special_tokens=False)
-    with torch.no_grad():
-        direct = rm(**enc).logits[0, 0]
+    ids = tok("prompt 0", add_special_tokens=False)["input_ids"] + tok("a", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():  # prompt and response tokenized apart, as the policy produced them; no EOS (is_eos not given)
+        direct = rm(input_ids=torch.tensor([ids])).logits[0, 0]
     assert scores.shape == (3,) and math.isclose(comps["model"][0].item(), direct.item(), abs_tol=1e-5)
     assert torch.allclose(scores, 2 * comps["model"])
