@@ -207,8 +207,8 @@ class Args:
     """upper bound of beta"""
     beta_min: float = 0.01
     """lower bound of beta"""
-    policy_kl_estimator: Literal["k1", "k3"] = "k1"
-    """k1: log pi_old - log pi_theta (can be negative on the samples being fitted); k3: its nonnegative form"""
+    policy_kl_estimator: Literal["k1", "k3"] = "k3"
+    """k3: (r - 1) - log r with r = pi_theta / pi_old, >= 0; k1: log pi_old - log pi_theta (negative on the samples just fitted)"""
 
     health: HealthConfig = field(default_factory=HealthConfig)
     """training-health warning thresholds (--health.kl-max, ...; docs/experiments.md)"""

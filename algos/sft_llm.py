@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` impo
 import torch
 
 from common import models as M
-from common.data import Sampler, load_prompts, load_sft
+from common.data import Sampler, encode_prompt_completion, load_prompts, load_sft
 from common.distributed import backward, configure_deepspeed, load_optimizer_state, make_accelerator, optimizer_state
 from common.evaluate import evaluate_policy
 from common.ops import exact_div, selective_log_softmax

@@ -1,0 +1,321 @@
+"""What the numbers mean: each test here failed on the code before the correctness pass (issue 15).
+
+Reward models scored as trained; the model's own generation_config kept out of rollouts; pi_old
+and the sampler gap; temperature after the float32 cast; dynamic-KL beta after the update; clamps;
+online DPO on generated ids; no dropout; real lengths in gen_preferences; splits by problem.
+"""
+
+import json
+import sys
+
+import pandas as pd
+import pytest
+import torch
+
+from conftest import REPO, only_run, read_metrics, run_script
+
+sys.path.insert(0, str(REPO / "algos"))
+import dpo_llm as DPO  # noqa: E402
+import dynamic_kl_ppo as DKL  # noqa: E402
+import grpo_llm as GRPO  # noqa: E402
+import ppo_llm as PPO  # noqa: E402
+import rm_llm as RM  # noqa: E402
+
+from common import models as M  # noqa: E402
+from common.data import PromptRow, encode_prompt_completion, load_preferences  # noqa: E402
+from common.ops import kl_estimate, selective_log_softmax  # noqa: E402
+from common.rewards import Reward  # noqa: E402
+from common.rollout import forward_logprobs, generate, sequence_attention_mask, tokenize_queries  # noqa: E402
+
+TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. reward models: scored exactly as trained
+# ---------------------------------------------------------------------------------------------
+def test_trained_rm_scores_identically_in_rl_and_in_rm_eval(tiny, tmp_path):
+    rows = [{"prompt": f"Question {i}?", "chosen": "yes indeed", "rejected": "no way"} for i in range(16)]
+    pd.DataFrame(rows).to_parquet(tmp_path / "pairs.parquet")
+    run_script("rm_llm.py", "--model-name-or-path", tiny, "--train-files", tmp_path / "pairs.parquet",
+               "--val-files", tmp_path / "pairs.parquet", "--output-dir", tmp_path / "rm", "--total-steps", 3,
+               "--batch-size", 4, "--micro-batch-size", 2, "--learning-rate", 1e-3, "--warmup-steps", 0,
+               "--eval-every", 0, "--num-norm-samples", 8)
+    rm_dir = only_run(tmp_path / "rm") / "reward_model"
+    cfg = json.loads((rm_dir / "config.json").read_text())
+    assert cfg["reward_max_length"] == 512
+    tok = M.load_tokenizer(str(rm_dir))  # saved next to the model: the RL scripts load the RM's own
+    rm = M.load_reward_model(str(rm_dir), tok).eval()
+    pairs = load_preferences([str(tmp_path / "pairs.parquet")], tok)[:4]
+    with torch.no_grad():  # rm_llm's eval path (raw scores), normalised as the loader does
+        c, r = RM.scores_of(rm, tok, pairs, 512, "cpu")
+    expected = torch.cat([c, r]) * cfg["reward_gain"] + cfg["reward_bias"]
+    # the RL path: PromptRow from the same messages, decoded responses without special tokens, is_eos set
+    prow = [PromptRow(p["prompt"], "x", None, {}, i, [{"role": "user", "content": f"Question {i}?"}]) for i, p in enumerate(pairs)]
+    scores, _, _ = Reward("model:1.0", reward_model=rm, reward_tok=tok)(
+        prow * 2, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], torch.ones(8), is_eos=[True] * 8)
+    assert torch.allclose(scores, expected, atol=1e-5), (scores, expected)
+    # before: no EOS, so the head was read at the last content token, a position it never learned
+    no_eos, _, _ = Reward("model:1.0", reward_model=rm, reward_tok=tok)(
+        prow * 2, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], torch.ones(8))
+    assert (no_eos - expected).abs().max() > 1e-3
+
+
+def _other_tokenizer(folder):
+    """A byte-level BPE tokenizer unlike SmolLM2's (other vocabulary, other chat template)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token="[UNK]"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["[UNK]", "[PAD]", "[EOS]"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(["What is 3 + 4? The answer is 7. yes no maybe user assistant"] * 20, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
+    tok.chat_template = ("{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<<assistant>> {% endif %}")
+    tok.save_pretrained(folder)
+    return tok
+
+
+def test_rm_with_its_own_tokenizer_and_absolute_positions(tmp_path):
+    """A GPT-2-style RM (absolute positions) with another tokenizer and template scores text through
+    its own tokenizer, whatever the batch's padding: each score equals the single unpadded sequence's."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    rm_tok = _other_tokenizer(tmp_path)
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=len(rm_tok), n_embd=32, n_layer=2, n_head=2, n_positions=128, num_labels=1,
+                     pad_token_id=rm_tok.pad_token_id, eos_token_id=rm_tok.eos_token_id, resid_pdrop=0.3)
+    GPT2ForSequenceClassification(cfg).save_pretrained(tmp_path)
+    tok = M.load_tokenizer(str(tmp_path))
+    rm = M.load_reward_model(str(tmp_path), tok).eval()
+    messages = [[{"role": "user", "content": "What is 3 + 4?"}], [{"role": "user", "content": "yes"}]]
+    rows = [PromptRow("<policy-templated text>", "x", None, {}, i, m) for i, m in enumerate(messages)]
+    responses, eos = ["The answer is 7.", "no"], [True, False]
+    scores, _, _ = Reward("model:1.0", reward_model=rm, reward_tok=tok)(rows, responses, torch.ones(2), is_eos=eos)
+    for i in range(2):
+        text = rm_tok.apply_chat_template(messages[i], tokenize=False, add_generation_prompt=True)
+        ids = rm_tok(text, add_special_tokens=False)["input_ids"] + rm_tok(responses[i], add_special_tokens=False)["input_ids"]
+        ids += [rm_tok.eos_token_id] if eos[i] else []
+        with torch.no_grad():
+            direct = rm(input_ids=torch.tensor([ids])).logits[0, 0]
+        assert scores[i].item() == pytest.approx(direct.item(), abs=1e-5)
+
+
+def test_encoder_truncation_and_eos_rules(tiny):
+    tok = M.load_tokenizer(tiny)
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    p_ids = tok("one two three four", add_special_tokens=False)["input_ids"]
+    c_ids = tok(" five six", add_special_tokens=False)["input_ids"]
+    ids, attn, comp = encode_prompt_completion(tok, ["one two three four", "one"], [" five six", [7, 8]], eos=[True, True])
+    assert ids[0, :len(p_ids) + len(c_ids) + 1].tolist() == p_ids + c_ids + [eos]
+    n1 = len(tok("one", add_special_tokens=False)["input_ids"])
+    assert ids[1, :n1 + 2].tolist()[-2:] == [7, 8] and (ids[1, n1 + 2:] == pad).all()  # ids kept as generated: no EOS added
+    assert comp[0].sum() == len(c_ids) + 1 and comp[1].sum() == 2 and attn[1].sum() == n1 + 2
+    # past max_length the prompt's start goes first; a completion cut by max_completion_length loses its EOS
+    ids, _, comp = encode_prompt_completion(tok, ["one two three four"], [" five six"], max_length=len(c_ids) + 2)
+    assert ids[0].tolist() == p_ids[-1:] + c_ids + [eos]
+    ids, _, _ = encode_prompt_completion(tok, ["one"], [" five six"], max_completion_length=1)
+    assert ids[0].tolist()[-1] == c_ids[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. the model's own generation_config stays out of rollouts
+# ---------------------------------------------------------------------------------------------
+def test_generation_config_penalties_do_not_change_sampling(tiny_peaky, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_peaky)
+    model.generation_config.repetition_penalty = 1.3
+    model.generation_config.no_repeat_ngram_size = 2
+    model.generation_config.suppress_tokens = list(range(1000, 20000))
+    model.save_pretrained(tmp_path)
+    M.load_tokenizer(tiny_peaky).save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "generation_config.json").read_text())["repetition_penalty"] == 1.3
+    tok = M.load_tokenizer(str(tmp_path))
+    policy = M.load_causal_lm(str(tmp_path), tok).eval()
+    q, qm = tokenize_queries(tok, ["hello there", "count to ten please"])
+    ro = generate(policy, tok, q, qm, 24, temperature=1.0, seeds=[1, 2])
+    attn = sequence_attention_mask(qm, ro.responses.shape[1])
+    with torch.no_grad():
+        recomputed = forward_logprobs(policy, ro.query_responses, attn, q.shape[1]) * ro.response_mask
+    assert (recomputed - ro.logprobs).abs().max() < 1e-4
+    assert policy.generation_config.repetition_penalty == 1.3  # the model's own config is left as it was
+    # as before the fix (the model's config merged in), the penalties change the sampled distribution
+    import contextlib
+
+    import common.rollout as R
+
+    orig, R.own_generation_config = R.own_generation_config, lambda model: contextlib.nullcontext()
+    try:
+        old = generate(policy, tok, q, qm, 24, temperature=1.0, seeds=[1, 2])
+    finally:
+        R.own_generation_config = orig
+    attn = sequence_attention_mask(qm, old.responses.shape[1])
+    with torch.no_grad():
+        recomputed = forward_logprobs(policy, old.query_responses, attn, q.shape[1]) * old.response_mask
+    assert (recomputed - old.logprobs).abs().max() > 0.1
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. pi_old, the sampler gap, --tis-cap, temperature after the cast
+# ---------------------------------------------------------------------------------------------
+def test_temperature_divides_after_the_float32_cast():
+    torch.manual_seed(0)
+    logits = (torch.randn(2, 5, 300) * 4).to(torch.bfloat16)
+    index = torch.randint(0, 300, (2, 5))
+    want = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, index[..., None])[..., 0]
+    assert torch.allclose(selective_log_softmax(logits, index, temperature=0.7), want, atol=1e-6)
+    before = torch.log_softmax((logits / 0.7).float(), -1).gather(-1, index[..., None])[..., 0]
+    assert (before - want).abs().max() > 1e-3  # what dividing the bf16 logits first cost
+
+
+def test_grpo_pi_old_source_and_sampler_gap(tiny, toy_prompts, tmp_path):
+    common = ["--model-name-or-path", tiny, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD, "--total-steps", 1,
+              "--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 2,
+              "--max-new-tokens", 6, "--eval-every", 0]
+    env = {"TOY_MODEL": tiny}
+    run_script("grpo_llm.py", *common, "--output-dir", tmp_path / "fp32", env=env)
+    run = only_run(tmp_path / "fp32")
+    assert json.loads((run / "args.json").read_text())["old_logprobs_from"] == "sampler"
+    assert read_metrics(run)[-1]["train/sampler_logprob_diff"] < 1e-4  # fp32: provably equal, and measured so
+    run_script("grpo_llm.py", *common, "--dtype", "bfloat16", "--output-dir", tmp_path / "bf16", env=env)
+    run = only_run(tmp_path / "bf16")
+    assert json.loads((run / "args.json").read_text())["old_logprobs_from"] == "trainer"
+    assert read_metrics(run)[-1]["train/sampler_logprob_diff"] > 0  # bf16 decoding differs from the batched forward
+    run_script("grpo_llm.py", *common, "--tis-cap", "2.0", "--output-dir", tmp_path / "tis", env=env)
+    assert json.loads((only_run(tmp_path / "tis") / "args.json").read_text())["old_logprobs_from"] == "trainer"
+
+
+def test_tis_weights_multiply_the_token_loss():
+    lp, old, adv = torch.tensor([[0.1, -0.2]]), torch.tensor([[0.0, 0.0]]), torch.tensor([[1.0, -1.0]])
+    mask, w = torch.ones(1, 2), torch.tensor([[2.0, 0.5]])
+    plain = PPO.policy_loss(lp, old, adv, mask, 2.0, 0.2)[0]
+    weighted = PPO.policy_loss(lp, old, adv, mask, 2.0, 0.2, tis_weights=w)[0]
+    r1, r2 = torch.exp(torch.tensor(0.1)).item(), torch.exp(torch.tensor(-0.2)).item()  # both inside [0.8, 1.2]
+    per_token = [max(-r1, -min(max(r1, 0.8), 1.2)), max(r2, min(max(r2, 0.8), 1.2))]
+    assert plain.item() == pytest.approx(sum(per_token) / 2, abs=1e-6)
+    assert weighted.item() == pytest.approx((2.0 * per_token[0] + 0.5 * per_token[1]) / 2, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. dynamic-KL beta
+# ---------------------------------------------------------------------------------------------
+def test_update_beta_always_clamps():
+    assert DKL.update_beta(2.0, 0.1, 0.1, 0.01, 1.0) == 1.0  # inside the band, but above beta_max
+    assert DKL.update_beta(0.001, 0.1, 0.1, 0.01, 1.0) == 0.01  # inside the band, but below beta_min
+
+
+def test_dynamic_kl_beta_follows_the_kl_after_the_update(tiny_peaky, toy_prompts, tmp_path):
+    run_script("dynamic_kl_ppo.py", "--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD,
+               "--output-dir", tmp_path, "--total-steps", 3, "--batch-size", 4, "--mini-batch-size", 2,
+               "--micro-batch-size", 2, "--max-new-tokens", 6, "--eval-every", 0, "--learning-rate", 1e-3,
+               "--policy-kl-target", 0.01, env={"TOY_MODEL": tiny_peaky})
+    rows = read_metrics(only_run(tmp_path))
+    beta = 0.5
+    for r in rows:
+        assert r["train/policy_kl_after"] > 0  # measured after the step: nonzero
+        beta = DKL.update_beta(beta, r["train/policy_kl_after"], 0.01, 0.01, 1.0)
+        assert r["train/beta"] == pytest.approx(beta)
+
+
+def test_kl_target_zero_is_refused(tiny, tmp_path):
+    for script in ("ppo_llm.py", "dynamic_kl_ppo.py"):
+        proc = run_script(script, "--model-name-or-path", tiny, "--kl-target", 0, "--output-dir", tmp_path, check=False)
+        assert proc.returncode != 0 and "--kl-target 0" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. numerical guards
+# ---------------------------------------------------------------------------------------------
+def test_exploded_log_ratio_gives_a_finite_loss():
+    lp, old, adv, mask = torch.tensor([[100.0]]), torch.tensor([[0.0]]), torch.tensor([[-1.0]]), torch.ones(1, 1)
+    assert torch.isfinite(PPO.policy_loss(lp, old, adv, mask, 1.0, 0.2)[0])
+    assert torch.isfinite(DKL.policy_loss(lp, old, adv, mask, 1.0, 0.2)[0])
+    assert torch.isfinite(GRPO.clipped_surrogate(lp, old, adv, 0.2, 0.2)[0]).all()
+
+
+def test_k3_is_clamped_so_one_token_cannot_dominate():
+    d = torch.tensor([[-10.0, 0.1, -0.1]])
+    k3 = kl_estimate(d, torch.zeros_like(d), "k3")
+    assert k3[0, 0].item() == 10.0  # exp(10) - 11 = 22015 before the clamp
+    assert k3[0, 1].item() == pytest.approx(torch.exp(torch.tensor(-0.1)).item() - 1 + 0.1, abs=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. online DPO ids, dropout, gen_preferences lengths
+# ---------------------------------------------------------------------------------------------
+def test_online_dpo_pairs_keep_generated_ids(tiny):
+    tok = M.load_tokenizer(tiny)
+    ids, _, comp = DPO.encode_pairs(tok, [{"prompt": "hi", "chosen": [11, 12, 13], "rejected": [14, 15]}], 64, 64, "cpu")
+    chosen, rejected = ids[0][comp[0].bool()].tolist(), ids[1][comp[1].bool()].tolist()
+    assert chosen == [11, 12, 13] and rejected == [14, 15]  # a truncated sample gains no EOS
+
+
+def test_dropout_is_off_in_train_mode(tmp_path, tiny):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = M.load_tokenizer(tiny)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.5, embd_pdrop=0.5,
+                               attn_pdrop=0.5)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    model = M.load_causal_lm(str(tmp_path), tok, gradient_checkpointing=True)
+    assert model.training
+    x = torch.randint(0, 100, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, model(input_ids=x).logits)
+
+
+def test_gen_preferences_scores_real_lengths(tiny_peaky, toy_prompts, tmp_path, monkeypatch):
+    from common import gen_preferences as GP
+
+    seen = []
+
+    class Recording(GP.Reward):
+        def __call__(self, rows, responses, response_lens, device="cpu", is_eos=None):
+            seen.append((response_lens.tolist(), list(is_eos)))
+            return super().__call__(rows, responses, response_lens, device, is_eos)
+
+    monkeypatch.setattr(GP, "Reward", Recording)
+    try:
+        GP.main(GP.Args(model=tiny_peaky, prompts=[toy_prompts], out=str(tmp_path / "p.jsonl"), k=2, num_prompts=4,
+                        max_new_tokens=8, reward="length:1.0"))
+    except SystemExit:  # every sample of this random model runs to the limit: all tied, fine here
+        pass
+    assert len(seen) == 2
+    for lens, eos in seen:  # the response token counts (the old code passed 1 for every response)
+        assert all(1 <= n <= 8 for n in lens) and all(n == 8 for n, e in zip(lens, eos) if not e)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. held out means held out
+# ---------------------------------------------------------------------------------------------
+def test_builtin_splits_share_no_problem(tiny, tmp_path):
+    import subprocess
+
+    from common.data import overlap_report, problem_key, read_table
+    from common.prepare_data import reasoning_gym_rows
+
+    assert problem_key("What is 3 + 5 =") == problem_key("What is 5 + 3 =") != problem_key("What is 3 + 6 =")
+    out = tmp_path / "data"
+    subprocess.run([sys.executable, "-m", "common.prepare_data", "--out", str(out), "--tasks", "chain_sum_1d", "leg_counting",
+                    "--train-size", "300", "--test-size", "40"], check=True, cwd=REPO, capture_output=True)
+    for task in ("chain_sum_1d", "leg_counting"):
+        train, test = read_table(str(out / task / "train.parquet")), read_table(str(out / task / "test.parquet"))
+        rep = overlap_report(train, test)
+        assert rep["test_rows"] > 20 and rep["test_rows_with_problem_in_train"] == 0 and rep["test_rows_with_prompt_in_train"] == 0
+        pairs = read_table(str(out / task / "pairs_test.parquet"))  # derived files inherit the split
+        assert overlap_report(train, pairs)["test_rows_with_problem_in_train"] == 0
+    # the old split (two seeds over the same space) shares every chain_sum_1d test question; inspect_data says so
+    from common.data import write_rows
+
+    write_rows(reasoning_gym_rows("chain_sum_1d", 2000, 0, "train"), tmp_path / "old_train.parquet")
+    write_rows(reasoning_gym_rows("chain_sum_1d", 40, 1_000_000, "test"), tmp_path / "old_test.parquet")
+    from common.inspect_data import report
+
+    rep = report([str(tmp_path / "old_test.parquet")], tiny, against=[str(tmp_path / "old_train.parquet")])
+    assert rep["overlap_with_train"]["test_rows_with_problem_in_train"] == 40
+    proc = subprocess.run([sys.executable, "-m", "common.inspect_data", str(tmp_path / "old_test.parquet"), "--against",
+                           str(tmp_path / "old_train.parquet"), "--model", tiny], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0 and "overlap_with_train" in proc.stdout
