@@ -1,7 +1,7 @@
 """PPO with a dynamic policy-KL term in the loss: a copy of ppo_llm.py that changes only this idea.
 
 On top of the clipped surrogate, the loss carries beta * KL(pi_old || pi_theta), the KL between the
-rollout policy and the policy being trained (mean over response tokens of log pi_old - log pi_theta),
+rollout policy and the policy being trained (token mean of the k3 estimate r - 1 - log r, r = pi_theta / pi_old),
 and beta adapts once per iteration from the KL the update actually produced, measured after the
 iteration's last optimizer step over the whole rollout batch: x1.5 (capped at --beta-max) when it
 exceeds 1.5 x --policy-kl-target, x0.5 (floored at --beta-min) when it is below 0.5 x target (the
@@ -55,7 +55,7 @@ from common.rewards import Reward
 from common.rollout import (forward_logprobs, forward_values, generate, sample_seed, sequence_attention_mask,
                             tokenize_queries, unwrap_for_generation)
 from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, parse_args, peak_mem_gb,
-                        resolve_checkpoint, save_checkpoint, seed_everything, set_rng_state)
+                        resolve_resume, save_checkpoint, seed_everything, set_rng_state)
 
 
 @dataclass
@@ -76,11 +76,13 @@ class Args:
     output_dir: str = "runs"
     """where run folders are created"""
     resume: Optional[str] = None
-    """checkpoint folder, or run folder (its latest checkpoint), to continue from exactly"""
+    """checkpoint folder or run folder (its latest checkpoint) to continue exactly, in that run's folder; 'auto': the latest run of this exp_name/seed if any"""
     save_every: int = 0
     """save a checkpoint every N steps (0: only at the end)"""
     keep_last: int = 0
     """keep only the last K checkpoints (0: keep all)"""
+    save_merged: bool = False
+    """LoRA: each checkpoint also holds {model}_merged/, the full merged model (loads without peft: vLLM, TGI)"""
     eval_every: int = 10
     """evaluate every N steps (and before the first and after the last; 0: never)"""
     log_every: int = 1
@@ -269,6 +271,7 @@ def main(args: Args):
         raise ValueError(f"--kl-target {args.kl_target}: must be > 0 (omit it for a fixed --kl-coef)")
     seed_everything(args.seed)
     log = accelerator.print
+    ckpt = resolve_resume(args, Path(__file__).stem)  # --resume: checked before anything loads; None = fresh run
 
     tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     lora = dict(lora_r=args.lora_r, lora_alpha=args.lora_alpha, gradient_checkpointing=args.gradient_checkpointing,
@@ -305,13 +308,12 @@ def main(args: Args):
 
     health = HealthMonitor(args.health, log)
     start_step = 0
-    if args.resume:
-        ckpt = resolve_checkpoint(args.resume)
+    if ckpt:
         load_weights(policy, ckpt / "policy")
         load_weights(critic, ckpt / "critic")
     policy, opt, sched = accelerator.prepare(policy, opt, sched)  # one model per call: FSDP2 pairs it with its optimizer
     critic, critic_opt, critic_sched = accelerator.prepare(critic, critic_opt, critic_sched)
-    if args.resume:
+    if ckpt:
         state = load_trainer_state(ckpt)
         load_optimizer_state(accelerator, policy, opt, state["opt"], ckpt / "policy")
         load_optimizer_state(accelerator, critic, critic_opt, state["critic_opt"], ckpt / "critic")
@@ -322,7 +324,7 @@ def main(args: Args):
         start_step = state["step"]
         beta = state["beta"]
         log(f"resumed from {ckpt} at step {start_step}")
-    run_dir = make_run_dir(accelerator, Path(__file__).stem, args)
+    run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
     tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
     log(f"run folder: {run_dir}")
 
@@ -336,7 +338,8 @@ def main(args: Args):
         save_checkpoint(accelerator, run_dir, step, {"policy": policy, "critic": critic},
                         {"opt": optimizer_state(accelerator, policy, opt), "critic_opt": optimizer_state(accelerator, critic, critic_opt), "sched": sched.state_dict(),
                          "critic_sched": critic_sched.state_dict(), "sampler": sampler.state_dict(),
-                         "kl_ctl": kl_ctl.state_dict(), "health": health.state_dict(), "beta": beta}, args.keep_last)
+                         "kl_ctl": kl_ctl.state_dict(), "health": health.state_dict(), "beta": beta}, args.keep_last,
+                            tokenizer=tok, args=args, save_merged=args.save_merged)
 
     if args.eval_every and val_rows and start_step == 0:
         metrics, samples = evaluate_policy(accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size)

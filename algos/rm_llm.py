@@ -36,7 +36,7 @@ from common.ops import exact_div
 from common.prepare_data import default_preference_files
 from common.rollout import position_ids_from_mask
 from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, parse_args, peak_mem_gb,
-                        resolve_checkpoint, save_checkpoint, seed_everything, set_rng_state)
+                        resolve_resume, save_checkpoint, seed_everything, set_rng_state)
 
 
 @dataclass
@@ -57,11 +57,13 @@ class Args:
     output_dir: str = "runs"
     """where run folders are created"""
     resume: Optional[str] = None
-    """checkpoint folder, or run folder (its latest checkpoint), to continue from exactly"""
+    """checkpoint folder or run folder (its latest checkpoint) to continue exactly, in that run's folder; 'auto': the latest run of this exp_name/seed if any"""
     save_every: int = 0
     """save a checkpoint every N steps (0: only at the end)"""
     keep_last: int = 0
     """keep only the last K checkpoints (0: keep all)"""
+    save_merged: bool = False
+    """LoRA: each checkpoint also holds {model}_merged/, the full merged model (loads without peft: vLLM, TGI)"""
     eval_every: int = 50
     """evaluate every N steps (and before the first and after the last; 0: never)"""
     log_every: int = 1
@@ -146,6 +148,7 @@ def main(args: Args):
     configure_deepspeed(accelerator, args.micro_batch_size, -(-args.local_batch_size // args.micro_batch_size), args.max_grad_norm)
     seed_everything(args.seed)
     log = accelerator.print
+    ckpt = resolve_resume(args, Path(__file__).stem)  # --resume: checked before anything loads; None = fresh run
 
     tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     lora = dict(lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, lora_target="all-linear",
@@ -163,11 +166,10 @@ def main(args: Args):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay)
     sched = get_scheduler(args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.total_steps)
     start_step = 0
-    if args.resume:
-        ckpt = resolve_checkpoint(args.resume)
+    if ckpt:
         load_weights(model, ckpt / "model")
     model, opt, sched = accelerator.prepare(model, opt, sched)
-    if args.resume:
+    if ckpt:
         state = load_trainer_state(ckpt)
         load_optimizer_state(accelerator, model, opt, state["opt"], ckpt / "model")
         for obj, key in ((sched, "sched"), (sampler, "sampler")):
@@ -175,7 +177,7 @@ def main(args: Args):
         set_rng_state(state["rng"])
         start_step = state["step"]
         log(f"resumed from {ckpt} at step {start_step}")
-    run_dir = make_run_dir(accelerator, Path(__file__).stem, args)
+    run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
     tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
     log(f"run folder: {run_dir}")
 
@@ -225,7 +227,8 @@ def main(args: Args):
             tracker.log(step, metrics)
         if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
             save_checkpoint(accelerator, run_dir, step, {"model": model},
-                            {"opt": optimizer_state(accelerator, model, opt), "sched": sched.state_dict(), "sampler": sampler.state_dict()}, args.keep_last)
+                            {"opt": optimizer_state(accelerator, model, opt), "sched": sched.state_dict(), "sampler": sampler.state_dict()}, args.keep_last,
+                            tokenizer=tok, args=args, save_merged=args.save_merged)
 
     # ------------------------------------------------------------------ normalise and save the reward model
     c, rj = score_pairs(train_pairs[:args.num_norm_samples])

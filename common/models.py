@@ -84,9 +84,13 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """Map the alias `smollm2-135m-instruct` to its cached folder (converting on first use).
+    """Map the alias `smollm2-135m-instruct` to its cached folder (converting on first use), and a
+    LoRA adapter folder (a LoRA run's checkpoint) to its base model with the adapter merged in, made
+    once into the cache, so every loader (policy, reference, critic body, tokenizer) takes it.
 
     Anything else (a hub id or a local folder) is returned unchanged."""
+    if (Path(name_or_path) / "adapter_config.json").is_file():
+        return _merged_adapter(Path(name_or_path))
     if name_or_path.lower() != DEFAULT_MODEL:
         return name_or_path
     out = cache_dir() / "SmolLM2-135M-Instruct"
@@ -95,6 +99,54 @@ def resolve_model_path(name_or_path: str) -> str:
         print(f"[cleanrlhf] converting {SMOLLM2_GGUF} to {out} (once, ~20 s)", flush=True)
         _convert_gguf(_smollm2_gguf(), out)
         print(f"[cleanrlhf] converted in {time.time() - t0:.1f}s", flush=True)
+    return str(out)
+
+
+def _merged_adapter(folder: Path) -> str:
+    """`folder` (a peft adapter + our tokenizer files) merged onto its base model, as a plain model folder
+    in `$CLEANRLHF_CACHE/merged/`, keyed by the adapter's path and modification time."""
+    import hashlib
+    import json
+
+    weights = next(folder.glob("adapter_model.*"), None)
+    if weights is None:
+        raise FileNotFoundError(f"{folder}: adapter_config.json but no adapter_model.safetensors")
+    key = hashlib.sha1(f"{folder.resolve()}:{weights.stat().st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_dir() / "merged" / f"{folder.name}-{key}"
+    if (out / "config.json").exists():
+        return str(out)
+    from peft import PeftConfig
+
+    cfg = PeftConfig.from_pretrained(str(folder))
+    if cfg.task_type not in ("CAUSAL_LM", None):
+        raise ValueError(f"{folder}: a {cfg.task_type} adapter; only causal-LM adapters load as a model path "
+                         f"(save with --save-merged for a full folder)")
+    base = resolve_model_path(cfg.base_model_name_or_path)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    tok_src = folder if (folder / "tokenizer_config.json").exists() else Path(base)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tok_src))
+    if len(tok) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tok))
+    from peft import PeftModel
+
+    merged = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        merged.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "merged_from.json").write_text(json.dumps({"adapter": str(folder.resolve()), "base": base}))
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not (out / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
 
 

@@ -32,29 +32,71 @@ REPO = Path(__file__).resolve().parents[1]
 # Args: --config presets, then CLI flags
 # ---------------------------------------------------------------------------------------------
 def parse_args(cls, argv: list[str] | None = None):
-    """tyro.cli(cls), where `--config PATH` (YAML, keys = field names with - or _) sets the defaults
-    that the other CLI flags then override. An unknown key is an error naming the file and key."""
+    """tyro.cli(cls), where `--config PATH` (YAML, keys = field names with - or _) sets values that
+    the other CLI flags then override. The preset's values are turned into CLI flags and parsed by
+    tyro with the fields' types, exactly as if typed: `learning_rate: 1e-5` is a float (YAML 1.1 alone
+    reads it as a string), a Literal's choices are checked, nested groups (`health: {kl_max: 1}`) work.
+    An unknown key is an error naming the file, the key and the valid names."""
     import tyro
     import yaml
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    default = None
+    preset = []
     for i, a in enumerate(argv):
         path = argv[i + 1] if a == "--config" and i + 1 < len(argv) else a.split("=", 1)[1] if a.startswith("--config=") else None
         if path:
             if not Path(path).is_file():
                 raise SystemExit(f"--config {path}: file not found")
-            cfg = {k.replace("-", "_"): v for k, v in (yaml.safe_load(open(path)) or {}).items()}
-            names = {f.name for f in dataclasses.fields(cls)}
-            unknown = sorted(set(cfg) - names)
-            if unknown:
-                raise SystemExit(f"--config {path}: unknown key(s) {unknown}; see --help for valid names")
-            for f in dataclasses.fields(cls):  # nested groups (e.g. health:) come as dicts
-                if f.name in cfg and isinstance(cfg[f.name], dict) and f.default_factory is not dataclasses.MISSING:
-                    cfg[f.name] = dataclasses.replace(f.default_factory(), **{k.replace("-", "_"): v for k, v in cfg[f.name].items()})
-            default = cls(**{**cfg, "config": path})
+            try:
+                cfg = yaml.safe_load(open(path)) or {}
+            except yaml.YAMLError as e:
+                raise SystemExit(f"--config {path}: not valid YAML ({e})") from None
+            if not isinstance(cfg, dict):
+                raise SystemExit(f"--config {path}: expected a mapping of field names to values")
+            preset = _preset_flags(cls, cfg, path)
+            try:  # the preset alone first, so a bad value is blamed on the file
+                with open(os.devnull, "w") as devnull, _redirect_stderr(devnull):
+                    tyro.cli(cls, args=preset)
+            except SystemExit:
+                print(f"--config {path}: a value in this preset does not parse as its flag:", file=sys.stderr)
+                tyro.cli(cls, args=preset)  # prints tyro's message naming the flag, exits 2
             break
-    return tyro.cli(cls, default=default, args=argv)
+    return tyro.cli(cls, args=preset + argv)  # later flags win: the CLI overrides the preset
+
+
+class _redirect_stderr:
+    def __init__(self, f):
+        self.f = f
+
+    def __enter__(self):
+        self.old, sys.stderr = sys.stderr, self.f
+
+    def __exit__(self, *exc):
+        sys.stderr = self.old
+
+
+def _preset_flags(cls, cfg: dict, path: str, prefix: str = "") -> list[str]:
+    """A preset mapping -> the CLI flags that say the same (`learning_rate: 1e-5` -> `--learning-rate 1e-5`)."""
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    flags = []
+    for key, value in cfg.items():
+        name = str(key).replace("-", "_")
+        if name not in fields:
+            valid = ", ".join(sorted(fields))
+            raise SystemExit(f"--config {path}: unknown key {prefix + str(key)!r}; valid keys: {valid}")
+        flag = "--" + (prefix + name).replace("_", "-")
+        f = fields[name]
+        if isinstance(value, dict) and dataclasses.is_dataclass(f.default_factory() if f.default_factory is not dataclasses.MISSING else None):
+            flags += _preset_flags(type(f.default_factory()), value, path, prefix=f"{prefix}{name}.")
+        elif isinstance(value, bool) and f.type in (bool, "bool"):
+            flags.append(flag if value else f"--{prefix}no-{name}".replace("_", "-"))  # tyro: --x / --no-x
+        elif value is None:
+            flags += [flag, "None"]
+        elif isinstance(value, (list, tuple)):
+            flags += [flag, *map(str, value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
 
 
 def seed_everything(seed: int) -> None:
@@ -107,24 +149,121 @@ def library_versions() -> dict:
     return out
 
 
-def make_run_dir(accelerator, algo: str, args) -> Path:
-    """Named once on the main process (its clock) and shared with every rank."""
+# Flags a resumed run may change: how long it runs and how it logs, evaluates and saves. Any other
+# difference (learning rate, batch sizes, model, data, ...) would change the optimizer or the stream
+# of samples under the restored state, so resuming with it is refused by name.
+RESUME_MAY_CHANGE = {"total_steps", "save_every", "save_every_minutes", "keep_last", "eval_every", "log_every",
+                     "num_samples_logged", "track", "wandb_project_name", "wandb_entity", "resume", "output_dir",
+                     "config", "save_merged", "save_best", "max_wall_minutes"}
+
+
+def _json_args(args) -> dict:
+    """The user-set fields of an Args (runtime fields left out), as plain JSON values."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+    return json.loads(json.dumps({k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in values.items()}, default=str))
+
+
+def resolve_resume(args, algo: str) -> Path | None:
+    """The checkpoint `--resume` names, checked before anything loads; None for a fresh run.
+
+    `--resume PATH`: a checkpoint folder, or a run folder (its latest complete checkpoint).
+    `--resume auto`: the latest checkpoint of the newest run `{algo}__{exp_name}__{seed}__*` under
+    --output-dir, or a fresh start when there is none (what cluster job scripts want).
+    Refused, with the reason: another algorithm's checkpoint, --total-steps not past the checkpoint's
+    step, and flags that differ from the run's args.json other than RESUME_MAY_CHANGE."""
+    if not args.resume:
+        return None
+    if args.resume == "auto":
+        runs = sorted(Path(args.output_dir).glob(f"{algo}__{args.exp_name}__{args.seed}__*"), key=lambda p: p.stat().st_mtime)
+        runs = [r for r in runs if list_checkpoints(r)]
+        if not runs:
+            return None
+        ckpt = resolve_checkpoint(str(runs[-1]))
+    else:
+        ckpt = resolve_checkpoint(args.resume)
+    run_dir = ckpt.parent.parent
+    theirs = run_dir.name.split("__")[0]
+    if theirs != algo:
+        raise SystemExit(f"--resume {args.resume}: that is a {theirs} checkpoint; {algo} cannot continue it")
+    step = _step_of(ckpt)
+    if args.total_steps <= step:
+        raise SystemExit(f"--resume {args.resume}: the checkpoint is at step {step}; --total-steps {args.total_steps} "
+                         f"must be larger to continue")
+    recorded = run_dir / "args.json"
+    if recorded.exists():
+        before = json.loads(recorded.read_text())
+        now = _json_args(args)
+        changed = {k: (before[k], v) for k, v in now.items() if k in before and before[k] != v and k not in RESUME_MAY_CHANGE}
+        if changed:
+            lines = "; ".join(f"--{k.replace('_', '-')} {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items()))
+            raise SystemExit(f"--resume {args.resume}: these flags differ from the run being resumed ({lines}). "
+                             f"Pass the run's own values (see {recorded}), or start a new run from "
+                             f"{ckpt}/<model> with --model-name-or-path")
+    return ckpt
+
+
+def make_run_dir(accelerator, algo: str, args, resume_from: Path | None = None) -> Path:
+    """The run folder: a new one, named once on the main process (its clock) and shared with every
+    rank; or, when resuming, the checkpoint's own run folder, continued in place: its metrics and
+    samples after the checkpoint's step are dropped (a crash between checkpoints left rows that will
+    be recomputed) and args.json records the resume (time, step, flags changed)."""
     from accelerate.utils import broadcast_object_list
 
-    name = [f"{algo}__{args.exp_name}__{args.seed}__{int(time.time())}"]
+    if resume_from is not None:
+        run_dir = Path(resume_from).parent.parent
+        if accelerator.is_main_process:
+            step = _step_of(Path(resume_from))
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                _drop_rows_after(run_dir / name, step)
+            record = json.loads((run_dir / "args.json").read_text()) if (run_dir / "args.json").exists() else {}
+            now = _json_args(args)
+            changed = {k: [record.get(k), v] for k, v in now.items() if record.get(k) != v and k != "resume"}
+            resumes = record.get("resumes", []) + [{"time": time.strftime("%Y-%m-%d %H:%M:%S"), "from_step": step,
+                                                    "world_size": accelerator.num_processes, "changed": changed,
+                                                    "git_commit": _git("rev-parse", "HEAD"), "argv": sys.argv}]
+            record.update(now)
+            record["resumes"] = resumes
+            _write_atomic(run_dir / "args.json", json.dumps(record, indent=2, default=str))
+        accelerator.wait_for_everyone()
+        return run_dir
+    name = [None]
+    if accelerator.is_main_process:  # two runs started in the same second get different folders
+        base = f"{algo}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        for k in range(1000):
+            candidate = Path(args.output_dir) / (base if k == 0 else f"{base}-{k}")
+            try:
+                candidate.mkdir()
+                name = [candidate.name]
+                break
+            except FileExistsError:
+                continue
     if accelerator.num_processes > 1:
         broadcast_object_list(name, from_process=0)
     run_dir = Path(args.output_dir) / name[0]
     if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=False)
-        record = {**dataclasses.asdict(args), "world_size": accelerator.num_processes,
+        record = {**dataclasses.asdict(args), "algo": algo, "world_size": accelerator.num_processes,
                   "distributed_type": str(accelerator.distributed_type).split(".")[-1],  # NO, MULTI_GPU, FSDP, DEEPSPEED...
                   "zero_stage": getattr(accelerator.state.deepspeed_plugin, "zero_stage", None),
                   "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain")),
                   "versions": library_versions(), "argv": sys.argv}
-        (run_dir / "args.json").write_text(json.dumps(record, indent=2, default=str))
+        _write_atomic(run_dir / "args.json", json.dumps(record, indent=2, default=str))
     accelerator.wait_for_everyone()
     return run_dir
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    """Keep the JSON-lines rows of `path` whose step is <= `step` (in place, atomically)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    _write_atomic(path, "".join(line + "\n" for line in keep))
 
 
 class Tracker:
@@ -145,8 +284,10 @@ class Tracker:
 
             tags = [t for t in os.environ.get("WANDB_TAGS", "").split(",") if t]
             commit = _git("rev-parse", "--short", "HEAD")
+            # id from the folder: a resumed run continues the same W&B run
             self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_dir.name,
-                                    group=args.exp_name, config=dataclasses.asdict(args), dir=str(run_dir),
+                                    id="".join(c if c.isalnum() or c in "_-" else "-" for c in run_dir.name)[:128],
+                                    resume="allow", group=args.exp_name, config=dataclasses.asdict(args), dir=str(run_dir),
                                     tags=tags + ([f"commit-{commit}"] if commit else []), save_code=True)
             self.wandb.define_metric("train/step")
             self.wandb.define_metric("*", step_metric="train/step")
@@ -194,8 +335,15 @@ class Tracker:
 # ---------------------------------------------------------------------------------------------
 # Checkpoints
 # ---------------------------------------------------------------------------------------------
-def save_checkpoint(accelerator, run_dir: Path, step: int, models: dict, state: dict, keep_last: int = 0) -> Path:
+def save_checkpoint(accelerator, run_dir: Path, step: int, models: dict, state: dict, keep_last: int = 0,
+                    tokenizer=None, args=None, save_merged: bool = False) -> Path:
     """checkpoints/step_{step}/{name}/ (save_pretrained) for each model + trainer_state.pt.
+
+    Each model folder is a model: weights, config, generation config and `tokenizer`'s files (chat
+    template included), so `AutoModel*.from_pretrained`, `AutoTokenizer.from_pretrained` and our own
+    `--model-name-or-path` load it as it is. A LoRA model saves its adapter (plus the tokenizer; our
+    loaders merge it onto its base), and with `save_merged` also `{name}_merged/`, the full merged
+    model, for tools without peft (vLLM, TGI). trainer_state.pt records the algorithm and the args.
 
     Written into a temp folder and renamed at the end, so a crash mid-save leaves the previous
     checkpoints untouched and no half checkpoint under a step_ name. `keep_last` > 0 deletes older ones."""
@@ -220,8 +368,20 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, models: dict, state: 
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         for name, m in models.items():
-            accelerator.unwrap_model(m).save_pretrained(tmp / name, state_dict=state_dicts[name], safe_serialization=True)
-        torch.save({**state, "rng": rng_state(), "step": step}, tmp / "trainer_state.pt")
+            unwrapped = accelerator.unwrap_model(m)
+            unwrapped.save_pretrained(tmp / name, state_dict=state_dicts[name], safe_serialization=True)
+            folders = [tmp / name]
+            if save_merged and hasattr(unwrapped, "peft_config"):
+                from common.models import merge_lora_state_dict
+
+                cfg = unwrapped.peft_config["default"]
+                merged = merge_lora_state_dict(state_dicts[name], cfg.lora_alpha / cfg.r)
+                unwrapped.get_base_model().save_pretrained(tmp / f"{name}_merged", state_dict=merged, safe_serialization=True)
+                folders.append(tmp / f"{name}_merged")
+            for folder in folders if tokenizer is not None else []:
+                tokenizer.save_pretrained(folder)
+        meta = {"algo": run_dir.name.split("__")[0], "args": _json_args(args) if args is not None else {}}
+        torch.save({**state, **meta, "rng": rng_state(), "step": step}, tmp / "trainer_state.pt")
         if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
             shutil.rmtree(final)
         os.rename(tmp, final)

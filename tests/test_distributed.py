@@ -175,7 +175,8 @@ def test_fsdp2_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
     half = only_run(tmp_path / "half")
     launch("ppo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path / "resumed", "--resume", half, env=env,
            config="cpu_2proc_fsdp2")
-    ddp, fsdp, resumed = (only_run(tmp_path / n) for n in ("ddp", "fsdp", "resumed"))
+    ddp, fsdp = (only_run(tmp_path / n) for n in ("ddp", "fsdp"))
+    resumed = half  # a resume continues its own run folder
     assert_ran(ddp, "DDP"), assert_ran(fsdp, "FSDP"), assert_ran(resumed, "FSDP")
     for name, value in (("policy", False), ("critic", True)):
         base = base_weights(tiny_peaky, value)
@@ -184,7 +185,7 @@ def test_fsdp2_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
     no_perf = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
     straight = no_perf(read_metrics(fsdp))
     assert [r["step"] for r in straight] == [1, 2] and straight[-1]["train/kl"] > 0  # the policy moved
-    for a, b in zip(no_perf(read_metrics(half) + read_metrics(resumed)), straight, strict=True):
+    for a, b in zip(no_perf(read_metrics(resumed)), straight, strict=True):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-7)
     for a, b in zip(no_perf(read_metrics(ddp)), straight, strict=True):
         assert a == pytest.approx(b, rel=1e-3, abs=1e-5)
@@ -240,7 +241,7 @@ def test_deepspeed_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
     runs = {kind: only_run(tmp_path / kind) for kind in ("DDP", "ZERO2", "ZERO3")}
     for kind, run in runs.items():
         assert_ran(run, kind)
-    resumed = only_run(tmp_path / "resumed")
+    resumed = half  # a resume continues its own run folder
     assert (half / "checkpoints/step_1/policy/deepspeed/state").is_dir()  # DeepSpeed's own per-rank files
     no_perf = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
     ddp = no_perf(read_metrics(runs["DDP"]))
@@ -248,7 +249,7 @@ def test_deepspeed_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
     for kind in ("ZERO2", "ZERO3"):
         for a, b in zip(no_perf(read_metrics(runs[kind])), ddp, strict=True):
             assert a == pytest.approx(b, rel=1e-4, abs=1e-6), kind
-    for a, b in zip(no_perf(read_metrics(half) + read_metrics(resumed)), no_perf(read_metrics(runs["ZERO3"])), strict=True):
+    for a, b in zip(no_perf(read_metrics(resumed)), no_perf(read_metrics(runs["ZERO3"])), strict=True):
         assert a == pytest.approx(b, rel=1e-6, abs=1e-8)
     for name, value in (("policy", False), ("critic", True)):
         base = base_weights(tiny_peaky, value)
@@ -256,7 +257,7 @@ def test_deepspeed_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
             assert_same_update(runs["DDP"] / f"checkpoints/step_2/{name}", runs[kind] / f"checkpoints/step_2/{name}", base)
         assert_same_update(runs["ZERO3"] / f"checkpoints/step_2/{name}", resumed / f"checkpoints/step_2/{name}", base, rel=1e-6)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs/accelerate/cpu_2proc.yaml"),
-           str(REPO / "algos/ppo_llm.py"), *map(str, flags), "--total-steps", "2", "--output-dir", str(tmp_path / "wrong"),
+           str(REPO / "algos/ppo_llm.py"), *map(str, flags), "--total-steps", "3", "--output-dir", str(tmp_path / "wrong"),
            "--resume", str(half)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
     assert proc.returncode != 0 and "written under DeepSpeed" in proc.stderr

@@ -100,7 +100,7 @@ def test_resume_gives_identical_metrics(tiny, toy_pairs, tmp_path):
     run_script("dpo_llm.py", *flags(tmp_path / "c", 4), "--resume", first)
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
     straight = strip(read_metrics(only_run(tmp_path / "a")))
-    assert straight[-1]["rewards/margin"] != 0 and straight == strip(read_metrics(first) + read_metrics(only_run(tmp_path / "c")))
+    assert straight[-1]["rewards/margin"] != 0 and straight == strip(read_metrics(first))
 
 
 def test_gen_preferences_writes_pairs_and_reports_ties(tiny_peaky, toy_prompts, tmp_path):

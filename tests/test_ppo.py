@@ -77,7 +77,7 @@ def test_resume_gives_identical_metrics(tiny_peaky, toy_prompts, tmp_path):
     first = only_run(tmp_path / "b")
     run_script("ppo_llm.py", *common, "--output-dir", tmp_path / "c", "--total-steps", 4, "--resume", first, env=env)
     straight = _no_perf(read_metrics(only_run(tmp_path / "a")))
-    resumed = _no_perf(read_metrics(first) + read_metrics(only_run(tmp_path / "c")))
+    resumed = _no_perf(read_metrics(first))
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
     assert straight[-1]["train/kl"] > 0  # the policy really moved, so equality means something
     assert straight == resumed
