@@ -103,6 +103,12 @@ class Args:
     """prompt files for eval/accuracy by greedy decoding (default: the built-in task's test split)"""
     task: str = "chain_sum_1d"
     """built-in reasoning-gym task used when no files are given"""
+    apply_chat_template: bool = True
+    """render prompts with the tokenizer's chat template (--no-apply-chat-template: raw text, for base models)"""
+    chat_template_kwargs: Optional[str] = None
+    """JSON keyword arguments for apply_chat_template, e.g. '{"enable_thinking": false}'"""
+    system_prompt: Optional[str] = None
+    """system message put first in every prompt (default: none beyond what the chat template adds)"""
     max_prompt_length: int = 256
     """prompt tokens kept (the last ones)"""
     max_completion_length: int = 64
@@ -218,6 +224,7 @@ def main(args: Args):
     ckpt = resolve_resume(args, Path(__file__).stem)  # --resume: checked before anything loads; None = fresh run
 
     tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    M.set_prompt_format(tok, args.apply_chat_template, args.chat_template_kwargs, args.system_prompt)
     policy = M.load_causal_lm(args.model_name_or_path, tok, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                               gradient_checkpointing=args.gradient_checkpointing, load_in_4bit=args.load_in_4bit,
                               dtype=args.dtype, trust_remote_code=args.trust_remote_code)
@@ -241,6 +248,8 @@ def main(args: Args):
         reward.check({r.data_source for r in train_rows})
     else:
         train_rows = load_preferences(train_files, tok, log=log)
+    first = train_rows[0].text if args.online else train_rows[0]["prompt"]
+    log(f"[prompt] the first training prompt as the model sees it:\n{first}")
     val_pairs = load_preferences(val_files, tok, log=log)[:args.num_eval_pairs] if val_files else []
     eval_prompts = load_prompts(eval_prompt_files, tok, max_prompt_length=args.max_prompt_length, log=log)[:args.num_eval_prompts] if eval_prompt_files else []
     eval_reward = reward or (Reward(args.reward, args.reward_fn, max_new_tokens=args.max_new_tokens) if eval_prompts else None)

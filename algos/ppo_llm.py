@@ -28,11 +28,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` imports from a plain `python algos/...`
 
 import torch
+import tyro
 
 from common import models as M
 from common.data import Sampler, load_prompts
@@ -109,6 +110,12 @@ class Args:
     """validation prompt files; default: the built-in task's test split"""
     task: str = "chain_sum_1d"
     """built-in reasoning-gym task used when no --train-files are given"""
+    apply_chat_template: bool = True
+    """render prompts with the tokenizer's chat template (--no-apply-chat-template: raw text, for base models)"""
+    chat_template_kwargs: Optional[str] = None
+    """JSON keyword arguments for apply_chat_template, e.g. '{"enable_thinking": false}'"""
+    system_prompt: Optional[str] = None
+    """system message put first in every prompt (default: none beyond what the chat template adds)"""
     prompt_key: str = "prompt"
     """column holding the prompt"""
     reward_fn_key: str = "data_source"
@@ -129,7 +136,7 @@ class Args:
     """validation prompts per evaluation (greedy)"""
 
     # --- generation
-    max_new_tokens: int = 48
+    max_new_tokens: Annotated[int, tyro.conf.arg(aliases=("--max-completion-length",))] = 48
     """response length limit (tokens)"""
     temperature: float = 1.0
     """sampling temperature (log-probs are computed at the same temperature)"""
@@ -247,6 +254,7 @@ def main(args: Args):
     ckpt = resolve_resume(args, Path(__file__).stem)  # --resume: checked before anything loads; None = fresh run
 
     tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    M.set_prompt_format(tok, args.apply_chat_template, args.chat_template_kwargs, args.system_prompt)
     lora = dict(lora_r=args.lora_r, lora_alpha=args.lora_alpha, gradient_checkpointing=args.gradient_checkpointing,
                 load_in_4bit=args.load_in_4bit, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     policy = M.load_causal_lm(args.model_name_or_path, tok, **lora)
@@ -268,6 +276,7 @@ def main(args: Args):
     train_rows = load_prompts(train_files, tok, args.prompt_key, args.reward_fn_key, args.max_prompt_length, args.truncate_prompts, log)
     val_rows = load_prompts(val_files, tok, args.prompt_key, args.reward_fn_key, args.max_prompt_length, args.truncate_prompts, log)[:args.num_eval_prompts] if val_files else []
     reward.check({r.data_source for r in train_rows + val_rows})
+    log(f"[prompt] the first training prompt as the model sees it:\n{train_rows[0].text}")
     sampler = Sampler(len(train_rows), args.seed)
 
     n_updates = args.total_steps * args.ppo_epochs * (args.batch_size // args.mini_batch_size)

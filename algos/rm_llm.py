@@ -90,6 +90,12 @@ class Args:
     """held-out preference files (default: the built-in task's test pairs)"""
     task: str = "chain_sum_1d"
     """built-in reasoning-gym task used when no files are given"""
+    apply_chat_template: bool = True
+    """render prompts with the tokenizer's chat template (--no-apply-chat-template: raw text, for base models)"""
+    chat_template_kwargs: Optional[str] = None
+    """JSON keyword arguments for apply_chat_template, e.g. '{"enable_thinking": false}'"""
+    system_prompt: Optional[str] = None
+    """system message put first in every prompt (default: none beyond what the chat template adds)"""
     max_length: int = 512
     """tokens per prompt + completion (the prompt's start is cut first)"""
     num_eval_pairs: int = 256
@@ -151,6 +157,7 @@ def main(args: Args):
     ckpt = resolve_resume(args, Path(__file__).stem)  # --resume: checked before anything loads; None = fresh run
 
     tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    M.set_prompt_format(tok, args.apply_chat_template, args.chat_template_kwargs, args.system_prompt)
     lora = dict(lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, lora_target="all-linear",
                 gradient_checkpointing=args.gradient_checkpointing, load_in_4bit=False) if args.lora_r else {}
     model = M.load_reward_model(args.model_name_or_path, tok, args.dtype, args.trust_remote_code, **lora)
@@ -159,6 +166,7 @@ def main(args: Args):
         train_files, default_val = default_preference_files(args.task)
         val_files = val_files or [default_val]
     train_pairs = load_preferences(train_files, tok, log=log)
+    log(f"[prompt] the first training prompt as the model sees it:\n{train_pairs[0]['prompt']}")
     val_pairs = load_preferences(val_files, tok, log=log)[:args.num_eval_pairs] if val_files else []
     sampler = Sampler(len(train_pairs), args.seed)
 

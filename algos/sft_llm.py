@@ -92,6 +92,12 @@ class Args:
     """prompt files (with data_source) for eval/accuracy by greedy decoding (default: built-in task's test split)"""
     task: str = "chain_sum_1d"
     """built-in reasoning-gym task used when no files are given"""
+    apply_chat_template: bool = True
+    """render prompts with the tokenizer's chat template (--no-apply-chat-template: raw text, for base models)"""
+    chat_template_kwargs: Optional[str] = None
+    """JSON keyword arguments for apply_chat_template, e.g. '{"enable_thinking": false}'"""
+    system_prompt: Optional[str] = None
+    """system message put first in every prompt (default: none beyond what the chat template adds)"""
     max_length: int = 512
     """tokens per example (prompt + response); longer examples keep the response and cut the prompt's start"""
     num_eval_examples: int = 64
@@ -153,6 +159,7 @@ def main(args: Args):
     ckpt = resolve_resume(args, Path(__file__).stem)  # --resume: checked before anything loads; None = fresh run
 
     tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    M.set_prompt_format(tok, args.apply_chat_template, args.chat_template_kwargs, args.system_prompt)
     model = M.load_causal_lm(args.model_name_or_path, tok, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                              gradient_checkpointing=args.gradient_checkpointing, load_in_4bit=args.load_in_4bit,
                              dtype=args.dtype, trust_remote_code=args.trust_remote_code)
@@ -162,6 +169,7 @@ def main(args: Args):
         val_files = val_files or [default_val]
         eval_prompt_files = eval_prompt_files or [default_task_files(args.task)[1]]
     train_rows = load_sft(train_files, tok)
+    log(f"[prompt] the first training prompt as the model sees it:\n{train_rows[0]['prompt']}")
     val_rows = load_sft(val_files, tok)[:args.num_eval_examples] if val_files else []
     eval_prompts = load_prompts(eval_prompt_files, tok, max_prompt_length=args.max_length, log=log)[:args.num_eval_prompts] if eval_prompt_files else []
     reward = Reward("rule:1.0", max_new_tokens=args.max_new_tokens)

@@ -28,6 +28,10 @@ def load_run(run_dir: str | Path) -> dict:
     if not f.exists():
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (is this a run folder?)")
     rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    by_step = {}
+    for r in rows:  # a step logged twice (rows of a crashed run, recomputed after its resume): the last one counts
+        by_step.setdefault(r["step"], {}).update(r)
+    rows = [by_step[k] for k in sorted(by_step)]
     args = json.loads((run_dir / "args.json").read_text()) if (run_dir / "args.json").exists() else {}
     return {"dir": run_dir, "name": run_dir.name, "exp_name": args.get("exp_name", run_dir.name),
             "algo": run_dir.name.split("__")[0], "seed": args.get("seed"), "rows": rows}
@@ -42,6 +46,24 @@ def series(run: dict, metric: str, x: str) -> tuple[np.ndarray, np.ndarray]:
             xs.append({"step": r["step"], "samples": r.get("train/episodes", r["step"]), "time": t}[x])
             ys.append(r[metric])
     return np.array(xs, dtype=float), np.array(ys, dtype=float)
+
+
+def align(curves: list[tuple[np.ndarray, np.ndarray]], x: str) -> tuple[np.ndarray, np.ndarray]:
+    """Several (xs, ys) curves -> (xs, ys (n_curves, n_points)) on shared x values, never by row index.
+
+    step / samples: the x values every curve has (seeds that crashed early, or logged every 2 steps
+    instead of 1, are averaged only where they overlap). time: no two runs share a timestamp, so each
+    curve is interpolated onto the union of their x values inside the range they all cover."""
+    if len(curves) == 1:
+        return curves[0][0], curves[0][1][None]
+    if x != "time":
+        common = sorted(set.intersection(*(set(xs.tolist()) for xs, _ in curves)))
+        xs = np.array(common, dtype=float)
+        return xs, np.stack([ys[np.searchsorted(cx, xs)] for cx, ys in curves]) if len(xs) else np.zeros((len(curves), 0))
+    lo, hi = max(c[0].min() for c in curves), min(c[0].max() for c in curves)
+    xs = np.unique(np.concatenate([c[0] for c in curves]))
+    xs = xs[(xs >= lo) & (xs <= hi)]
+    return xs, np.stack([np.interp(xs, cx, ys) for cx, ys in curves])
 
 
 def smooth(y: np.ndarray, window: int) -> np.ndarray:
@@ -99,9 +121,9 @@ def plot(groups: dict[str, list[dict]], metrics: list[str], x: str, window: int,
             curves = [(xs, smooth(ys, w)) for xs, ys in curves if len(ys)]
             if not curves:
                 continue
-            n = min(len(c[1]) for c in curves)
-            xs = curves[0][0][:n]
-            ys = np.stack([c[1][:n] for c in curves])
+            xs, ys = align(curves, x)
+            if not len(xs):
+                continue
             mean = ys.mean(0)
             line, = ax.plot(xs, mean, label=f"{g} (n={len(curves)})", color=f"C{gi}")
             if len(curves) > 1:

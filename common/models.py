@@ -176,18 +176,45 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, padding_s
     return tok
 
 
+def set_prompt_format(tok, apply_chat_template: bool = True, chat_template_kwargs: str | dict | None = None,
+                      system_prompt: str | None = None):
+    """How `apply_chat` renders prompts for this tokenizer (the scripts' --apply-chat-template,
+    --chat-template-kwargs and --system-prompt). Kept on the tokenizer so every loader (prompts,
+    preferences, SFT examples) renders alike. Returns `tok`."""
+    import json
+
+    if isinstance(chat_template_kwargs, str):
+        try:
+            chat_template_kwargs = json.loads(chat_template_kwargs)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--chat-template-kwargs {chat_template_kwargs!r}: not JSON ({e.msg}); "
+                             f"e.g. '{{\"enable_thinking\": false}}'") from None
+        if not isinstance(chat_template_kwargs, dict):
+            raise ValueError("--chat-template-kwargs: expected a JSON object, e.g. '{\"enable_thinking\": false}'")
+    tok.cleanrlhf_format = {"apply_chat_template": apply_chat_template, "kwargs": chat_template_kwargs or {},
+                            "system_prompt": system_prompt}
+    return tok
+
+
 def apply_chat(tok, prompt, add_generation_prompt: bool = True) -> str:
     """A prompt (string or list of {role, content}) as the text the model sees.
 
     Message lists go through the tokenizer's chat template when it has one; a plain string is
-    wrapped as one user message when a template exists, else used as is."""
+    wrapped as one user message when a template exists, else used as is. `set_prompt_format` can
+    turn the template off (raw text: a string as is, messages' contents joined), pass keyword
+    arguments to it (e.g. enable_thinking), and put a system prompt first (default: the template's own)."""
+    fmt = getattr(tok, "cleanrlhf_format", None) or {"apply_chat_template": True, "kwargs": {}, "system_prompt": None}
+    if not fmt["apply_chat_template"]:
+        return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
     if isinstance(prompt, str):
         if not tok.chat_template:
             return prompt
         prompt = [{"role": "user", "content": prompt}]
+    if fmt["system_prompt"] is not None and not (prompt and prompt[0]["role"] == "system"):
+        prompt = [{"role": "system", "content": fmt["system_prompt"]}] + list(prompt)
     if not tok.chat_template:  # no template: a plain "role: content" transcript
         return "".join(f"{m['role']}: {m['content']}\n" for m in prompt) + ("assistant: " if add_generation_prompt else "")
-    return tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=add_generation_prompt, **fmt["kwargs"])
 
 
 # ---------------------------------------------------------------------------------------------

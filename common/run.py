@@ -41,18 +41,23 @@ def parse_args(cls, argv: list[str] | None = None):
     import yaml
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    for a in argv:
+        for theirs, ours in FOREIGN_FLAGS.items():
+            if a == theirs or a.startswith(theirs + "="):
+                user_error(f"{theirs}: not a cleanrlhf flag; {ours}")
+    doc = (sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n")[0]  # --help starts with the script's summary
     preset = []
     for i, a in enumerate(argv):
         path = argv[i + 1] if a == "--config" and i + 1 < len(argv) else a.split("=", 1)[1] if a.startswith("--config=") else None
         if path:
             if not Path(path).is_file():
-                raise SystemExit(f"--config {path}: file not found")
+                user_error(f"--config {path}: file not found")
             try:
                 cfg = yaml.safe_load(open(path)) or {}
             except yaml.YAMLError as e:
-                raise SystemExit(f"--config {path}: not valid YAML ({e})") from None
+                user_error(f"--config {path}: not valid YAML ({e})")
             if not isinstance(cfg, dict):
-                raise SystemExit(f"--config {path}: expected a mapping of field names to values")
+                user_error(f"--config {path}: expected a mapping of field names to values")
             preset = _preset_flags(cls, cfg, path)
             try:  # the preset alone first, so a bad value is blamed on the file
                 with open(os.devnull, "w") as devnull, _redirect_stderr(devnull):
@@ -61,7 +66,24 @@ def parse_args(cls, argv: list[str] | None = None):
                 print(f"--config {path}: a value in this preset does not parse as its flag:", file=sys.stderr)
                 tyro.cli(cls, args=preset)  # prints tyro's message naming the flag, exits 2
             break
-    return tyro.cli(cls, args=preset + argv)  # later flags win: the CLI overrides the preset
+    return tyro.cli(cls, args=preset + argv, description=doc)  # later flags win: the CLI overrides the preset
+
+
+# Flags users bring from TRL / verl that have no exact equivalent here: one line saying which of ours to use.
+# (Exact equivalents are aliases on the fields themselves: --num-generations, --beta, --max-completion-length.)
+FOREIGN_FLAGS = {
+    "--per-device-train-batch-size": "batch flags here are global over processes: --micro-batch-size is the per-process "
+                                     "forward/backward size, --batch-size (PPO, DPO, SFT, RM) or --num-prompts (GRPO) the "
+                                     "samples per step over all processes",
+    "--gradient-accumulation-steps": "accumulation follows from the sizes: --mini-batch-size (or --batch-size) over "
+                                     "--micro-batch-size x processes",
+}
+
+
+def user_error(message: str) -> None:
+    """A user error: one line on stderr, exit code 2 (no traceback)."""
+    print(message, file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 class _redirect_stderr:
@@ -83,7 +105,7 @@ def _preset_flags(cls, cfg: dict, path: str, prefix: str = "") -> list[str]:
         name = str(key).replace("-", "_")
         if name not in fields:
             valid = ", ".join(sorted(fields))
-            raise SystemExit(f"--config {path}: unknown key {prefix + str(key)!r}; valid keys: {valid}")
+            user_error(f"--config {path}: unknown key {prefix + str(key)!r}; valid keys: {valid}")
         flag = "--" + (prefix + name).replace("_", "-")
         f = fields[name]
         if isinstance(value, dict) and dataclasses.is_dataclass(f.default_factory() if f.default_factory is not dataclasses.MISSING else None):
@@ -180,14 +202,17 @@ def resolve_resume(args, algo: str) -> Path | None:
             return None
         ckpt = resolve_checkpoint(str(runs[-1]))
     else:
-        ckpt = resolve_checkpoint(args.resume)
+        try:
+            ckpt = resolve_checkpoint(args.resume)
+        except FileNotFoundError as e:
+            user_error(str(e))
     run_dir = ckpt.parent.parent
     theirs = run_dir.name.split("__")[0]
     if theirs != algo:
-        raise SystemExit(f"--resume {args.resume}: that is a {theirs} checkpoint; {algo} cannot continue it")
+        user_error(f"--resume {args.resume}: that is a {theirs} checkpoint; {algo} cannot continue it")
     step = _step_of(ckpt)
     if args.total_steps <= step:
-        raise SystemExit(f"--resume {args.resume}: the checkpoint is at step {step}; --total-steps {args.total_steps} "
+        user_error(f"--resume {args.resume}: the checkpoint is at step {step}; --total-steps {args.total_steps} "
                          f"must be larger to continue")
     recorded = run_dir / "args.json"
     if recorded.exists():
@@ -196,7 +221,7 @@ def resolve_resume(args, algo: str) -> Path | None:
         changed = {k: (before[k], v) for k, v in now.items() if k in before and before[k] != v and k not in RESUME_MAY_CHANGE}
         if changed:
             lines = "; ".join(f"--{k.replace('_', '-')} {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items()))
-            raise SystemExit(f"--resume {args.resume}: these flags differ from the run being resumed ({lines}). "
+            user_error(f"--resume {args.resume}: these flags differ from the run being resumed ({lines}). "
                              f"Pass the run's own values (see {recorded}), or start a new run from "
                              f"{ckpt}/<model> with --model-name-or-path")
     return ckpt

@@ -54,3 +54,25 @@ def test_panels_and_cli(tmp_path):
     assert smooth(__import__("numpy").array([0.0, 2.0, 4.0]), 2).tolist() == [0.0, 1.0, 3.0]
     with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
         load_run(tmp_path)
+
+
+def test_curves_align_by_x_not_by_row():
+    import numpy as np
+
+    from common.compare import align
+
+    # seed 2 logged every 2 steps and crashed after step 4; seed 1 logged every step to 5
+    a = (np.array([1.0, 2, 3, 4, 5]), np.array([10.0, 20, 30, 40, 50]))
+    b = (np.array([2.0, 4]), np.array([2.0, 4]))
+    xs, ys = align([a, b], "step")
+    assert xs.tolist() == [2.0, 4.0] and ys.tolist() == [[20.0, 40.0], [2.0, 4.0]]  # by row index: [10, 20] vs [2, 4]
+    xs, ys = align([a, (np.array([1.5, 3.5]), np.array([0.0, 1.0]))], "time")  # interpolated inside the shared range
+    assert xs.min() >= 1.5 and xs.max() <= 3.5 and ys[0].tolist() == [15.0, 20.0, 30.0, 35.0]
+
+
+def test_a_step_logged_twice_counts_once(tmp_path):
+    d = fake_run(tmp_path, "ppo_llm__a__1__1", "a", 1, [0.0, 0.5, 1.0])
+    with open(d / "metrics.jsonl", "a") as f:  # an old-style resume appended step 3 again
+        f.write(json.dumps({"step": 3, "train/reward": 0.7}) + "\n")
+    rows = load_run(d)["rows"]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["train/reward"] == 0.7
