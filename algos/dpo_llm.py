@@ -41,7 +41,7 @@ from common.prepare_data import default_preference_files, default_task_files
 from common.rewards import Reward
 from common.rollout import generate, sample_seed, tokenize_queries, unwrap_for_generation
 from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, parse_args, peak_mem_gb,
-                        resolve_resume, save_checkpoint, seed_everything, set_rng_state)
+                        BestKeeper, resolve_resume, save_checkpoint, seed_everything, set_rng_state)
 
 
 @dataclass
@@ -69,6 +69,8 @@ class Args:
     """keep only the last K checkpoints (0: keep all)"""
     save_merged: bool = False
     """LoRA: each checkpoint also holds {model}_merged/, the full merged model (loads without peft: vLLM, TGI)"""
+    save_best: Optional[str] = None
+    """keep checkpoints/best/, the checkpoint of the best value so far of this metric (e.g. eval/accuracy; losses: lowest)"""
     eval_every: int = 10
     """evaluate every N steps (and before the first and after the last; 0: never)"""
     log_every: int = 1
@@ -129,8 +131,10 @@ class Args:
     """response length limit when --online and in evaluation"""
     reward: str = "rule:1.0"
     """weighted reward sources for --online ranking"""
-    reward_fn: Optional[str] = None
-    """path/to/file.py:fn replacing the data_source registry"""
+    reward_fn: Optional[list[str]] = None
+    """path/to/file.py:fn replacing the data_source registry for every row; repeat for several (summed with --reward-weights)"""
+    reward_weights: Optional[list[float]] = None
+    """weights of the --reward-fn functions, in order (default: 1 each); each is logged as reward/<fn>"""
     reward_fallback: Optional[float] = None
     """score given when a reward function fails (default: stop with an error naming the row)"""
 
@@ -243,7 +247,8 @@ def main(args: Args):
         # the reward model's own tokenizer and chat template (it may differ from the policy's)
         rm_tok = M.load_tokenizer(args.reward_model, args.trust_remote_code) if args.reward_model else None
         rm = prepare_frozen(accelerator, M.load_reward_model(args.reward_model, rm_tok, args.dtype)) if args.reward_model else None
-        reward = Reward(args.reward, args.reward_fn, rm, rm_tok, args.max_new_tokens, args.reward_fallback)
+        reward = Reward(args.reward, args.reward_fn, rm, rm_tok, args.max_new_tokens, args.reward_fallback,
+                    reward_weights=args.reward_weights)
         train_rows = load_prompts(train_files, tok, max_prompt_length=args.max_prompt_length, log=log)
         reward.check({r.data_source for r in train_rows})
     else:
@@ -252,7 +257,7 @@ def main(args: Args):
     log(f"[prompt] the first training prompt as the model sees it:\n{first}")
     val_pairs = load_preferences(val_files, tok, log=log)[:args.num_eval_pairs] if val_files else []
     eval_prompts = load_prompts(eval_prompt_files, tok, max_prompt_length=args.max_prompt_length, log=log)[:args.num_eval_prompts] if eval_prompt_files else []
-    eval_reward = reward or (Reward(args.reward, args.reward_fn, max_new_tokens=args.max_new_tokens) if eval_prompts else None)
+    eval_reward = reward or (Reward(args.reward, args.reward_fn, max_new_tokens=args.max_new_tokens, reward_weights=args.reward_weights) if eval_prompts else None)
     if eval_prompts:
         eval_reward.check({r.data_source for r in eval_prompts})
     sampler = Sampler(len(train_rows), args.seed)
@@ -260,6 +265,7 @@ def main(args: Args):
     from transformers import get_scheduler
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay)
     sched = get_scheduler(args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.total_steps)
+    best = BestKeeper(args.save_best)  # --save-best
     start_step = 0
     if ckpt:
         load_weights(policy, ckpt / "policy")
@@ -270,6 +276,7 @@ def main(args: Args):
         for obj, key in ((sched, "sched"), (sampler, "sampler")):
             obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
+        best.load_state_dict(state.get("best", {"best": None}))
         start_step = state["step"]
         log(f"resumed from {ckpt} at step {start_step}")
     run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
@@ -329,10 +336,10 @@ def main(args: Args):
             metrics.update(m)
         return metrics
 
-    def checkpoint(step):
+    def checkpoint(step, label=None):
         save_checkpoint(accelerator, run_dir, step, {"policy": policy},
-                        {"opt": optimizer_state(accelerator, policy, opt), "sched": sched.state_dict(), "sampler": sampler.state_dict()}, args.keep_last,
-                            tokenizer=tok, args=args, save_merged=args.save_merged)
+                        {"opt": optimizer_state(accelerator, policy, opt), "sched": sched.state_dict(), "sampler": sampler.state_dict(), "best": best.state_dict()}, args.keep_last,
+                            tokenizer=tok, args=args, save_merged=args.save_merged, label=label)
 
     if args.eval_every and start_step == 0 and (val_pairs or eval_prompts):
         tracker.log(0, evaluate())
@@ -424,6 +431,8 @@ def main(args: Args):
             if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
                 metrics.update(evaluate())
             tracker.log(step, metrics)
+            if best.improved(metrics):
+                checkpoint(step, "best")
             as_text = lambda c: c if isinstance(c, str) else tok.decode(c, skip_special_tokens=True)  # --online: ids
             tracker.samples(step, [{"prompt": p["prompt"], "chosen": as_text(p["chosen"]), "rejected": as_text(p["rejected"])}
                                    for p in pairs[:args.num_samples_logged]])

@@ -56,7 +56,7 @@ from common.rewards import Reward
 from common.rollout import (forward_logprobs, forward_values, generate, sample_seed, sequence_attention_mask,
                             tokenize_queries, unwrap_for_generation)
 from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, parse_args, peak_mem_gb,
-                        resolve_resume, save_checkpoint, seed_everything, set_rng_state)
+                        BestKeeper, resolve_resume, save_checkpoint, seed_everything, set_rng_state)
 
 
 @dataclass
@@ -84,6 +84,8 @@ class Args:
     """keep only the last K checkpoints (0: keep all)"""
     save_merged: bool = False
     """LoRA: each checkpoint also holds {model}_merged/, the full merged model (loads without peft: vLLM, TGI)"""
+    save_best: Optional[str] = None
+    """keep checkpoints/best/, the checkpoint of the best value so far of this metric (e.g. eval/accuracy; losses: lowest)"""
     eval_every: int = 10
     """evaluate every N steps (and before the first and after the last; 0: never)"""
     log_every: int = 1
@@ -134,8 +136,10 @@ class Args:
     """keep the last --max-prompt-length tokens of long prompts instead of dropping them"""
     reward: str = "rule:1.0"
     """weighted reward sources, e.g. 'rule:1.0,model:0.5,format:0.1,length:0.1'"""
-    reward_fn: Optional[str] = None
-    """path/to/file.py:fn replacing the data_source registry for every row"""
+    reward_fn: Optional[list[str]] = None
+    """path/to/file.py:fn replacing the data_source registry for every row; repeat for several (summed with --reward-weights)"""
+    reward_weights: Optional[list[float]] = None
+    """weights of the --reward-fn functions, in order (default: 1 each); each is logged as reward/<fn>"""
     reward_fallback: Optional[float] = None
     """score given when a reward function fails (default: stop with an error naming the row)"""
     missing_eos_penalty: float = 0.0
@@ -294,7 +298,8 @@ def main(args: Args):
     # the reward model's own tokenizer and chat template (it may differ from the policy's)
     rm_tok = M.load_tokenizer(args.reward_model, args.trust_remote_code) if args.reward_model else None
     rm = prepare_frozen(accelerator, M.load_reward_model(args.reward_model, rm_tok, args.dtype)) if args.reward_model else None
-    reward = Reward(args.reward, args.reward_fn, rm, rm_tok, args.max_new_tokens, args.reward_fallback)
+    reward = Reward(args.reward, args.reward_fn, rm, rm_tok, args.max_new_tokens, args.reward_fallback,
+                    reward_weights=args.reward_weights)
 
     train_files, val_files = args.train_files, args.val_files
     if train_files is None:
@@ -316,6 +321,7 @@ def main(args: Args):
     beta = args.beta_init
 
     health = HealthMonitor(args.health, log)
+    best = BestKeeper(args.save_best)  # --save-best
     start_step = 0
     if ckpt:
         load_weights(policy, ckpt / "policy")
@@ -330,6 +336,7 @@ def main(args: Args):
                          (sampler, "sampler"), (kl_ctl, "kl_ctl"), (health, "health")):
             obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
+        best.load_state_dict(state.get("best", {"best": None}))
         start_step = state["step"]
         beta = state["beta"]
         log(f"resumed from {ckpt} at step {start_step}")
@@ -343,12 +350,12 @@ def main(args: Args):
         with accelerator.unwrap_model(policy).disable_adapter():
             return forward_logprobs(policy, query_responses, attn, P, args.temperature)
 
-    def checkpoint(step):
+    def checkpoint(step, label=None):
         save_checkpoint(accelerator, run_dir, step, {"policy": policy, "critic": critic},
                         {"opt": optimizer_state(accelerator, policy, opt), "critic_opt": optimizer_state(accelerator, critic, critic_opt), "sched": sched.state_dict(),
                          "critic_sched": critic_sched.state_dict(), "sampler": sampler.state_dict(),
-                         "kl_ctl": kl_ctl.state_dict(), "health": health.state_dict(), "beta": beta}, args.keep_last,
-                            tokenizer=tok, args=args, save_merged=args.save_merged)
+                         "kl_ctl": kl_ctl.state_dict(), "health": health.state_dict(), "beta": beta, "best": best.state_dict()}, args.keep_last,
+                            tokenizer=tok, args=args, save_merged=args.save_merged, label=label)
 
     if args.eval_every and val_rows and start_step == 0:
         metrics, samples = evaluate_policy(accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size)
@@ -490,6 +497,8 @@ def main(args: Args):
                 metrics.update(eval_metrics)
                 tracker.samples(step, [{**s, "split": "eval"} for s in eval_samples[:args.num_samples_logged]])
             tracker.log(step, {**metrics, **health.check(metrics)})
+            if best.improved(metrics):
+                checkpoint(step, "best")
             tracker.samples(step, [{"prompt": x.text, "response": t, "reward": float(s), "kl": float(k), "split": "train"}
                                    for x, t, s, k in zip(rows, texts, scores, masked_mean(kl, mask, dim=1))][:args.num_samples_logged])
         if (args.save_every and step % args.save_every == 0) or step == args.total_steps:

@@ -45,7 +45,7 @@ from common.rewards import Reward
 from common.rollout import (forward_logprobs, generate, sample_seed, sequence_attention_mask, tokenize_queries,
                             unwrap_for_generation)
 from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, parse_args, peak_mem_gb,
-                        resolve_resume, save_checkpoint, seed_everything, set_rng_state)
+                        BestKeeper, resolve_resume, save_checkpoint, seed_everything, set_rng_state)
 
 
 @dataclass
@@ -73,6 +73,8 @@ class Args:
     """keep only the last K checkpoints (0: keep all)"""
     save_merged: bool = False
     """LoRA: each checkpoint also holds {model}_merged/, the full merged model (loads without peft: vLLM, TGI)"""
+    save_best: Optional[str] = None
+    """keep checkpoints/best/, the checkpoint of the best value so far of this metric (e.g. eval/accuracy; losses: lowest)"""
     eval_every: int = 10
     """evaluate every N steps (and before the first and after the last; 0: never)"""
     log_every: int = 1
@@ -121,8 +123,10 @@ class Args:
     """keep the last --max-prompt-length tokens of long prompts instead of dropping them"""
     reward: str = "rule:1.0"
     """weighted reward sources, e.g. 'rule:1.0,model:0.5,format:0.1,length:0.1'"""
-    reward_fn: Optional[str] = None
-    """path/to/file.py:fn replacing the data_source registry for every row"""
+    reward_fn: Optional[list[str]] = None
+    """path/to/file.py:fn replacing the data_source registry for every row; repeat for several (summed with --reward-weights)"""
+    reward_weights: Optional[list[float]] = None
+    """weights of the --reward-fn functions, in order (default: 1 each); each is logged as reward/<fn>"""
     reward_fallback: Optional[float] = None
     """score given when a reward function fails (default: stop with an error naming the row)"""
     num_eval_prompts: int = 64
@@ -305,7 +309,8 @@ def main(args: Args):
     # the reward model's own tokenizer and chat template (it may differ from the policy's)
     rm_tok = M.load_tokenizer(args.reward_model, args.trust_remote_code) if args.reward_model else None
     rm = prepare_frozen(accelerator, M.load_reward_model(args.reward_model, rm_tok, args.dtype)) if args.reward_model else None
-    reward = Reward(args.reward, args.reward_fn, rm, rm_tok, args.max_new_tokens, args.reward_fallback)
+    reward = Reward(args.reward, args.reward_fn, rm, rm_tok, args.max_new_tokens, args.reward_fallback,
+                    reward_weights=args.reward_weights)
 
     train_files, val_files = args.train_files, args.val_files
     if train_files is None:
@@ -323,6 +328,7 @@ def main(args: Args):
     sched = get_scheduler(args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=n_updates)
 
     health = HealthMonitor(args.health, log)
+    best = BestKeeper(args.save_best)  # --save-best
     start_step = 0
     if ckpt:
         load_weights(policy, ckpt / "policy")
@@ -333,6 +339,7 @@ def main(args: Args):
         for obj, key in ((sched, "sched"), (sampler, "sampler"), (health, "health")):
             obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
+        best.load_state_dict(state.get("best", {"best": None}))
         start_step = state["step"]
         log(f"resumed from {ckpt} at step {start_step}")
     # pi_old may be the sampler's log-probs only where sampler and trainer compute the same numbers: one
@@ -368,11 +375,11 @@ def main(args: Args):
                     mask=ro.response_mask, logprobs=ro.logprobs, truncated=ro.truncated, scores=scores,
                     solved=extras.get("acc", (scores >= 1).float()), **{f"reward/{k}": v for k, v in components.items()})
 
-    def checkpoint(step):
+    def checkpoint(step, label=None):
         save_checkpoint(accelerator, run_dir, step, {"policy": policy},
                         {"opt": optimizer_state(accelerator, policy, opt), "sched": sched.state_dict(), "sampler": sampler.state_dict(),
-                         "health": health.state_dict()}, args.keep_last,
-                            tokenizer=tok, args=args, save_merged=args.save_merged)
+                         "health": health.state_dict(), "best": best.state_dict()}, args.keep_last,
+                            tokenizer=tok, args=args, save_merged=args.save_merged, label=label)
 
     if args.eval_every and val_rows and start_step == 0:
         metrics, samples = evaluate_policy(accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size)
@@ -497,6 +504,8 @@ def main(args: Args):
                 metrics.update(eval_metrics)
                 tracker.samples(step, [{**s, "split": "eval"} for s in eval_samples[:args.num_samples_logged]])
             tracker.log(step, {**metrics, **health.check(metrics)})
+            if best.improved(metrics):
+                checkpoint(step, "best")
             tracker.samples(step, [{"prompt": x.text, "response": t, "reward": float(s), "advantage": float(a), "split": "train"}
                                    for x, t, s, a in zip(rows, texts, scores, advantages)][:args.num_samples_logged])
         if (args.save_every and step % args.save_every == 0) or step == args.total_steps:

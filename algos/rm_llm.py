@@ -36,7 +36,7 @@ from common.ops import exact_div
 from common.prepare_data import default_preference_files
 from common.rollout import position_ids_from_mask
 from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, parse_args, peak_mem_gb,
-                        resolve_resume, save_checkpoint, seed_everything, set_rng_state)
+                        BestKeeper, resolve_resume, save_checkpoint, seed_everything, set_rng_state)
 
 
 @dataclass
@@ -64,6 +64,8 @@ class Args:
     """keep only the last K checkpoints (0: keep all)"""
     save_merged: bool = False
     """LoRA: each checkpoint also holds {model}_merged/, the full merged model (loads without peft: vLLM, TGI)"""
+    save_best: Optional[str] = None
+    """keep checkpoints/best/, the checkpoint of the best value so far of this metric (e.g. eval/accuracy; losses: lowest)"""
     eval_every: int = 50
     """evaluate every N steps (and before the first and after the last; 0: never)"""
     log_every: int = 1
@@ -173,6 +175,7 @@ def main(args: Args):
     from transformers import get_scheduler
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay)
     sched = get_scheduler(args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.total_steps)
+    best = BestKeeper(args.save_best)  # --save-best
     start_step = 0
     if ckpt:
         load_weights(model, ckpt / "model")
@@ -183,6 +186,7 @@ def main(args: Args):
         for obj, key in ((sched, "sched"), (sampler, "sampler")):
             obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
+        best.load_state_dict(state.get("best", {"best": None}))
         start_step = state["step"]
         log(f"resumed from {ckpt} at step {start_step}")
     run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
@@ -209,6 +213,11 @@ def main(args: Args):
     if args.eval_every and start_step == 0:
         tracker.log(0, evaluate())
 
+    def checkpoint(step, label=None):
+        save_checkpoint(accelerator, run_dir, step, {"model": model},
+                        {"opt": optimizer_state(accelerator, model, opt), "sched": sched.state_dict(), "sampler": sampler.state_dict(), "best": best.state_dict()}, args.keep_last,
+                        tokenizer=tok, args=args, save_merged=args.save_merged, label=label)
+
     for step in range(start_step + 1, args.total_steps + 1):
         t_step = time.time()
         r = accelerator.process_index
@@ -233,10 +242,10 @@ def main(args: Args):
             if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
                 metrics.update(evaluate())
             tracker.log(step, metrics)
+            if best.improved(metrics):
+                checkpoint(step, "best")
         if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
-            save_checkpoint(accelerator, run_dir, step, {"model": model},
-                            {"opt": optimizer_state(accelerator, model, opt), "sched": sched.state_dict(), "sampler": sampler.state_dict()}, args.keep_last,
-                            tokenizer=tok, args=args, save_merged=args.save_merged)
+            checkpoint(step)
 
     # ------------------------------------------------------------------ normalise and save the reward model
     c, rj = score_pairs(train_pairs[:args.num_norm_samples])

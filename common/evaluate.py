@@ -5,13 +5,16 @@
 
 Greedy answers by default (`--samples k --temperature t` for sampled answers). Prints reward and
 exact-match accuracy per model and per data_source, and writes a markdown file showing each
-prompt with every model's answer. A checkpoint folder holding a LoRA adapter loads its base model.
+prompt with every model's answer. `--n K` adds K sampled answers per prompt and reports pass@1,
+pass@k (unbiased estimator) and maj@K (majority vote over the extracted answers) next to the greedy
+accuracy. Any checkpoint folder is a model (a LoRA adapter is merged onto its base).
 """
 
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+import math
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -58,6 +61,46 @@ def answer(model, tok, rows, max_new_tokens: int, batch_size: int = 16, samples:
     return (out, lengths, eos) if with_lengths else out
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k).
+    Naive: the fraction of all k-subsets of the n samples that hold at least one correct one."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_correct(texts: list[str], correct: list[float], ground_truth) -> float:
+    """maj@k: the most frequent extracted answer among the samples (ties: the first seen), scored by
+    one sample that gave it. Samples with no extractable answer do not vote."""
+    from common.rewards import extract_answer
+
+    answers = [extract_answer(t, ground_truth) for t in texts]
+    votes = Counter(a for a in answers if a is not None)
+    if not votes:
+        return 0.0
+    best = max(votes, key=lambda a: (votes[a], -answers.index(a)))
+    return float(correct[answers.index(best)])
+
+
+def sampled_metrics(rows, responses: list[list[str]], reward: Reward, lengths, is_eos) -> dict:
+    """pass@1, pass@k (k = powers of 2 up to n, and n) and maj@n per data_source, from n samples per prompt."""
+    n = len(responses[0])
+    correct = [[0.0] * n for _ in rows]
+    for k in range(n):
+        s, _, extra = reward(rows, [r[k] for r in responses], torch.tensor([x[k] for x in lengths]),
+                             is_eos=[e[k] for e in is_eos])
+        for i, a in enumerate(extra.get("acc", (s >= 1).float()).tolist()):
+            correct[i][k] = a
+    ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128) if k <= n} | {n})
+    per = defaultdict(lambda: defaultdict(list))
+    for row, texts, c in zip(rows, responses, correct):
+        for key in ("all", row.data_source):
+            for k in ks:
+                per[key][f"pass@{k}"].append(pass_at_k(n, int(sum(c)), k))
+            per[key][f"maj@{n}"].append(majority_correct(texts, c, row.ground_truth))
+    return {key: {m: sum(v) / len(v) for m, v in d.items()} for key, d in per.items()}
+
+
 def score(rows, responses: list[list[str]], reward: Reward, lengths=None, is_eos=None) -> dict:
     """Mean reward and accuracy overall and per data_source (over all k samples)."""
     per = defaultdict(lambda: {"reward": [], "accuracy": []})
@@ -94,8 +137,13 @@ def evaluate_policy(accelerator, policy, tok, reward: Reward, rows, max_new_toke
             scores.append(s)
             accs.append(extra.get("acc", (s >= 1).float()))
             samples += [{"prompt": x.text, "response": t, "reward": float(v)} for x, t, v in zip(batch, texts, s)]
+    sources = sorted({x.data_source for x in rows})  # the same list on every rank
+    src_ids = accelerator.gather(torch.tensor([sources.index(x.data_source) for x in local], device=accelerator.device))
     scores, accs = accelerator.gather(torch.cat(scores)), accelerator.gather(torch.cat(accs))
-    return {"eval/reward": scores.mean().item(), "eval/accuracy": accs.mean().item()}, samples
+    metrics = {"eval/reward": scores.mean().item(), "eval/accuracy": accs.mean().item()}
+    for i, src in enumerate(sources if len(sources) > 1 else []):  # validation mixing tasks: accuracy per data_source
+        metrics[f"eval/accuracy/{src}"] = accs[src_ids == i].mean().item()
+    return metrics, samples
 
 
 @dataclass
@@ -112,10 +160,16 @@ class Args:
     """answers per prompt"""
     temperature: float = 0.0
     """0: greedy"""
+    n: int = 0
+    """K > 1: also sample K answers per prompt at --sample-temperature and report pass@k (unbiased) and maj@K"""
+    sample_temperature: float = 1.0
+    """temperature of the --n samples"""
     reward: str = "rule:1.0"
     """reward sources (as in the training scripts)"""
-    reward_fn: Optional[str] = None
-    """custom reward function path.py:fn"""
+    reward_fn: Optional[list[str]] = None
+    """path/to/file.py:fn replacing the data_source registry for every row; repeat for several (summed with --reward-weights)"""
+    reward_weights: Optional[list[float]] = None
+    """weights of the --reward-fn functions, in order (default: 1 each); each is logged as reward/<fn>"""
     batch_size: int = 16
     """prompts per generate call"""
     out: Optional[str] = None
@@ -130,7 +184,7 @@ def main(args: Args) -> dict:
     tok = M.load_tokenizer(args.models[0])
     data = args.data or [default_task_files()[1]]
     rows = load_prompts(data, tok, max_prompt_length=10_000)[:args.num_prompts]
-    reward = Reward(args.reward, args.reward_fn, max_new_tokens=args.max_new_tokens)
+    reward = Reward(args.reward, args.reward_fn, max_new_tokens=args.max_new_tokens, reward_weights=args.reward_weights)
     reward.check({r.data_source for r in rows})
     results, answers = {}, {}
     for name in args.models:
@@ -138,16 +192,22 @@ def main(args: Args) -> dict:
         answers[name], lengths, is_eos = answer(model, tok, rows, args.max_new_tokens, args.batch_size, args.samples,
                                                 args.temperature, with_lengths=True)
         results[name] = score(rows, answers[name], reward, lengths, is_eos)
+        if args.n > 1:
+            sampled, s_lengths, s_eos = answer(model, tok, rows, args.max_new_tokens, args.batch_size, args.n,
+                                               args.sample_temperature, seed=1, with_lengths=True)
+            for src, d in sampled_metrics(rows, sampled, reward, s_lengths, s_eos).items():
+                results[name][src].update(d)
         del model
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"{len(rows)} prompts from {', '.join(data)}")
-    for col in ("model", "data_source", "reward", "accuracy", "n"):
+    extra_cols = [k for k in next(iter(results.values()))["all"] if k.startswith(("pass@", "maj@"))]
+    for col in ("model", "data_source", "reward", "accuracy", *extra_cols, "n"):
         table.add_column(col)
     for name, res in results.items():
         for src, d in res.items():
-            table.add_row(name, src, f"{d['reward']:.3f}", f"{d['accuracy']:.3f}", str(d["n"]))
+            table.add_row(name, src, f"{d['reward']:.3f}", f"{d['accuracy']:.3f}", *(f"{d[c]:.3f}" for c in extra_cols), str(d["n"]))
     Console().print(table)
     if args.out:
         lines = [f"# Side by side: {len(rows)} prompts\n"]

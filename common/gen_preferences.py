@@ -40,8 +40,10 @@ class Args:
     """use the first N prompts (0: all)"""
     reward: str = "rule:1.0"
     """reward sources (partial credit helps: fewer ties)"""
-    reward_fn: Optional[str] = None
-    """custom reward function path.py:fn"""
+    reward_fn: Optional[list[str]] = None
+    """path/to/file.py:fn replacing the data_source registry for every row; repeat for several (summed with --reward-weights)"""
+    reward_weights: Optional[list[float]] = None
+    """weights of the --reward-fn functions, in order (default: 1 each); each is logged as reward/<fn>"""
     batch_size: int = 32
     """sequences per generate call"""
     seed: int = 0
@@ -56,7 +58,7 @@ def main(args: Args) -> dict:
     raw = [r for f in args.prompts for r in read_table(f)]
     if args.num_prompts:
         rows, raw = rows[:args.num_prompts], raw[:args.num_prompts]
-    reward = Reward(args.reward, args.reward_fn, max_new_tokens=args.max_new_tokens)
+    reward = Reward(args.reward, args.reward_fn, max_new_tokens=args.max_new_tokens, reward_weights=args.reward_weights)
     reward.check({r.data_source for r in rows})
     model = load_any(M.resolve_model_path(args.model), tok).eval()
     responses, lengths, is_eos = answer(model, tok, rows, args.max_new_tokens, args.batch_size, args.k, args.temperature,

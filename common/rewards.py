@@ -11,6 +11,12 @@ A dict holds `score` plus extra fields that get logged (we use `acc`: exact-matc
     model   a sequence-classification reward model  (--reward-model PATH; scored with its own tokenizer)
     format  1 if the response has <answer>...</answer>, else 0
     length  -(response tokens / max_new_tokens): a length penalty in [-1, 0]
+    length_bonus  +(response tokens / max_new_tokens): a bounded length bonus in [0, 1]
+
+Several custom functions, as TRL's reward_funcs + reward_weights: `--reward-fn a.py:f1 --reward-fn
+b.py:f2 --reward-weights 0.6 0.4` makes `rule` their weighted sum, each logged as `reward/<f>`.
+The seed's fusion 0.6 RM + 0.3 length bonus + 0.1 keyword penalty is one command:
+`--reward-model RM --reward "model:0.6,length_bonus:0.3,rule:0.1" --reward-fn keyword_penalty.py:score`.
 """
 
 from __future__ import annotations
@@ -166,13 +172,16 @@ class RewardError(RuntimeError):
     pass
 
 
+SOURCES = ("rule", "model", "format", "length", "length_bonus")
+
+
 def parse_mix(spec: str) -> dict[str, float]:
     """"rule:1.0,model:0.5" -> {"rule": 1.0, "model": 0.5}."""
     out = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, w = part.partition(":")
-        if name not in ("rule", "model", "format", "length"):
-            raise ValueError(f"--reward {spec!r}: unknown source {name!r}; use rule, model, format, length")
+        if name not in SOURCES:
+            raise ValueError(f"--reward {spec!r}: unknown source {name!r}; use {', '.join(SOURCES)}")
         try:
             out[name] = float(w or 1.0)
         except ValueError:
@@ -188,11 +197,20 @@ class Reward:
     `fallback`: None raises RewardError naming the data_source, row and response when a reward
     function raises or returns NaN/inf; a number replaces that sample's score and counts a warning."""
 
-    def __init__(self, mix: str = "rule:1.0", reward_fn: str | None = None, reward_model=None,
-                 reward_tok=None, max_new_tokens: int = 1, fallback: float | None = None, batch_size: int = 16):
+    def __init__(self, mix: str = "rule:1.0", reward_fn: str | list[str] | None = None, reward_model=None,
+                 reward_tok=None, max_new_tokens: int = 1, fallback: float | None = None, batch_size: int = 16,
+                 reward_weights: list[float] | None = None):
         self.mix = parse_mix(mix)
-        self.rule_fn = load_reward_fn(reward_fn) if reward_fn else compute_score
-        self.custom = reward_fn is not None
+        specs = [reward_fn] if isinstance(reward_fn, str) else list(reward_fn or [])
+        if reward_weights is not None and len(reward_weights) != len(specs):
+            raise ValueError(f"--reward-weights: {len(reward_weights)} weight(s) for {len(specs)} --reward-fn function(s)")
+        weights = list(reward_weights) if reward_weights is not None else [1.0] * len(specs)
+        fns = [load_reward_fn(spec) for spec in specs]
+        names = [fn.__name__ for fn in fns]
+        names = [n if names.count(n) == 1 else f"{Path(spec.rpartition(':')[0]).stem}.{n}" for n, spec in zip(names, specs)]
+        # (name, function, weight); the dispatcher alone when no --reward-fn is given
+        self.rule_fns = list(zip(names, fns, weights)) or [("rule", compute_score, 1.0)]
+        self.custom = bool(specs)
         if "model" in self.mix and reward_model is None:
             raise ValueError("--reward includes 'model' but no --reward-model was given")
         self.reward_model, self.reward_tok = reward_model, reward_tok
@@ -204,19 +222,27 @@ class Reward:
             check_data_sources(data_sources)
 
     def _rule(self, row, response: str, index: int) -> tuple[float, dict]:
+        """The rule score of one response: the function's (or the weighted sum of several functions'),
+        and extra fields to log (each function's own score under its name when there are several)."""
         where = f"data_source {row.data_source!r}, row {row.uid}, response {response[:200]!r}"
-        try:
-            out = self.rule_fn(row.data_source, response, row.ground_truth, row.extra_info)
-            extra = dict(out) if isinstance(out, dict) else {}
-            score = float(extra.pop("score") if isinstance(out, dict) else out)
-            if not math.isfinite(score):
-                raise ValueError(f"reward function returned {score}")
-        except Exception as e:
-            if self.fallback is None:
-                raise RewardError(f"reward function failed on {where}: {e!r}") from e
-            self.errors += 1
-            return self.fallback, {}
-        return score, extra
+        total, extras = 0.0, {}
+        for name, fn, weight in self.rule_fns:
+            try:
+                out = fn(row.data_source, response, row.ground_truth, row.extra_info)
+                extra = dict(out) if isinstance(out, dict) else {}
+                score = float(extra.pop("score") if isinstance(out, dict) else out)
+                if not math.isfinite(score):
+                    raise ValueError(f"reward function returned {score}")
+            except Exception as e:
+                if self.fallback is None:
+                    raise RewardError(f"reward function {name!r} failed on {where}: {e!r}") from e
+                self.errors += 1
+                score, extra = self.fallback, {}
+            total += weight * score
+            extras.update({k: v for k, v in extra.items() if isinstance(v, (int, float, bool))})  # verl allows text fields too
+            if len(self.rule_fns) > 1:
+                extras[name] = score
+        return total, extras
 
     @torch.no_grad()
     def _model(self, rows, responses: list[str], is_eos, device) -> torch.Tensor:
@@ -256,5 +282,7 @@ class Reward:
             comps["format"] = torch.tensor([format_score(s) for s in responses], device=device)
         if "length" in self.mix:
             comps["length"] = -response_lens.float().to(device) / self.max_new_tokens
+        if "length_bonus" in self.mix:
+            comps["length_bonus"] = (response_lens.float().to(device) / self.max_new_tokens).clamp(max=1.0)
         scores = sum(self.mix[k] * v for k, v in comps.items())  # (B,)
         return scores.reshape(B), comps, extras

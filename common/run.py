@@ -66,7 +66,38 @@ def parse_args(cls, argv: list[str] | None = None):
                 print(f"--config {path}: a value in this preset does not parse as its flag:", file=sys.stderr)
                 tyro.cli(cls, args=preset)  # prints tyro's message naming the flag, exits 2
             break
+    argv = _merge_repeated_list_flags(cls, argv)
     return tyro.cli(cls, args=preset + argv, description=doc)  # later flags win: the CLI overrides the preset
+
+
+def _merge_repeated_list_flags(cls, argv: list[str]) -> list[str]:
+    """`--reward-fn a.py:f --reward-fn b.py:g` -> `--reward-fn a.py:f b.py:g` for list-typed fields (tyro
+    alone would keep only the last). Other flags are left as they are."""
+    import typing
+
+    def is_list(t):
+        return t is list or typing.get_origin(t) is list or any(is_list(a) for a in typing.get_args(t))
+
+    list_flags = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(cls) if f.init and is_list(f.type)}
+    out, first_end = [], {}
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        j = i + 1
+        while j < len(argv) and not argv[j].startswith("--"):
+            j += 1
+        if a in list_flags and a in first_end:  # a repeat: its values go after the first occurrence's
+            pos = first_end[a]
+            out[pos:pos] = argv[i + 1:j]
+            for k in first_end:
+                first_end[k] += (j - i - 1) if first_end[k] >= pos and k != a else 0
+            first_end[a] = pos + (j - i - 1)
+        else:
+            if a in list_flags:
+                first_end[a] = len(out) + (j - i)
+            out += argv[i:j]
+        i = j
+    return out
 
 
 # Flags users bring from TRL / verl that have no exact equivalent here: one line saying which of ours to use.
@@ -361,7 +392,7 @@ class Tracker:
 # Checkpoints
 # ---------------------------------------------------------------------------------------------
 def save_checkpoint(accelerator, run_dir: Path, step: int, models: dict, state: dict, keep_last: int = 0,
-                    tokenizer=None, args=None, save_merged: bool = False) -> Path:
+                    tokenizer=None, args=None, save_merged: bool = False, label: str | None = None) -> Path:
     """checkpoints/step_{step}/{name}/ (save_pretrained) for each model + trainer_state.pt.
 
     Each model folder is a model: weights, config, generation config and `tokenizer`'s files (chat
@@ -369,6 +400,7 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, models: dict, state: 
     `--model-name-or-path` load it as it is. A LoRA model saves its adapter (plus the tokenizer; our
     loaders merge it onto its base), and with `save_merged` also `{name}_merged/`, the full merged
     model, for tools without peft (vLLM, TGI). trainer_state.pt records the algorithm and the args.
+    `label` names the folder instead of `step_{step}` (e.g. "best": --save-best).
 
     Written into a temp folder and renamed at the end, so a crash mid-save leaves the previous
     checkpoints untouched and no half checkpoint under a step_ name. `keep_last` > 0 deletes older ones."""
@@ -377,7 +409,7 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, models: dict, state: 
     from common.distributed import reshard, save_engine_states
 
     ckpt_root = run_dir / "checkpoints"
-    final = ckpt_root / f"step_{step}"
+    final = ckpt_root / (label or f"step_{step}")
     for m in models.values():
         reshard(m)  # FSDP2: units left unsharded by a no_grad forward back to DTensor shards
     state_dicts = {name: _drop_tied_copies(accelerator.unwrap_model(m), accelerator.get_state_dict(m))  # collective under FSDP/ZeRO-3
@@ -385,7 +417,7 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, models: dict, state: 
     tmp = [None]
     if accelerator.is_main_process:
         ckpt_root.mkdir(parents=True, exist_ok=True)
-        tmp = [tempfile.mkdtemp(prefix=f".step_{step}.tmp-", dir=ckpt_root)]
+        tmp = [tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=ckpt_root)]
     if accelerator.num_processes > 1:
         broadcast_object_list(tmp, from_process=0)  # DeepSpeed: every rank writes its shards there
     tmp = Path(tmp[0])
@@ -415,6 +447,29 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, models: dict, state: 
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+class BestKeeper:
+    """--save-best METRIC: is this evaluation the best so far? Higher is better, except for losses
+    (`loss/...`, `eval/loss`). Its state goes into checkpoints so a resumed run compares alike."""
+
+    def __init__(self, metric: str | None):
+        self.metric, self.best = metric, None
+
+    def improved(self, metrics: dict) -> bool:
+        if not self.metric or self.metric not in metrics:
+            return False
+        value, lower = metrics[self.metric], "loss" in self.metric
+        if self.best is None or (value < self.best if lower else value > self.best):
+            self.best = value
+            return True
+        return False
+
+    def state_dict(self) -> dict:
+        return {"best": self.best}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.best = s["best"]
 
 
 def _drop_tied_copies(model, state_dict: dict) -> dict:

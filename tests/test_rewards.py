@@ -101,3 +101,20 @@ def test_reward_model_scores_batched(tiny):
         direct = rm(input_ids=torch.tensor([ids])).logits[0, 0]
     assert scores.shape == (3,) and math.isclose(comps["model"][0].item(), direct.item(), abs_tol=1e-5)
     assert torch.allclose(scores, 2 * comps["model"])
+
+
+def test_several_reward_functions_with_weights_and_length_bonus(tmp_path):
+    (tmp_path / "a.py").write_text("def has_yes(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                   "    return float('yes' in solution_str)\n")
+    (tmp_path / "b.py").write_text("def keyword_penalty(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                   "    return {'score': -float('bad' in solution_str), 'note': 'text fields are fine'}\n")
+    r = Reward("rule:1.0,length_bonus:0.5", [f"{tmp_path}/a.py:has_yes", f"{tmp_path}/b.py:keyword_penalty"],
+               max_new_tokens=10, reward_weights=[0.6, 0.4])
+    rows = [PromptRow("p", "x", None, {}, i) for i in range(3)]
+    scores, comps, extras = r(rows, ["yes", "yes bad", "no"], torch.tensor([5, 20, 2]))
+    assert comps["rule"].tolist() == pytest.approx([0.6, 0.6 - 0.4, 0.0])
+    assert comps["length_bonus"].tolist() == pytest.approx([0.5, 1.0, 0.2])  # bounded at 1
+    assert extras["has_yes"].tolist() == [1.0, 1.0, 0.0] and extras["keyword_penalty"].tolist() == [0.0, -1.0, 0.0]
+    assert scores.tolist() == pytest.approx([0.6 + 0.25, 0.2 + 0.5, 0.1])
+    with pytest.raises(ValueError, match="2 weight"):
+        Reward("rule:1.0", [f"{tmp_path}/a.py:has_yes"], reward_weights=[0.5, 0.5])
