@@ -127,3 +127,39 @@ def test_yaml_preset_values_parse_like_the_cli(tmp_path):
         proc = subprocess.run([sys.executable, str(REPO / "algos/grpo_llm.py"), "--config", str(tmp_path / "bad.yaml")],
                               capture_output=True, text=True, cwd=REPO)
         assert proc.returncode != 0 and msg in proc.stderr and "bad.yaml" in proc.stderr, proc.stderr[-1500:]
+
+
+def test_prompt_formatting_flags(tiny):
+    from common import models as M
+
+    tok = M.load_tokenizer(tiny)
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    default = M.apply_chat(tok, msgs)
+    assert "<|im_start|>user" in default
+    M.set_prompt_format(tok, apply_chat_template=False)
+    assert M.apply_chat(tok, msgs) == "What is 2+2?" and M.apply_chat(tok, "raw text") == "raw text"
+    M.set_prompt_format(tok, system_prompt="You are terse.")
+    text = M.apply_chat(tok, msgs)
+    assert text.startswith("<|im_start|>system\nYou are terse.") and text.count("<|im_start|>system") == 1
+    M.set_prompt_format(tok, chat_template_kwargs='{"add_generation_prompt": false}')
+    with pytest.raises(TypeError):  # the kwargs really reach apply_chat_template (this one collides with ours)
+        M.apply_chat(tok, msgs)
+    with pytest.raises(ValueError, match="not JSON"):
+        M.set_prompt_format(tok, chat_template_kwargs="{enable_thinking: false}")
+
+
+def test_flags_users_bring_from_trl(tiny, toy_prompts, tmp_path):
+    # exact equivalents are aliases; the rendered prompt and --system-prompt show at start-up
+    proc = run_script("grpo_llm.py", "--model-name-or-path", tiny, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD,
+                      "--num-prompts", 2, "--num-generations", 2, "--beta", 0.05, "--max-completion-length", 3,
+                      "--mini-batch-size", 4, "--micro-batch-size", 2, "--total-steps", 1, "--eval-every", 0,
+                      "--system-prompt", "Be brief.", "--output-dir", tmp_path, env={"TOY_MODEL": tiny})
+    args = json.loads((only_run(tmp_path) / "args.json").read_text())
+    assert args["group_size"] == 2 and args["kl_coef"] == 0.05 and args["max_new_tokens"] == 3
+    assert "[prompt] the first training prompt" in proc.stdout and "Be brief." in proc.stdout
+    # no exact equivalent: one line naming ours, exit 2, nothing written
+    proc = run_script("grpo_llm.py", "--per-device-train-batch-size", 4, "--output-dir", tmp_path / "x", check=False)
+    assert proc.returncode == 2 and "--micro-batch-size" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()
+    helptext = run_script("ppo_llm.py", "--help").stdout
+    assert "PPO for language models" in helptext.split("╭")[0]  # --help starts with the script's summary
