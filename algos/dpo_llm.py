@@ -40,8 +40,8 @@ from common.ops import all_sum, exact_div, selective_log_softmax
 from common.prepare_data import default_preference_files, default_task_files
 from common.rewards import Reward
 from common.rollout import generate, sample_seed, tokenize_queries, unwrap_for_generation
-from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, parse_args, peak_mem_gb,
-                        BestKeeper, resolve_resume, save_checkpoint, seed_everything, set_rng_state)
+from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, peak_mem_gb,
+                        BestKeeper, StopSignal, UserError, cli, resolve_resume, save_checkpoint, seed_everything, set_rng_state)
 
 
 @dataclass
@@ -220,7 +220,7 @@ def main(args: Args):
     args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")
     exact_div(args.local_batch_size, args.micro_batch_size, "--batch-size per process over --micro-batch-size")
     if args.online and args.num_samples < 2:
-        raise ValueError("--online needs --num-samples >= 2 to form a pair")
+        raise UserError("--online needs --num-samples >= 2 to form a pair")
     # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
     configure_deepspeed(accelerator, args.micro_batch_size, args.local_batch_size // args.micro_batch_size, args.max_grad_norm)
     seed_everything(args.seed)
@@ -281,6 +281,7 @@ def main(args: Args):
         log(f"resumed from {ckpt} at step {start_step}")
     run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
     tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
+    stop = StopSignal(accelerator)
     log(f"run folder: {run_dir}")
 
     @torch.no_grad()
@@ -436,8 +437,11 @@ def main(args: Args):
             as_text = lambda c: c if isinstance(c, str) else tok.decode(c, skip_special_tokens=True)  # --online: ids
             tracker.samples(step, [{"prompt": p["prompt"], "chosen": as_text(p["chosen"]), "rejected": as_text(p["rejected"])}
                                    for p in pairs[:args.num_samples_logged]])
-        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
+        stopping = stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps or stopping:
             checkpoint(step)
+        if stopping:
+            stop.exit(run_dir, step)
 
     tracker.close()
     log(f"done: {run_dir}")
@@ -445,4 +449,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(parse_args(Args))
+    cli(main, Args)  # parse flags and presets; a user error is one line and exit code 2

@@ -55,8 +55,8 @@ from common.prepare_data import default_task_files
 from common.rewards import Reward
 from common.rollout import (forward_logprobs, forward_values, generate, sample_seed, sequence_attention_mask,
                             tokenize_queries, unwrap_for_generation)
-from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, parse_args, peak_mem_gb,
-                        BestKeeper, resolve_resume, save_checkpoint, seed_everything, set_rng_state)
+from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, peak_mem_gb,
+                        BestKeeper, StopSignal, UserError, cli, resolve_resume, save_checkpoint, seed_everything, set_rng_state)
 
 
 @dataclass
@@ -279,7 +279,7 @@ def main(args: Args):
     # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
     configure_deepspeed(accelerator, args.micro_batch_size, args.local_mini_batch_size // args.micro_batch_size, args.max_grad_norm)
     if args.kl_target is not None and args.kl_target <= 0:
-        raise ValueError(f"--kl-target {args.kl_target}: must be > 0 (omit it for a fixed --kl-coef)")
+        raise UserError(f"--kl-target {args.kl_target}: must be > 0 (omit it for a fixed --kl-coef)")
     seed_everything(args.seed)
     log = accelerator.print
     ckpt = resolve_resume(args, Path(__file__).stem)  # --resume: checked before anything loads; None = fresh run
@@ -342,6 +342,7 @@ def main(args: Args):
         log(f"resumed from {ckpt} at step {start_step}")
     run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
     tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
+    stop = StopSignal(accelerator)
     log(f"run folder: {run_dir}")
 
     def ref_logprobs_of(query_responses, attn, P):
@@ -501,8 +502,11 @@ def main(args: Args):
                 checkpoint(step, "best")
             tracker.samples(step, [{"prompt": x.text, "response": t, "reward": float(s), "kl": float(k), "split": "train"}
                                    for x, t, s, k in zip(rows, texts, scores, masked_mean(kl, mask, dim=1))][:args.num_samples_logged])
-        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
+        stopping = stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps or stopping:
             checkpoint(step)
+        if stopping:
+            stop.exit(run_dir, step)
 
     tracker.close()
     log(f"done: {run_dir}")
@@ -510,4 +514,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(parse_args(Args))
+    cli(main, Args)  # parse flags and presets; a user error is one line and exit code 2

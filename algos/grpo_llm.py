@@ -44,8 +44,8 @@ from common.prepare_data import default_task_files
 from common.rewards import Reward
 from common.rollout import (forward_logprobs, generate, sample_seed, sequence_attention_mask, tokenize_queries,
                             unwrap_for_generation)
-from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, parse_args, peak_mem_gb,
-                        BestKeeper, resolve_resume, save_checkpoint, seed_everything, set_rng_state)
+from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, peak_mem_gb,
+                        BestKeeper, StopSignal, UserError, cli, resolve_resume, save_checkpoint, seed_everything, set_rng_state)
 
 
 @dataclass
@@ -284,13 +284,13 @@ def main(args: Args):
     accelerator = make_accelerator()  # as launched: DDP, FSDP2 or DeepSpeed; without GPU, CPU processes over gloo
     device = accelerator.device
     G = args.group_size
+    if G < 2:
+        raise UserError("--group-size must be >= 2: advantages compare the samples of a prompt")
     args.world_size = accelerator.num_processes
     args.local_num_prompts = exact_div(args.num_prompts, args.world_size, "--num-prompts over the number of processes")
     args.local_mini_batch_size = exact_div(args.mini_batch_size, args.world_size, "--mini-batch-size over the number of processes")
     exact_div(args.num_prompts * G, args.mini_batch_size, "--num-prompts x --group-size over --mini-batch-size")
     exact_div(args.local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size")
-    if G < 2:
-        raise ValueError("--group-size must be >= 2: advantages compare the samples of a prompt")
     # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
     configure_deepspeed(accelerator, args.micro_batch_size, args.local_mini_batch_size // args.micro_batch_size, args.max_grad_norm)
     seed_everything(args.seed)
@@ -349,6 +349,7 @@ def main(args: Args):
     args.old_logprobs_from = "sampler" if args.num_iterations == 1 and same_numerics and args.tis_cap == 0 else "trainer"
     run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
     tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
+    stop = StopSignal(accelerator)
     log(f"run folder: {run_dir}")
 
     def ref_logprobs_of(query_responses, attn, P):
@@ -508,8 +509,11 @@ def main(args: Args):
                 checkpoint(step, "best")
             tracker.samples(step, [{"prompt": x.text, "response": t, "reward": float(s), "advantage": float(a), "split": "train"}
                                    for x, t, s, a in zip(rows, texts, scores, advantages)][:args.num_samples_logged])
-        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
+        stopping = stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps or stopping:
             checkpoint(step)
+        if stopping:
+            stop.exit(run_dir, step)
 
     tracker.close()
     log(f"done: {run_dir}")
@@ -517,4 +521,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(parse_args(Args))
+    cli(main, Args)  # parse flags and presets; a user error is one line and exit code 2

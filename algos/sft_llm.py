@@ -33,8 +33,8 @@ from common.evaluate import evaluate_policy
 from common.ops import exact_div, selective_log_softmax
 from common.prepare_data import default_sft_files, default_task_files
 from common.rewards import Reward
-from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, parse_args, peak_mem_gb,
-                        BestKeeper, resolve_resume, save_checkpoint, seed_everything, set_rng_state)
+from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, peak_mem_gb,
+                        BestKeeper, StopSignal, cli, resolve_resume, save_checkpoint, seed_everything, set_rng_state)
 
 
 @dataclass
@@ -198,6 +198,7 @@ def main(args: Args):
         log(f"resumed from {ckpt} at step {start_step}")
     run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
     tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
+    stop = StopSignal(accelerator)
     log(f"run folder: {run_dir}")
 
     @torch.no_grad()
@@ -254,8 +255,11 @@ def main(args: Args):
             tracker.log(step, metrics)
             if best.improved(metrics):
                 checkpoint(step, "best")
-        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
+        stopping = stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps or stopping:
             checkpoint(step)
+        if stopping:
+            stop.exit(run_dir, step)
 
     tracker.close()
     log(f"done: {run_dir}")
@@ -263,4 +267,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(parse_args(Args))
+    cli(main, Args)  # parse flags and presets; a user error is one line and exit code 2

@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 
 from common.models import apply_chat
+from common.run import UserError
 
 FORMATS = (".parquet", ".jsonl", ".json", ".arrow")
 
 
-class DataError(ValueError):
-    """Bad input data; the message names the file, row or column."""
+class DataError(UserError):
+    """Bad input data; the message names the file, row or column (a UserError: one line, exit 2)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -40,7 +41,7 @@ def read_table(path: str) -> list[dict]:
     p = Path(path)
     suffix = p.suffix.lower()
     if not p.exists():
-        if suffix in FORMATS or os.sep in path and path.startswith((".", "/")):
+        if suffix in FORMATS or path.startswith((".", "/", "~")) or path.count("/") >= 2:  # a hub id is "org/name"
             raise DataError(f"{path}: file not found")
         name, _, split = path.partition(":")  # a hub id, for users with internet
         return list(datasets.load_dataset(name, split=split or "train"))

@@ -91,6 +91,11 @@ def resolve_model_path(name_or_path: str) -> str:
     Anything else (a hub id or a local folder) is returned unchanged."""
     if (Path(name_or_path) / "adapter_config.json").is_file():
         return _merged_adapter(Path(name_or_path))
+    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") >= 2  # a hub id is "org/name"
+    if looks_local and not Path(name_or_path).expanduser().exists():
+        from common.run import UserError
+
+        raise UserError(f"--model-name-or-path {name_or_path}: no such folder")
     if name_or_path.lower() != DEFAULT_MODEL:
         return name_or_path
     out = cache_dir() / "SmolLM2-135M-Instruct"
@@ -183,14 +188,16 @@ def set_prompt_format(tok, apply_chat_template: bool = True, chat_template_kwarg
     preferences, SFT examples) renders alike. Returns `tok`."""
     import json
 
+    from common.run import UserError
+
     if isinstance(chat_template_kwargs, str):
         try:
             chat_template_kwargs = json.loads(chat_template_kwargs)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--chat-template-kwargs {chat_template_kwargs!r}: not JSON ({e.msg}); "
+            raise UserError(f"--chat-template-kwargs {chat_template_kwargs!r}: not JSON ({e.msg}); "
                              f"e.g. '{{\"enable_thinking\": false}}'") from None
         if not isinstance(chat_template_kwargs, dict):
-            raise ValueError("--chat-template-kwargs: expected a JSON object, e.g. '{\"enable_thinking\": false}'")
+            raise UserError("--chat-template-kwargs: expected a JSON object, e.g. '{\"enable_thinking\": false}'")
     tok.cleanrlhf_format = {"apply_chat_template": apply_chat_template, "kwargs": chat_template_kwargs or {},
                             "system_prompt": system_prompt}
     return tok

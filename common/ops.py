@@ -213,8 +213,10 @@ class AdaptiveKLController(FixedKLController):
 
 
 def exact_div(a: int, b: int, what: str) -> int:
-    """a // b, or a ValueError naming the flags (`what`) when b does not divide a."""
-    if b == 0 or a % b != 0:
-        raise ValueError(f"{what}: {a} is not divisible by {b}")
+    """a // b, or a UserError (a ValueError) naming the flags (`what`) when b does not divide a."""
+    from common.run import UserError
+
+    if b <= 0 or a <= 0 or a % b != 0:
+        raise UserError(f"{what}: {a} is not divisible by {b}" if a > 0 and b > 0 else f"{what}: sizes must be positive ({a}, {b})")
     return a // b
 

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from common.run import UserError
+
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
@@ -146,7 +148,7 @@ def check_data_sources(sources) -> None:
     """At start-up: every data_source has a scorer, or an error listing the known ones."""
     unknown = sorted({s for s in sources if find_scorer(s) is None})
     if unknown:
-        raise ValueError(f"unknown data_source {unknown}; known: {sorted(REGISTRY)} "
+        raise UserError(f"unknown data_source {unknown}; known: {sorted(REGISTRY)} "
                          f"(or pass --reward-fn path/to/file.py:fn)")
 
 
@@ -154,22 +156,22 @@ def load_reward_fn(spec: str):
     """`path/to/file.py:fn` -> the function (the file is imported only when asked)."""
     path, _, name = spec.rpartition(":")
     if not path:
-        raise ValueError(f"--reward-fn {spec!r}: expected path/to/file.py:function_name")
+        raise UserError(f"--reward-fn {spec!r}: expected path/to/file.py:function_name")
     if not Path(path).is_file():
-        raise FileNotFoundError(f"--reward-fn {spec!r}: file {path} not found")
+        raise UserError(f"--reward-fn {spec!r}: file {path} not found")
     mod_spec = importlib.util.spec_from_file_location(f"_user_reward_{Path(path).stem}", path)
     module = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(module)
     if not callable(getattr(module, name, None)):
-        raise AttributeError(f"--reward-fn {spec!r}: {path} has no function {name!r}")
+        raise UserError(f"--reward-fn {spec!r}: {path} has no function {name!r}")
     return getattr(module, name)
 
 
 # ---------------------------------------------------------------------------------------------
 # Combining sources
 # ---------------------------------------------------------------------------------------------
-class RewardError(RuntimeError):
-    pass
+class RewardError(UserError):
+    """A reward function failed on a row (the message names it); a UserError: one line, exit 2."""
 
 
 SOURCES = ("rule", "model", "format", "length", "length_bonus")
@@ -181,13 +183,13 @@ def parse_mix(spec: str) -> dict[str, float]:
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, w = part.partition(":")
         if name not in SOURCES:
-            raise ValueError(f"--reward {spec!r}: unknown source {name!r}; use {', '.join(SOURCES)}")
+            raise UserError(f"--reward {spec!r}: unknown source {name!r}; use {', '.join(SOURCES)}")
         try:
             out[name] = float(w or 1.0)
         except ValueError:
-            raise ValueError(f"--reward {spec!r}: weight of {name!r} is not a number") from None
+            raise UserError(f"--reward {spec!r}: weight of {name!r} is not a number") from None
     if not out:
-        raise ValueError("--reward is empty")
+        raise UserError("--reward is empty")
     return out
 
 
@@ -203,7 +205,7 @@ class Reward:
         self.mix = parse_mix(mix)
         specs = [reward_fn] if isinstance(reward_fn, str) else list(reward_fn or [])
         if reward_weights is not None and len(reward_weights) != len(specs):
-            raise ValueError(f"--reward-weights: {len(reward_weights)} weight(s) for {len(specs)} --reward-fn function(s)")
+            raise UserError(f"--reward-weights: {len(reward_weights)} weight(s) for {len(specs)} --reward-fn function(s)")
         weights = list(reward_weights) if reward_weights is not None else [1.0] * len(specs)
         fns = [load_reward_fn(spec) for spec in specs]
         names = [fn.__name__ for fn in fns]
@@ -212,7 +214,7 @@ class Reward:
         self.rule_fns = list(zip(names, fns, weights)) or [("rule", compute_score, 1.0)]
         self.custom = bool(specs)
         if "model" in self.mix and reward_model is None:
-            raise ValueError("--reward includes 'model' but no --reward-model was given")
+            raise UserError("--reward includes 'model' but no --reward-model was given")
         self.reward_model, self.reward_tok = reward_model, reward_tok
         self.max_new_tokens, self.fallback, self.batch_size = max_new_tokens, fallback, batch_size
         self.errors = 0

@@ -117,6 +117,58 @@ def user_error(message: str) -> None:
     raise SystemExit(2)
 
 
+class UserError(ValueError):
+    """Bad input from the user (a flag, a path, a data row, a reward function): `cli` prints its message
+    as one line and exits 2. Tracebacks are for bugs (set CLEANRLHF_DEBUG=1 to see one anyway)."""
+
+
+def cli(main, cls):
+    """The scripts' entry point: parse the flags (presets included), run `main`, and turn a UserError
+    (and our data/reward errors, which are UserErrors) into one line on stderr with exit code 2."""
+    args = parse_args(cls)
+    try:
+        return main(args)
+    except UserError as e:
+        if os.environ.get("CLEANRLHF_DEBUG"):
+            raise
+        user_error(f"error: {e}")
+
+
+class StopSignal:
+    """SIGINT / SIGTERM (Ctrl-C, SLURM or Kubernetes pre-emption) end the run cleanly: the current step
+    finishes, a checkpoint is written, the resume command is printed and the process exits 130 / 143.
+    A second signal exits at once. `requested()` is collective (any rank's signal stops every rank at
+    the same step), so call it on every rank once per step."""
+
+    def __init__(self, accelerator):
+        import signal
+
+        self.accelerator, self.signum = accelerator, None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:  # the second signal: stop now
+            os._exit(128 + signum)
+        self.signum = signum
+        print(f"\n[cleanrlhf] signal {signum}: finishing this step, then a checkpoint (send it again to stop now)",
+              file=sys.stderr, flush=True)
+
+    def requested(self) -> bool:
+        flag = torch.tensor([float(self.signum or 0)], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            flag = self.accelerator.reduce(flag, "max")
+        self.signum = int(flag.item()) or None
+        return self.signum is not None
+
+    def exit(self, run_dir: Path, step: int) -> None:
+        """After the checkpoint: say how to resume, exit non-zero."""
+        self.accelerator.print(f"[cleanrlhf] stopped at step {step}; checkpoint written. Resume with:\n"
+                               f"    {' '.join([sys.executable, *sys.argv])} --resume {run_dir}")
+        self.accelerator.wait_for_everyone()
+        raise SystemExit(128 + self.signum)
+
+
 class _redirect_stderr:
     def __init__(self, f):
         self.f = f

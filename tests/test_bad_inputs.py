@@ -1,0 +1,93 @@
+"""User errors end in one line and exit code 2 with nothing written; a stopped run resumes exactly.
+
+A first part of the reliability catalogue (issue 17): each row runs a script as a user would, with one
+mistake, and checks the message names the culprit, the exit code is 2 and no run folder was created.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, only_run, read_metrics, run_script
+
+TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
+
+# (script, flags, fragment of the one-line message)
+CASES = [
+    ("ppo_llm.py", ["--kl-target", "0"], "--kl-target 0"),
+    ("dynamic_kl_ppo.py", ["--kl-target", "-1"], "--kl-target -1"),
+    ("ppo_llm.py", ["--batch-size", "6", "--mini-batch-size", "4"], "--batch-size over --mini-batch-size"),
+    ("ppo_llm.py", ["--batch-size", "0"], "must be positive"),
+    ("grpo_llm.py", ["--group-size", "1"], "--group-size must be >= 2"),
+    ("dpo_llm.py", ["--online", "--num-samples", "1"], "--online needs --num-samples >= 2"),
+    ("grpo_llm.py", ["--model-name-or-path", "./no/such/model"], "no such folder"),
+    ("sft_llm.py", ["--model-name-or-path", "runs/x/checkpoints/step_9/policy"], "no such folder"),
+    ("ppo_llm.py", ["--train-files", "data/typo/train.parquet"], "file not found"),
+    ("grpo_llm.py", ["--train-files", "missing.jsonl"], "file not found"),
+    ("ppo_llm.py", ["--reward-fn", "nope.py:fn"], "not found"),
+    ("grpo_llm.py", ["--reward-fn", "no_colon"], "expected path/to/file.py:function_name"),
+    ("ppo_llm.py", ["--reward", "rule:1,vibes:2"], "unknown source 'vibes'"),
+    ("grpo_llm.py", ["--reward", "model:1"], "no --reward-model"),
+    ("grpo_llm.py", ["--reward-fn", f"{TOY_REWARD}", "--reward-weights", "0.5", "0.5"], "2 weight(s) for 1"),
+    ("ppo_llm.py", ["--resume", "runs/never_ran"], "no complete checkpoint"),
+    ("grpo_llm.py", ["--per-device-train-batch-size", "4"], "--micro-batch-size"),
+    ("ppo_llm.py", ["--gradient-accumulation-steps", "4"], "--mini-batch-size"),
+    ("dpo_llm.py", ["--chat-template-kwargs", "{bad json"], "not JSON"),
+]
+
+
+@pytest.mark.parametrize("script,flags,fragment", CASES, ids=[f"{c[0]}:{' '.join(c[1])[:40]}" for c in CASES])
+def test_user_error_is_one_line_exit_2_nothing_written(tiny, tmp_path, script, flags, fragment):
+    flags = [f if f != "MODEL" else tiny for f in flags]
+    base = [] if "--model-name-or-path" in flags else ["--model-name-or-path", tiny]
+    proc = subprocess.run([sys.executable, str(REPO / "algos" / script), *base, *flags, "--output-dir", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "TOY_MODEL": tiny})
+    err = [line for line in proc.stderr.strip().splitlines() if "gemm_4bit" not in line and "real_accelerator" not in line]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(err) == 1 and fragment in err[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()  # no run folder for a run that never started
+
+
+def test_yaml_preset_errors_name_the_file(tmp_path):
+    for text, fragment in (("learning_rat: 1\n", "unknown key 'learning_rat'"), ("[1, 2]\n", "expected a mapping"),
+                           ("a: [\n", "not valid YAML")):
+        (tmp_path / "p.yaml").write_text(text)
+        proc = subprocess.run([sys.executable, str(REPO / "algos/ppo_llm.py"), "--config", str(tmp_path / "p.yaml")],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and fragment in proc.stderr and "p.yaml" in proc.stderr, proc.stderr[-1000:]
+
+
+def test_debug_env_shows_the_traceback(tiny, tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "algos/ppo_llm.py"), "--model-name-or-path", tiny, "--kl-target", "0",
+                           "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "CLEANRLHF_DEBUG": "1"})
+    assert proc.returncode != 0 and "Traceback" in proc.stderr and "UserError" in proc.stderr
+
+
+def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tiny_peaky, toy_prompts, tmp_path):
+    flags = ["--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD,
+             "--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 2, "--max-new-tokens", 6,
+             "--eval-every", 0, "--learning-rate", 3e-3, "--total-steps", 8]
+    env = {"TOY_MODEL": tiny_peaky}
+    run_script("grpo_llm.py", *flags, "--output-dir", tmp_path / "straight", env=env)
+    cmd = [sys.executable, str(REPO / "algos/grpo_llm.py"), *map(str, flags), "--output-dir", str(tmp_path / "stopped")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+    for line in proc.stdout:
+        if line.startswith("step 3:"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "Resume with" in out and "--resume" in out
+    run = only_run(tmp_path / "stopped")
+    stopped_at = max(int(p.name.split("_")[1]) for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert 3 <= stopped_at < 8
+    run_script("grpo_llm.py", *flags, "--output-dir", tmp_path / "stopped", "--resume", run, env=env)
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+    assert strip(read_metrics(run)) == strip(read_metrics(only_run(tmp_path / "straight")))
+    assert json.loads((run / "args.json").read_text())["resumes"][0]["from_step"] == stopped_at
