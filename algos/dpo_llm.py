@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from common import models as M
 from common.data import Sampler, encode_prompt_completion, load_preferences, load_prompts
-from common.distributed import (backward, configure_deepspeed, load_optimizer_state, make_accelerator, optimizer_state,
+from common.distributed import (UpdateGuard, backward, configure_deepspeed, load_optimizer_state, make_accelerator, optimizer_state,
                                 prepare_frozen)
 from common.evaluate import evaluate_policy
 from common.ops import all_sum, exact_div, selective_log_softmax
@@ -65,6 +65,8 @@ class Args:
     """checkpoint folder or run folder (its latest checkpoint) to continue exactly, in that run's folder; 'auto': the latest run of this exp_name/seed if any"""
     save_every: int = 0
     """save a checkpoint every N steps (0: only at the end)"""
+    save_every_minutes: float = 30.0
+    """also save when this many minutes have passed since the last save (0: off), so a pre-empted run loses little"""
     keep_last: int = 0
     """keep only the last K checkpoints (0: keep all)"""
     save_merged: bool = False
@@ -266,6 +268,7 @@ def main(args: Args):
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay)
     sched = get_scheduler(args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.total_steps)
     best = BestKeeper(args.save_best)  # --save-best
+    guard = UpdateGuard(accelerator)  # non-finite gradients: step skipped, never NaN weights
     start_step = 0
     if ckpt:
         load_weights(policy, ckpt / "policy")
@@ -277,6 +280,7 @@ def main(args: Args):
             obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
         best.load_state_dict(state.get("best", {"best": None}))
+        guard.load_state_dict(state.get("guard", {"skipped": 0, "in_row": 0}))
         start_step = state["step"]
         log(f"resumed from {ckpt} at step {start_step}")
     run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
@@ -339,7 +343,7 @@ def main(args: Args):
 
     def checkpoint(step, label=None):
         save_checkpoint(accelerator, run_dir, step, {"policy": policy},
-                        {"opt": optimizer_state(accelerator, policy, opt), "sched": sched.state_dict(), "sampler": sampler.state_dict(), "best": best.state_dict()}, args.keep_last,
+                        {"opt": optimizer_state(accelerator, policy, opt), "sched": sched.state_dict(), "sampler": sampler.state_dict(), "best": best.state_dict(), "guard": guard.state_dict()}, args.keep_last,
                             tokenizer=tok, args=args, save_merged=args.save_merged, label=label)
 
     if args.eval_every and start_step == 0 and (val_pairs or eval_prompts):
@@ -397,8 +401,7 @@ def main(args: Args):
                 for key, v in zip(stats, (losses, nll, c, rj, lc, lr_)):
                     stats[key].append(v.detach())
         if n_global > 0:
-            accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            opt.step()
+            guard.step(policy, opt, args.max_grad_norm, "policy", step)
         sched.step()
         opt.zero_grad()
         train_s = time.time() - t_train
@@ -431,6 +434,7 @@ def main(args: Args):
             metrics = {k: v for k, v in metrics.items() if v == v}  # no pairs this step (all tied): no pair metrics
             if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
                 metrics.update(evaluate())
+            metrics["train/skipped_steps"] = guard.skipped
             tracker.log(step, metrics)
             if best.improved(metrics):
                 checkpoint(step, "best")
@@ -438,7 +442,8 @@ def main(args: Args):
             tracker.samples(step, [{"prompt": p["prompt"], "chosen": as_text(p["chosen"]), "rejected": as_text(p["rejected"])}
                                    for p in pairs[:args.num_samples_logged]])
         stopping = stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit
-        if (args.save_every and step % args.save_every == 0) or step == args.total_steps or stopping:
+        due = stop.save_due(args.save_every_minutes)
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps or stopping or due:
             checkpoint(step)
         if stopping:
             stop.exit(run_dir, step)

@@ -45,7 +45,7 @@ import tyro
 
 from common import models as M
 from common.data import Sampler, load_prompts
-from common.distributed import (backward, configure_deepspeed, load_optimizer_state, make_accelerator, optimizer_state,
+from common.distributed import (UpdateGuard, backward, configure_deepspeed, load_optimizer_state, make_accelerator, optimizer_state,
                                 prepare_frozen)
 from common.evaluate import evaluate_policy
 from common.health import HealthConfig, HealthMonitor
@@ -80,6 +80,8 @@ class Args:
     """checkpoint folder or run folder (its latest checkpoint) to continue exactly, in that run's folder; 'auto': the latest run of this exp_name/seed if any"""
     save_every: int = 0
     """save a checkpoint every N steps (0: only at the end)"""
+    save_every_minutes: float = 30.0
+    """also save when this many minutes have passed since the last save (0: off), so a pre-empted run loses little"""
     keep_last: int = 0
     """keep only the last K checkpoints (0: keep all)"""
     save_merged: bool = False
@@ -322,6 +324,7 @@ def main(args: Args):
 
     health = HealthMonitor(args.health, log)
     best = BestKeeper(args.save_best)  # --save-best
+    guard = UpdateGuard(accelerator)  # non-finite gradients: step skipped, never NaN weights
     start_step = 0
     if ckpt:
         load_weights(policy, ckpt / "policy")
@@ -337,6 +340,7 @@ def main(args: Args):
             obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
         best.load_state_dict(state.get("best", {"best": None}))
+        guard.load_state_dict(state.get("guard", {"skipped": 0, "in_row": 0}))
         start_step = state["step"]
         beta = state["beta"]
         log(f"resumed from {ckpt} at step {start_step}")
@@ -355,7 +359,7 @@ def main(args: Args):
         save_checkpoint(accelerator, run_dir, step, {"policy": policy, "critic": critic},
                         {"opt": optimizer_state(accelerator, policy, opt), "critic_opt": optimizer_state(accelerator, critic, critic_opt), "sched": sched.state_dict(),
                          "critic_sched": critic_sched.state_dict(), "sampler": sampler.state_dict(),
-                         "kl_ctl": kl_ctl.state_dict(), "health": health.state_dict(), "beta": beta, "best": best.state_dict()}, args.keep_last,
+                         "kl_ctl": kl_ctl.state_dict(), "health": health.state_dict(), "beta": beta, "best": best.state_dict(), "guard": guard.state_dict()}, args.keep_last,
                             tokenizer=tok, args=args, save_merged=args.save_merged, label=label)
 
     if args.eval_every and val_rows and start_step == 0:
@@ -445,11 +449,9 @@ def main(args: Args):
                     for key, v in zip(stats, (pg, vf, ent, clip_frac, approx_kl, policy_kl)):
                         stats[key].append(v.detach())
                 if train_policy:  # (clip, step, zero_grad: no-ops under DeepSpeed, whose engines stepped in backward)
-                    accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                    opt.step()
+                    guard.step(policy, opt, args.max_grad_norm, "policy", step)
                     sched.step()
-                accelerator.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-                critic_opt.step()
+                guard.step(critic, critic_opt, args.max_grad_norm, "critic", step)
                 critic_sched.step()
                 opt.zero_grad()
                 critic_opt.zero_grad()
@@ -497,13 +499,15 @@ def main(args: Args):
                 eval_metrics, eval_samples = evaluate_policy(accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size)
                 metrics.update(eval_metrics)
                 tracker.samples(step, [{**s, "split": "eval"} for s in eval_samples[:args.num_samples_logged]])
+            metrics["train/skipped_steps"] = guard.skipped
             tracker.log(step, {**metrics, **health.check(metrics)})
             if best.improved(metrics):
                 checkpoint(step, "best")
             tracker.samples(step, [{"prompt": x.text, "response": t, "reward": float(s), "kl": float(k), "split": "train"}
                                    for x, t, s, k in zip(rows, texts, scores, masked_mean(kl, mask, dim=1))][:args.num_samples_logged])
         stopping = stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit
-        if (args.save_every and step % args.save_every == 0) or step == args.total_steps or stopping:
+        due = stop.save_due(args.save_every_minutes)
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps or stopping or due:
             checkpoint(step)
         if stopping:
             stop.exit(run_dir, step)

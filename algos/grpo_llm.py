@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from common import models as M
 from common.data import Sampler, load_prompts
-from common.distributed import (backward, configure_deepspeed, load_optimizer_state, make_accelerator, optimizer_state,
+from common.distributed import (UpdateGuard, backward, configure_deepspeed, load_optimizer_state, make_accelerator, optimizer_state,
                                 prepare_frozen)
 from common.evaluate import evaluate_policy
 from common.health import HealthConfig, HealthMonitor
@@ -69,6 +69,8 @@ class Args:
     """checkpoint folder or run folder (its latest checkpoint) to continue exactly, in that run's folder; 'auto': the latest run of this exp_name/seed if any"""
     save_every: int = 0
     """save a checkpoint every N steps (0: only at the end)"""
+    save_every_minutes: float = 30.0
+    """also save when this many minutes have passed since the last save (0: off), so a pre-empted run loses little"""
     keep_last: int = 0
     """keep only the last K checkpoints (0: keep all)"""
     save_merged: bool = False
@@ -329,6 +331,7 @@ def main(args: Args):
 
     health = HealthMonitor(args.health, log)
     best = BestKeeper(args.save_best)  # --save-best
+    guard = UpdateGuard(accelerator)  # non-finite gradients: step skipped, never NaN weights
     start_step = 0
     if ckpt:
         load_weights(policy, ckpt / "policy")
@@ -340,6 +343,7 @@ def main(args: Args):
             obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
         best.load_state_dict(state.get("best", {"best": None}))
+        guard.load_state_dict(state.get("guard", {"skipped": 0, "in_row": 0}))
         start_step = state["step"]
         log(f"resumed from {ckpt} at step {start_step}")
     # pi_old may be the sampler's log-probs only where sampler and trainer compute the same numbers: one
@@ -379,7 +383,7 @@ def main(args: Args):
     def checkpoint(step, label=None):
         save_checkpoint(accelerator, run_dir, step, {"policy": policy},
                         {"opt": optimizer_state(accelerator, policy, opt), "sched": sched.state_dict(), "sampler": sampler.state_dict(),
-                         "health": health.state_dict(), "best": best.state_dict()}, args.keep_last,
+                         "health": health.state_dict(), "best": best.state_dict(), "guard": guard.state_dict()}, args.keep_last,
                             tokenizer=tok, args=args, save_merged=args.save_merged, label=label)
 
     if args.eval_every and val_rows and start_step == 0:
@@ -462,8 +466,7 @@ def main(args: Args):
                     backward(accelerator, policy, pg + args.kl_coef * kl_term, last=k + args.micro_batch_size >= len(mb))
                     for key, v in zip(stats, (pg, kl_term, agg(entropy), agg(clipped))):
                         stats[key].append(v.detach())
-                accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)  # these three: no-ops under DeepSpeed
-                opt.step()
+                guard.step(policy, opt, args.max_grad_norm, "policy", step)  # these: no-ops under DeepSpeed
                 sched.step()
                 opt.zero_grad()
         train_s = time.time() - t_train
@@ -504,13 +507,15 @@ def main(args: Args):
                 eval_metrics, eval_samples = evaluate_policy(accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size)
                 metrics.update(eval_metrics)
                 tracker.samples(step, [{**s, "split": "eval"} for s in eval_samples[:args.num_samples_logged]])
+            metrics["train/skipped_steps"] = guard.skipped
             tracker.log(step, {**metrics, **health.check(metrics)})
             if best.improved(metrics):
                 checkpoint(step, "best")
             tracker.samples(step, [{"prompt": x.text, "response": t, "reward": float(s), "advantage": float(a), "split": "train"}
                                    for x, t, s, a in zip(rows, texts, scores, advantages)][:args.num_samples_logged])
         stopping = stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit
-        if (args.save_every and step % args.save_every == 0) or step == args.total_steps or stopping:
+        due = stop.save_due(args.save_every_minutes)
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps or stopping or due:
             checkpoint(step)
         if stopping:
             stop.exit(run_dir, step)

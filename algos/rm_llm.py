@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from common import models as M
 from common.data import Sampler, encode_prompt_completion, load_preferences
-from common.distributed import backward, configure_deepspeed, load_optimizer_state, make_accelerator, optimizer_state, reshard
+from common.distributed import UpdateGuard, backward, configure_deepspeed, load_optimizer_state, make_accelerator, optimizer_state, reshard
 from common.ops import exact_div
 from common.prepare_data import default_preference_files
 from common.rollout import position_ids_from_mask
@@ -60,6 +60,8 @@ class Args:
     """checkpoint folder or run folder (its latest checkpoint) to continue exactly, in that run's folder; 'auto': the latest run of this exp_name/seed if any"""
     save_every: int = 0
     """save a checkpoint every N steps (0: only at the end)"""
+    save_every_minutes: float = 30.0
+    """also save when this many minutes have passed since the last save (0: off), so a pre-empted run loses little"""
     keep_last: int = 0
     """keep only the last K checkpoints (0: keep all)"""
     save_merged: bool = False
@@ -176,6 +178,7 @@ def main(args: Args):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay)
     sched = get_scheduler(args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.total_steps)
     best = BestKeeper(args.save_best)  # --save-best
+    guard = UpdateGuard(accelerator)  # non-finite gradients: step skipped, never NaN weights
     start_step = 0
     if ckpt:
         load_weights(model, ckpt / "model")
@@ -187,6 +190,7 @@ def main(args: Args):
             obj.load_state_dict(state[key])
         set_rng_state(state["rng"])
         best.load_state_dict(state.get("best", {"best": None}))
+        guard.load_state_dict(state.get("guard", {"skipped": 0, "in_row": 0}))
         start_step = state["step"]
         log(f"resumed from {ckpt} at step {start_step}")
     run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
@@ -216,7 +220,7 @@ def main(args: Args):
 
     def checkpoint(step, label=None):
         save_checkpoint(accelerator, run_dir, step, {"model": model},
-                        {"opt": optimizer_state(accelerator, model, opt), "sched": sched.state_dict(), "sampler": sampler.state_dict(), "best": best.state_dict()}, args.keep_last,
+                        {"opt": optimizer_state(accelerator, model, opt), "sched": sched.state_dict(), "sampler": sampler.state_dict(), "best": best.state_dict(), "guard": guard.state_dict()}, args.keep_last,
                         tokenizer=tok, args=args, save_merged=args.save_merged, label=label)
 
     for step in range(start_step + 1, args.total_steps + 1):
@@ -231,8 +235,7 @@ def main(args: Args):
             backward(accelerator, model, loss.sum() / len(batch), last=k + args.micro_batch_size >= len(batch))
             for key, v in zip(stats, (loss, c, rj)):
                 stats[key].append(v.detach())
-        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        opt.step()
+        guard.step(model, opt, args.max_grad_norm, "reward model", step)
         sched.step()
         opt.zero_grad()
         if step % args.log_every == 0 or step == args.total_steps:
@@ -242,11 +245,13 @@ def main(args: Args):
                        "perf/step_s": time.time() - t_step, "perf/peak_mem_gb": peak_mem_gb(device)}
             if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
                 metrics.update(evaluate())
+            metrics["train/skipped_steps"] = guard.skipped
             tracker.log(step, metrics)
             if best.improved(metrics):
                 checkpoint(step, "best")
         stopping = stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit
-        if (args.save_every and step % args.save_every == 0) or step == args.total_steps or stopping:
+        due = stop.save_due(args.save_every_minutes)
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps or stopping or due:
             checkpoint(step)
         if stopping:
             stop.exit(run_dir, step)

@@ -182,3 +182,41 @@ def save_engine_states(accelerator, folder: Path, models: dict) -> None:
     for name, m in models.items():
         m.save_checkpoint(str(Path(folder) / name / "deepspeed"), tag="state", save_latest=False,
                           exclude_frozen_parameters=True)
+
+
+class UpdateGuard:
+    """Clips gradients and takes the optimizer step only when their norm is finite.
+
+    A non-finite loss or gradient (a NaN reward that slipped through, an overflow) would otherwise write
+    NaN into the weights and every later checkpoint. Such a step is skipped (gradients zeroed) and
+    counted (`train/skipped_steps`); `patience` skips in a row stop the run with a message naming the
+    step and the model, the last checkpoint intact. Under DeepSpeed the engine steps inside backward
+    and guards overflow itself (fp16 loss scaling); there the guard only clips and counts nothing."""
+
+    def __init__(self, accelerator, patience: int = 5):
+        self.accelerator, self.patience = accelerator, patience
+        self.skipped, self.in_row = 0, 0
+
+    def step(self, model, opt, max_grad_norm: float, what: str, step: int):
+        """Clip, then step unless the norm is non-finite. Returns the gradient norm before clipping."""
+        norm = self.accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+        if norm is not None and not torch.isfinite(torch.as_tensor(norm)).item():
+            opt.zero_grad()
+            self.skipped, self.in_row = self.skipped + 1, self.in_row + 1
+            self.accelerator.print(f"[cleanrlhf] step {step}: {what} gradient norm is {float(norm)}; update skipped")
+            if self.in_row >= self.patience:
+                from common.run import UserError
+
+                raise UserError(f"step {step}: non-finite {what} gradient norm in {self.in_row} updates in a row; "
+                                f"stopped before writing NaN weights (the last checkpoint is intact). Lower the "
+                                f"learning rate, or check the rewards and the data")
+            return norm
+        self.in_row = 0
+        opt.step()
+        return norm
+
+    def state_dict(self) -> dict:
+        return {"skipped": self.skipped, "in_row": self.in_row}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.skipped, self.in_row = s["skipped"], s["in_row"]

@@ -8,6 +8,7 @@ Thresholds are flags of every RL script: `--health.kl-max 0.5`, `--health.clip-f
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -29,6 +30,8 @@ class HealthConfig:
     """warn when the fraction of responses cut at max_new_tokens exceeds this (and has grown)"""
     patience: int = 3
     """consecutive steps a condition must hold before it warns"""
+    reward_abs_max: float = 1e4
+    """warn at once when |train/reward| exceeds this, or it or a loss is not finite (a broken reward function)"""
 
 
 ADVICE = {
@@ -37,6 +40,7 @@ ADVICE = {
     "length_drift": "response length moved far from its start: check for length hacking (add a 'length' reward term) or truncation",
     "reward_up_accuracy_down": "train reward rises while eval accuracy falls: likely reward hacking; inspect samples.jsonl",
     "clip_frac": "many ratios are clipped every step: updates are too large; lower the learning rate or the epochs per batch",
+    "reward_scale": "the reward (or a loss) is huge or not finite: check the reward function's output range; non-finite updates are skipped (train/skipped_steps)",
     "truncated": "many responses hit --max-new-tokens: raise it, or penalise overlong answers (--missing-eos-penalty, --overlong-buffer)",
 }
 
@@ -74,6 +78,9 @@ class HealthMonitor:
             self.last_reward = m["train/reward"]
             if self.best_acc is not None and self.reward_at_best is None:  # best accuracy came before any training
                 self.reward_at_best = m["train/reward"]
+        watched = [m[k] for k in ("train/reward", "loss/policy", "loss/total") if k in m]
+        if any(not math.isfinite(v) for v in watched) or abs(m.get("train/reward", 0.0)) > c.reward_abs_max:
+            fired.append("reward_scale")  # at once: no patience for a broken scale
         if "train/kl" in m and self._hold("kl", m["train/kl"] > c.kl_max):
             fired.append("kl")
         if "train/entropy" in m and self._hold("entropy_collapse", m["train/entropy"] < c.entropy_min_frac * self.first["train/entropy"]):

@@ -11,6 +11,7 @@ Run folder: runs/{algo}__{exp_name}__{seed}__{unix_time}/
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -122,11 +123,51 @@ class UserError(ValueError):
     as one line and exits 2. Tracebacks are for bugs (set CLEANRLHF_DEBUG=1 to see one anyway)."""
 
 
+# Range checks of the flags every script shares by name, made before anything loads.
+POSITIVE = ("batch_size", "mini_batch_size", "micro_batch_size", "total_steps", "max_new_tokens", "group_size",
+            "num_prompts", "ppo_epochs", "num_iterations", "log_every", "num_samples", "max_length", "max_prompt_length",
+            "max_completion_length", "learning_rate", "critic_learning_rate", "clip_eps", "clip_eps_low",
+            "clip_eps_high", "clip_eps_value", "beta_max", "policy_kl_target", "lora_alpha")
+NON_NEGATIVE = ("save_every", "eval_every", "keep_last", "warmup_steps", "lora_r", "top_k", "num_eval_prompts",
+                "num_eval_pairs", "num_eval_examples", "num_samples_logged", "kl_coef", "ent_coef", "vf_coef",
+                "weight_decay", "critic_warmup_steps", "overlong_buffer", "max_resample_rounds", "missing_eos_penalty",
+                "tis_cap", "sft_coef", "label_smoothing", "save_every_minutes", "max_grad_norm", "beta_min")
+
+
+def check_args(args) -> None:
+    """One line naming the flag and the valid range for a value no run could use."""
+    def flag(name):
+        return "--" + name.replace("_", "-")
+
+    for name in POSITIVE:
+        v = getattr(args, name, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not v > 0:
+            raise UserError(f"{flag(name)} {v}: must be > 0")
+    for name in NON_NEGATIVE:
+        v = getattr(args, name, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not v >= 0:
+            raise UserError(f"{flag(name)} {v}: must be >= 0")
+    if getattr(args, "temperature", 1.0) <= 0:
+        raise UserError(f"--temperature {args.temperature}: must be > 0 (sampling; evaluation is greedy already)")
+    if not 0 < getattr(args, "top_p", 1.0) <= 1:
+        raise UserError(f"--top-p {args.top_p}: must be in (0, 1]")
+    for name in ("gamma", "lam"):
+        if not 0 <= getattr(args, name, 1.0) <= 1:
+            raise UserError(f"{flag(name)} {getattr(args, name)}: must be in [0, 1]")
+    fallback = getattr(args, "reward_fallback", None)
+    if fallback is not None and not math.isfinite(fallback):
+        raise UserError(f"--reward-fallback {fallback}: must be a finite number (it replaces a failed reward)")
+    if getattr(args, "label_smoothing", 0.0) >= 0.5:
+        raise UserError(f"--label-smoothing {args.label_smoothing}: must be < 0.5")
+
+
 def cli(main, cls):
-    """The scripts' entry point: parse the flags (presets included), run `main`, and turn a UserError
-    (and our data/reward errors, which are UserErrors) into one line on stderr with exit code 2."""
+    """The scripts' entry point: parse the flags (presets included), check their ranges, run `main`, and
+    turn a UserError (and our data/reward errors, which are UserErrors) into one line on stderr with
+    exit code 2."""
     args = parse_args(cls)
     try:
+        check_args(args)
         return main(args)
     except UserError as e:
         if os.environ.get("CLEANRLHF_DEBUG"):
@@ -160,6 +201,20 @@ class StopSignal:
             flag = self.accelerator.reduce(flag, "max")
         self.signum = int(flag.item()) or None
         return self.signum is not None
+
+    def save_due(self, minutes: float) -> bool:
+        """True (on every rank alike) when `minutes` have passed since the last call that returned True
+        (or since the start): --save-every-minutes, so a pre-empted job loses at most that much."""
+        now = time.time()
+        last = getattr(self, "_last_save", None)
+        if last is None:
+            last = self._last_save = now
+        flag = torch.tensor([float(minutes > 0 and now - last >= 60 * minutes)], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            flag = self.accelerator.reduce(flag, "max")
+        if flag.item():
+            self._last_save = now
+        return bool(flag.item())
 
     def exit(self, run_dir: Path, step: int) -> None:
         """After the checkpoint: say how to resume, exit non-zero."""
@@ -321,6 +376,9 @@ def make_run_dir(accelerator, algo: str, args, resume_from: Path | None = None) 
         run_dir = Path(resume_from).parent.parent
         if accelerator.is_main_process:
             step = _step_of(Path(resume_from))
+            stale = remove_stale_temp_checkpoints(run_dir)
+            if stale:
+                accelerator.print(f"[cleanrlhf] removed half-written checkpoint folders from a crash: {stale}")
             for name in ("metrics.jsonl", "samples.jsonl"):
                 _drop_rows_after(run_dir / name, step)
             record = json.loads((run_dir / "args.json").read_text()) if (run_dir / "args.json").exists() else {}
@@ -476,24 +534,38 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, models: dict, state: 
     save_engine_states(accelerator, tmp, models)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        for name, m in models.items():
-            unwrapped = accelerator.unwrap_model(m)
-            unwrapped.save_pretrained(tmp / name, state_dict=state_dicts[name], safe_serialization=True)
-            folders = [tmp / name]
-            if save_merged and hasattr(unwrapped, "peft_config"):
-                from common.models import merge_lora_state_dict
+        try:
+            for name, m in models.items():
+                unwrapped = accelerator.unwrap_model(m)
+                unwrapped.save_pretrained(tmp / name, state_dict=state_dicts[name], safe_serialization=True)
+                folders = [tmp / name]
+                if save_merged and hasattr(unwrapped, "peft_config"):
+                    from common.models import merge_lora_state_dict
 
-                cfg = unwrapped.peft_config["default"]
-                merged = merge_lora_state_dict(state_dicts[name], cfg.lora_alpha / cfg.r)
-                unwrapped.get_base_model().save_pretrained(tmp / f"{name}_merged", state_dict=merged, safe_serialization=True)
-                folders.append(tmp / f"{name}_merged")
-            for folder in folders if tokenizer is not None else []:
-                tokenizer.save_pretrained(folder)
-        meta = {"algo": run_dir.name.split("__")[0], "args": _json_args(args) if args is not None else {}}
-        torch.save({**state, **meta, "rng": rng_state(), "step": step}, tmp / "trainer_state.pt")
-        if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
-            shutil.rmtree(final)
+                    cfg = unwrapped.peft_config["default"]
+                    merged = merge_lora_state_dict(state_dicts[name], cfg.lora_alpha / cfg.r)
+                    unwrapped.get_base_model().save_pretrained(tmp / f"{name}_merged", state_dict=merged, safe_serialization=True)
+                    folders.append(tmp / f"{name}_merged")
+                for folder in folders if tokenizer is not None else []:
+                    tokenizer.save_pretrained(folder)
+            meta = {"algo": run_dir.name.split("__")[0], "args": _json_args(args) if args is not None else {}}
+            torch.save({**state, **meta, "rng": rng_state(), "step": step}, tmp / "trainer_state.pt")
+            _fsync_tree(tmp)  # on disk before the rename makes it the checkpoint
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if e.errno == errno.ENOSPC:
+                intact = max(list_checkpoints(run_dir), key=_step_of, default=None)
+                raise UserError(f"no space left on {ckpt_root} while writing checkpoint {final.name}; "
+                                f"{intact.name + ' is intact' if intact else 'no earlier checkpoint exists'}") from e
+            raise
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the folder gets the user's usual permissions
+        old = None
+        if final.exists():  # re-saving the same name (a resume, checkpoints/best): swap, then delete the old one
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.rename(final, old)
         os.rename(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
         if keep_last > 0:
             for old in sorted(list_checkpoints(run_dir), key=_step_of)[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -524,6 +596,33 @@ class BestKeeper:
         self.best = s["best"]
 
 
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def remove_stale_temp_checkpoints(run_dir: Path) -> list[str]:
+    """`.step_N.tmp-*` / `.best.tmp-*` folders left by a crash mid-save (never a checkpoint): removed."""
+    root = Path(run_dir) / "checkpoints"
+    stale = [p for p in root.glob(".*.tmp-*")] + [p for p in root.glob(".*.old-*")] if root.is_dir() else []
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return [p.name for p in stale]
+
+
 def _drop_tied_copies(model, state_dict: dict) -> dict:
     """Keep one name per tied parameter (e.g. lm_head.weight = embed_tokens.weight). save_pretrained
     spots ties by shared storage, but under FSDP2 / ZeRO-3 the gathered state dict holds separate
@@ -536,7 +635,10 @@ def _drop_tied_copies(model, state_dict: dict) -> dict:
 
 
 def _step_of(p: Path) -> int:
-    return int(p.name.split("_")[1])
+    """The step of a checkpoint folder: from its name (step_N), else (checkpoints/best) from its trainer state."""
+    if p.name.startswith("step_") and p.name[5:].isdigit():
+        return int(p.name[5:])
+    return int(torch.load(p / "trainer_state.pt", weights_only=True)["step"])
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:

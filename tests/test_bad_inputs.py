@@ -91,3 +91,26 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tiny_peaky, toy_pr
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
     assert strip(read_metrics(run)) == strip(read_metrics(only_run(tmp_path / "straight")))
     assert json.loads((run / "args.json").read_text())["resumes"][0]["from_step"] == stopped_at
+
+
+def test_non_finite_updates_are_skipped_and_never_saved(tiny, toy_prompts, tmp_path):
+    """A reward of +-3e38 overflows the loss: every update is skipped and counted, the health check
+    fires, the checkpoint holds the untouched (finite) weights; 5 in a row stop the run with exit 2."""
+    (tmp_path / "huge.py").write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                      "    return 3e38 if len(solution_str) % 2 else -3e38\n")
+    flags = ["--model-name-or-path", tiny, "--train-files", toy_prompts, "--reward-fn", f"{tmp_path}/huge.py:score",
+             "--num-prompts", 2, "--group-size", 4, "--mini-batch-size", 8, "--micro-batch-size", 4, "--max-new-tokens", 5,
+             "--eval-every", 0, "--scale-rewards", "none", "--loss-agg", "token-mean"]
+    proc = run_script("grpo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path / "a")
+    run = only_run(tmp_path / "a")
+    rows = read_metrics(run)
+    assert rows[-1]["train/skipped_steps"] == 2 and rows[0].get("health/reward_scale") == 1.0
+    assert "update skipped" in proc.stdout
+    import torch
+    from safetensors.torch import load_file
+
+    saved, base = load_file(run / "checkpoints/step_2/policy/model.safetensors"), load_file(f"{tiny}/model.safetensors")
+    assert all(torch.isfinite(v).all() and torch.equal(v, base[k]) for k, v in saved.items())
+    proc = run_script("grpo_llm.py", *flags, "--total-steps", 8, "--save-every", 2, "--output-dir", tmp_path / "b", check=False)
+    assert proc.returncode == 2 and "non-finite policy gradient norm in 5 updates in a row" in proc.stderr
+    assert (only_run(tmp_path / "b") / "checkpoints/step_4/policy").is_dir()  # the last checkpoint is intact
