@@ -159,6 +159,7 @@ def load_optimizer_state(accelerator, model, opt, state: dict, folder: Path) -> 
     if is_deepspeed(accelerator):
         if not state.get("deepspeed"):
             raise SystemExit(f"--resume {folder.parent}: written without DeepSpeed; resume it under DDP or FSDP2")
+        check_deepspeed_files(folder / "deepspeed")  # DeepSpeed unpickles with weights_only=False: vet first
         model.load_checkpoint(str(folder / "deepspeed"), tag="state", load_module_strict=False,
                               load_optimizer_states=True, load_lr_scheduler_states=True)
         return
@@ -172,6 +173,30 @@ def load_optimizer_state(accelerator, model, opt, state: dict, folder: Path) -> 
         return
     reshard(model)
     set_optimizer_state_dict(model, getattr(opt, "optimizer", opt), state, options=_options())
+
+
+# The only non-tensor classes DeepSpeed's engine files hold (ZeRO-2 and ZeRO-3, fp32/bf16/fp16 here).
+DEEPSPEED_GLOBALS = {"deepspeed.utils.tensor_fragment.fragment_address", "deepspeed.runtime.zero.config.ZeroStageEnum",
+                     "deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"}
+
+
+def check_deepspeed_files(folder: Path) -> None:
+    """Refuse DeepSpeed engine files that would run code when unpickled.
+
+    DeepSpeed's `load_checkpoint` calls `torch.load(..., weights_only=False)`, which executes whatever a
+    pickle names: a planted payload would run. Before that, every file is read by torch's own scanner
+    (`get_unsafe_globals_in_checkpoint`, which executes nothing) and any global outside plain tensors and
+    the few DeepSpeed classes above stops the resume, naming the file."""
+    from common.run import UserError
+
+    for f in sorted(Path(folder).rglob("*.pt")):  # what DeepSpeed unpickles (its zero_to_fp32.py copies are never run)
+        try:
+            unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(f)))
+        except Exception as e:  # not a torch checkpoint at all
+            raise UserError(f"{f}: not a readable DeepSpeed checkpoint file ({e!r}); refusing to load it") from None
+        if unsafe - DEEPSPEED_GLOBALS:
+            raise UserError(f"{f}: refers to {sorted(unsafe - DEEPSPEED_GLOBALS)}, which loading would execute; "
+                            f"refusing to resume from it")
 
 
 def save_engine_states(accelerator, folder: Path, models: dict) -> None:

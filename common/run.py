@@ -661,7 +661,15 @@ def resolve_checkpoint(path: str) -> Path:
 
 
 def load_trainer_state(ckpt: Path) -> dict:
-    return torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    """trainer_state.pt, unpickled with weights_only=True: tensors and plain containers only, so a
+    planted payload is refused instead of run."""
+    import pickle
+
+    try:
+        return torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UserError(f"{ckpt / 'trainer_state.pt'}: holds objects other than tensors and plain values "
+                        f"({str(e).splitlines()[0][:160]}); refusing to load it") from None
 
 
 def load_weights(model, folder: Path) -> None:

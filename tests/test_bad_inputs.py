@@ -114,3 +114,55 @@ def test_non_finite_updates_are_skipped_and_never_saved(tiny, toy_prompts, tmp_p
     proc = run_script("grpo_llm.py", *flags, "--total-steps", 8, "--save-every", 2, "--output-dir", tmp_path / "b", check=False)
     assert proc.returncode == 2 and "non-finite policy gradient norm in 5 updates in a row" in proc.stderr
     assert (only_run(tmp_path / "b") / "checkpoints/step_4/policy").is_dir()  # the last checkpoint is intact
+
+
+class _Payload:
+    """Unpickling this runs `touch MARKER`: what an attacker plants in a checkpoint file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_planted_pickle_payloads_never_run(tiny, toy_prompts, tmp_path):
+    import torch
+
+    flags = ["--model-name-or-path", tiny, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD, "--num-prompts", 2,
+             "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 2, "--max-new-tokens", 3, "--eval-every", 0]
+    run_script("grpo_llm.py", *flags, "--total-steps", 1, "--output-dir", tmp_path / "run", env={"TOY_MODEL": tiny})
+    ckpt = only_run(tmp_path / "run") / "checkpoints/step_1"
+    marker = tmp_path / "PWNED"
+    torch.save({"step": 1, "x": _Payload(marker)}, ckpt / "trainer_state.pt")  # ours: weights_only=True
+    proc = run_script("grpo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path / "run", "--resume", ckpt,
+                      env={"TOY_MODEL": tiny}, check=False)
+    assert proc.returncode == 2 and "refusing to load it" in proc.stderr and not marker.exists(), proc.stderr[-1500:]
+    # model weights are safetensors: a pickle in their place is a format error, never executed
+    torch.save(_Payload(marker), ckpt / "policy" / "model.safetensors")
+    from common.run import load_weights
+    from common import models as M
+
+    with pytest.raises(Exception):
+        load_weights(M.load_causal_lm(tiny), ckpt / "policy")
+    assert not marker.exists()
+
+
+def test_deepspeed_engine_files_are_vetted_before_loading(tmp_path):
+    """DeepSpeed's load_checkpoint unpickles with weights_only=False: its files are scanned first."""
+    import torch
+
+    from common.distributed import check_deepspeed_files
+
+    folder = tmp_path / "deepspeed" / "state"
+    folder.mkdir(parents=True)
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    torch.save({"optimizer_state_dict": {"zero_stage": ZeroStageEnum(2)}, "w": torch.ones(2)}, folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    (tmp_path / "deepspeed" / "zero_to_fp32.py").write_text("print('never run')\n")
+    check_deepspeed_files(tmp_path / "deepspeed")  # DeepSpeed's own classes pass
+    marker = tmp_path / "PWNED"
+    torch.save({"optimizer_state_dict": _Payload(marker)}, folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(ValueError, match="which loading would execute"):
+        check_deepspeed_files(tmp_path / "deepspeed")
+    assert not marker.exists()

@@ -261,6 +261,26 @@ def test_deepspeed_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
            "--resume", str(half)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
     assert proc.returncode != 0 and "written under DeepSpeed" in proc.stderr
+    # a pickle payload planted in a DeepSpeed engine file (DeepSpeed loads them with weights_only=False) never runs
+    import torch
+
+    marker = tmp_path / "PWNED"
+    engine_file = next((half / "checkpoints/step_2/policy/deepspeed/state").glob("zero_pp_rank_0_*optim_states.pt"))
+    state = torch.load(engine_file, weights_only=False)
+    state["planted"] = Payload(str(marker))
+    torch.save(state, engine_file)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / f"configs/accelerate/{CONFIGS['ZERO3']}.yaml"),
+           str(REPO / "algos/ppo_llm.py"), *map(str, flags), "--total-steps", "3", "--resume", str(half)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+    assert proc.returncode != 0 and "which loading would execute" in proc.stderr and not marker.exists(), proc.stderr[-2000:]
+
+
+class Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
 
 
 def test_online_dpo_two_processes_with_uneven_pairs(tiny_peaky, toy_prompts, tmp_path):
