@@ -45,6 +45,15 @@ def read_table(path: str) -> list[dict]:
             raise DataError(f"{path}: file not found")
         name, _, split = path.partition(":")  # a hub id, for users with internet
         return list(datasets.load_dataset(name, split=split or "train"))
+    try:
+        return _read_local(p, suffix, path, datasets)
+    except DataError:
+        raise
+    except Exception as e:  # non-UTF-8 text, a truncated parquet, a JSON syntax error...
+        raise DataError(f"{path}: cannot be read as {suffix or 'a dataset folder'} ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _read_local(p: Path, suffix: str, path: str, datasets) -> list[dict]:
     if p.is_dir():
         ds = datasets.load_from_disk(str(p))
     elif suffix == ".parquet":
@@ -65,6 +74,10 @@ def read_table(path: str) -> list[dict]:
         raise DataError(f"{path}: unsupported format {suffix!r}; use one of {', '.join(FORMATS)}")
     if isinstance(ds, datasets.DatasetDict):
         ds = ds["train"]
+    return _rows_of(ds, path)
+
+
+def _rows_of(ds, path) -> list[dict]:
     if len(ds) == 0:
         raise DataError(f"{path}: file is empty (0 rows)")
     return list(ds)
@@ -93,9 +106,15 @@ def read_files(files: list[str] | str, required: list[str], what: str = "--train
 
 
 def _check_messages(x, where: str):
+    """A prompt or conversation as a string or a list of {role, content}; empty ones are an error naming the row."""
     if isinstance(x, str):
+        if not x.strip():
+            raise DataError(f"{where}: empty text")
         return x
     if isinstance(x, (list, tuple)) and x and all(isinstance(m, dict) and "role" in m and "content" in m for m in x):
+        for i, m in enumerate(x):
+            if not isinstance(m["content"], str) or not m["content"].strip():
+                raise DataError(f"{where}: message {i} ({m['role']}) has empty or non-text content: {m['content']!r}")
         return [{"role": m["role"], "content": m["content"]} for m in x]
     raise DataError(f"{where}: expected a string or a list of {{role, content}} messages, got {type(x).__name__}: {str(x)[:80]}")
 
@@ -222,9 +241,9 @@ def encode_prompt_completion(tok, prompts: list[str], completions: list, eos=Tru
 # ---------------------------------------------------------------------------------------------
 def _as_completion(x, where: str) -> str:
     """A completion as text: a string, or the content of assistant messages (TRL's conversational format)."""
-    x = _check_messages(x, where)
-    if isinstance(x, str):
+    if isinstance(x, str):  # an empty completion is a legitimate (rejected) answer
         return x
+    x = _check_messages(x, where)
     return "".join(m["content"] for m in x if m["role"] == "assistant") or x[-1]["content"]
 
 
@@ -270,8 +289,8 @@ def load_sft(files, tok) -> list[dict]:
             out.append({"prompt": apply_chat(tok, msgs[:-1]), "response": msgs[-1]["content"]})
         return out
     rows = read_files(files, ["prompt", "response"])
-    return [{"prompt": apply_chat(tok, _check_messages(r["prompt"], f"{r['_file']} row {r['_row']}")),
-             "response": r["response"]} for r in rows]
+    return [{"prompt": apply_chat(tok, _check_messages(r["prompt"], f"{r['_file']} row {r['_row']} column 'prompt'")),
+             "response": _check_messages(r["response"], f"{r['_file']} row {r['_row']} column 'response'")} for r in rows]
 
 
 # ---------------------------------------------------------------------------------------------

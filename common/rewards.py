@@ -170,6 +170,31 @@ def load_reward_fn(spec: str):
 # ---------------------------------------------------------------------------------------------
 # Combining sources
 # ---------------------------------------------------------------------------------------------
+class RewardTimeout(Exception):
+    pass
+
+
+def call_with_timeout(fn, seconds: float, *args):
+    """fn(*args), or RewardTimeout after `seconds` of wall time (a SIGALRM timer: main thread only; a
+    C extension that never returns to Python is not interrupted until it does)."""
+    import signal
+    import threading
+
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        return fn(*args)
+
+    def expired(signum, frame):
+        raise RewardTimeout(f"no result after {seconds:g} s (--reward-timeout)")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return fn(*args)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 class RewardError(UserError):
     """A reward function failed on a row (the message names it); a UserError: one line, exit 2."""
 
@@ -201,7 +226,7 @@ class Reward:
 
     def __init__(self, mix: str = "rule:1.0", reward_fn: str | list[str] | None = None, reward_model=None,
                  reward_tok=None, max_new_tokens: int = 1, fallback: float | None = None, batch_size: int = 16,
-                 reward_weights: list[float] | None = None):
+                 reward_weights: list[float] | None = None, timeout: float = 60.0):
         self.mix = parse_mix(mix)
         specs = [reward_fn] if isinstance(reward_fn, str) else list(reward_fn or [])
         if reward_weights is not None and len(reward_weights) != len(specs):
@@ -213,6 +238,7 @@ class Reward:
         # (name, function, weight); the dispatcher alone when no --reward-fn is given
         self.rule_fns = list(zip(names, fns, weights)) or [("rule", compute_score, 1.0)]
         self.custom = bool(specs)
+        self.timeout = timeout
         if "model" in self.mix and reward_model is None:
             raise UserError("--reward includes 'model' but no --reward-model was given")
         self.reward_model, self.reward_tok = reward_model, reward_tok
@@ -230,7 +256,7 @@ class Reward:
         total, extras = 0.0, {}
         for name, fn, weight in self.rule_fns:
             try:
-                out = fn(row.data_source, response, row.ground_truth, row.extra_info)
+                out = call_with_timeout(fn, self.timeout, row.data_source, response, row.ground_truth, row.extra_info)
                 extra = dict(out) if isinstance(out, dict) else {}
                 score = float(extra.pop("score") if isinstance(out, dict) else out)
                 if not math.isfinite(score):

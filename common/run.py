@@ -131,7 +131,7 @@ POSITIVE = ("batch_size", "mini_batch_size", "micro_batch_size", "total_steps", 
 NON_NEGATIVE = ("save_every", "eval_every", "keep_last", "warmup_steps", "lora_r", "top_k", "num_eval_prompts",
                 "num_eval_pairs", "num_eval_examples", "num_samples_logged", "kl_coef", "ent_coef", "vf_coef",
                 "weight_decay", "critic_warmup_steps", "overlong_buffer", "max_resample_rounds", "missing_eos_penalty",
-                "tis_cap", "sft_coef", "label_smoothing", "save_every_minutes", "max_grad_norm", "beta_min")
+                "tis_cap", "sft_coef", "label_smoothing", "save_every_minutes", "max_grad_norm", "beta_min", "reward_timeout")
 
 
 def check_args(args) -> None:

@@ -148,3 +148,25 @@ def test_prepare_and_inspect_cli(tmp_path, tiny):
 
     rep = report([str(out / "chain_sum" / "train.parquet"), str(out / "chain_sum" / "test.parquet")], tiny)
     assert rep["rows"] == 25 and rep["data_source"] == {"reasoning_gym/chain_sum": 25}
+
+
+def test_bad_rows_and_files_are_named(tmp_path, tiny):
+    from common.data import DataError, load_prompts, load_sft, read_table
+    from common.models import load_tokenizer
+
+    tok = load_tokenizer(tiny)
+    (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "caf\xe9", "data_source": "x"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match="latin1.jsonl: cannot be read"):
+        read_table(str(tmp_path / "latin1.jsonl"))
+    rows = [{"prompt": "ok", "data_source": "x"}, {"prompt": "  ", "data_source": "x"}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"p.jsonl row 1 column 'prompt': empty text"):
+        load_prompts([str(tmp_path / "p.jsonl")], tok)
+    rows = [{"prompt": [{"role": "user", "content": ""}], "data_source": "x"}]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"m.jsonl row 0 .*message 0 \(user\) has empty"):
+        load_prompts([str(tmp_path / "m.jsonl")], tok)
+    rows = [{"prompt": "q", "response": "a"}, {"prompt": "q2", "response": None}]
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"s.jsonl row 1 column 'response'"):
+        load_sft([str(tmp_path / "s.jsonl")], tok)

@@ -118,3 +118,15 @@ def test_several_reward_functions_with_weights_and_length_bonus(tmp_path):
     assert scores.tolist() == pytest.approx([0.6 + 0.25, 0.2 + 0.5, 0.1])
     with pytest.raises(ValueError, match="2 weight"):
         Reward("rule:1.0", [f"{tmp_path}/a.py:has_yes"], reward_weights=[0.5, 0.5])
+
+
+def test_a_stuck_reward_function_times_out_with_the_row(tmp_path):
+    (tmp_path / "slow.py").write_text("import time\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                      "    if 'stuck' in solution_str:\n        time.sleep(30)\n    return 1.0\n")
+    rows = [PromptRow("p", "x", None, {}, i) for i in range(2)]
+    r = Reward("rule:1.0", f"{tmp_path}/slow.py:score", timeout=0.3)
+    with pytest.raises(RewardError, match=r"row 1.*no result after 0.3 s"):
+        r(rows, ["fine", "stuck here"], torch.ones(2))
+    r = Reward("rule:1.0", f"{tmp_path}/slow.py:score", timeout=0.3, fallback=-1.0)
+    scores, _, _ = r(rows, ["fine", "stuck here"], torch.ones(2))
+    assert scores.tolist() == [1.0, -1.0] and r.errors == 1
