@@ -95,8 +95,8 @@ def read_files(files: list[str] | str, required: list[str], what: str = "--train
         cols = set(table[0].keys())
         missing = [c for c in required if c not in cols]
         if missing:
-            raise DataError(f"{f}: column(s) {missing} missing; columns present: {sorted(cols)} "
-                            f"(rename with --prompt-key / --reward-fn-key)")
+            hint = " (or name them with --prompt-key / --reward-fn-key)" if {"prompt", "data_source"} & set(missing) else ""
+            raise DataError(f"{f}: column(s) {missing} missing; columns present: {sorted(cols)}{hint}")
         schemas[f] = cols
         rows.extend({**r, "_file": f, "_row": i} for i, r in enumerate(table))
     if len({frozenset(s) for s in schemas.values()}) > 1:

@@ -21,7 +21,7 @@ CASES = [
     ("ppo_llm.py", ["--kl-target", "0"], "--kl-target 0"),
     ("dynamic_kl_ppo.py", ["--kl-target", "-1"], "--kl-target -1"),
     ("ppo_llm.py", ["--batch-size", "6", "--mini-batch-size", "4"], "--batch-size over --mini-batch-size"),
-    ("ppo_llm.py", ["--batch-size", "0"], "must be positive"),
+    ("ppo_llm.py", ["--batch-size", "0"], "--batch-size 0: must be > 0"),
     ("grpo_llm.py", ["--group-size", "1"], "--group-size must be >= 2"),
     ("dpo_llm.py", ["--online", "--num-samples", "1"], "--online needs --num-samples >= 2"),
     ("grpo_llm.py", ["--model-name-or-path", "./no/such/model"], "no such folder"),
@@ -37,20 +37,108 @@ CASES = [
     ("grpo_llm.py", ["--per-device-train-batch-size", "4"], "--micro-batch-size"),
     ("ppo_llm.py", ["--gradient-accumulation-steps", "4"], "--mini-batch-size"),
     ("dpo_llm.py", ["--chat-template-kwargs", "{bad json"], "not JSON"),
+    ("sft_llm.py", ["--chat-template-kwargs", "[1, 2]"], "expected a JSON object"),
+    # flag ranges, checked before anything loads
+    ("sft_llm.py", ["--batch-size", "6", "--micro-batch-size", "4"], "--batch-size per process over --micro-batch-size"),
+    ("rm_llm.py", ["--batch-size", "0"], "--batch-size 0: must be > 0"),
+    ("dpo_llm.py", ["--label-smoothing", "0.6"], "--label-smoothing 0.6: must be < 0.5"),
+    ("ppo_llm.py", ["--temperature", "0"], "--temperature 0.0: must be > 0"),
+    ("grpo_llm.py", ["--temperature", "-1"], "--temperature -1.0: must be > 0"),
+    ("ppo_llm.py", ["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
+    ("grpo_llm.py", ["--top-p", "1.5"], "--top-p 1.5: must be in (0, 1]"),
+    ("ppo_llm.py", ["--gamma", "1.5"], "--gamma 1.5: must be in [0, 1]"),
+    ("dynamic_kl_ppo.py", ["--lam", "-0.1"], "--lam -0.1: must be in [0, 1]"),
+    ("grpo_llm.py", ["--reward-fallback", "nan"], "--reward-fallback nan: must be a finite number"),
+    ("ppo_llm.py", ["--learning-rate", "0"], "--learning-rate 0.0: must be > 0"),
+    ("grpo_llm.py", ["--max-new-tokens", "0"], "--max-new-tokens 0: must be > 0"),
+    ("grpo_llm.py", ["--num-prompts", "0"], "--num-prompts 0: must be > 0"),
+    ("dpo_llm.py", ["--total-steps", "0"], "--total-steps 0: must be > 0"),
+    ("sft_llm.py", ["--max-length", "0"], "--max-length 0: must be > 0"),
+    ("ppo_llm.py", ["--kl-coef", "-0.1"], "--kl-coef -0.1: must be >= 0"),
+    ("dynamic_kl_ppo.py", ["--policy-kl-target", "0"], "--policy-kl-target 0.0: must be > 0"),
+    ("grpo_llm.py", ["--tis-cap", "-1"], "--tis-cap -1.0: must be >= 0"),
+    ("ppo_llm.py", ["--save-every", "-1"], "--save-every -1: must be >= 0"),
+    ("rm_llm.py", ["--micro-batch-size", "0"], "--micro-batch-size 0: must be > 0"),
+    ("grpo_llm.py", ["--reward-timeout", "-5"], "--reward-timeout -5.0: must be >= 0"),
+    # paths
+    ("rm_llm.py", ["--model-name-or-path", "./missing_model"], "no such folder"),
+    ("dpo_llm.py", ["--model-name-or-path", "../elsewhere/model"], "no such folder"),
+    ("dynamic_kl_ppo.py", ["--train-files", "missing.parquet"], "file not found"),
+    ("rm_llm.py", ["--train-files", "missing.parquet"], "file not found"),
+    ("sft_llm.py", ["--train-files", "missing.jsonl"], "file not found"),
+    ("dpo_llm.py", ["--train-files", "missing.parquet"], "file not found"),
+    ("ppo_llm.py", ["--config", "missing.yaml"], "--config missing.yaml: file not found"),
+    ("dpo_llm.py", ["--online", "--reward-fn", "nope.py:fn"], "not found"),
+    ("sft_llm.py", ["--resume", "nowhere"], "no complete checkpoint"),
+    # rewards
+    ("ppo_llm.py", ["--reward", ""], "--reward is empty"),
+    ("grpo_llm.py", ["--reward", "rule:abc"], "weight of 'rule' is not a number"),
+    # data rows (files made by the bad_files fixture)
+    ("ppo_llm.py", ["--train-files", "{empty_prompt}"], "row 1 column 'prompt': empty text"),
+    ("grpo_llm.py", ["--train-files", "{empty_message}"], "message 0 (user) has empty"),
+    ("grpo_llm.py", ["--train-files", "{latin1}"], "cannot be read as .jsonl"),
+    ("ppo_llm.py", ["--train-files", "{zero_rows}"], "file is empty"),
+    ("dynamic_kl_ppo.py", ["--train-files", "{no_source}"], "column(s) ['data_source'] missing"),
+    ("grpo_llm.py", ["--train-files", "{unknown_source}"], "unknown data_source ['nobody/knows']"),
+    ("sft_llm.py", ["--train-files", "{null_response}"], "row 1 column 'response'"),
+    ("dpo_llm.py", ["--train-files", "{no_rejected}"], "column(s) ['rejected'] missing"),
+    ("rm_llm.py", ["--train-files", "{bad_messages}"], "expected a string or a list of {role, content} messages"),
 ]
 
 
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad_data")
+
+    def jsonl(name, rows):
+        (d / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(d / name)
+
+    ok = {"prompt": "What is 1 + 1?", "data_source": "reasoning_gym/chain_sum", "reward_model": {"ground_truth": "2"}}
+    (d / "latin1.jsonl").write_bytes('{"prompt": "caf\xe9", "data_source": "x"}\n'.encode("latin-1"))
+    (d / "zero.jsonl").write_text("")
+    return {
+        "empty_prompt": jsonl("empty_prompt.jsonl", [ok, {**ok, "prompt": "   "}]),
+        "empty_message": jsonl("empty_message.jsonl", [{**ok, "prompt": [{"role": "user", "content": ""}]}]),
+        "latin1": str(d / "latin1.jsonl"),
+        "zero_rows": str(d / "zero.jsonl"),
+        "no_source": jsonl("no_source.jsonl", [{"prompt": "hi"}]),
+        "unknown_source": jsonl("unknown_source.jsonl", [{**ok, "data_source": "nobody/knows"}]),
+        "null_response": jsonl("null_response.jsonl", [{"prompt": "q", "response": "a"}, {"prompt": "q", "response": None}]),
+        "no_rejected": jsonl("no_rejected.jsonl", [{"prompt": "q", "chosen": "a"}]),
+        "bad_messages": jsonl("bad_messages.jsonl", [{"prompt": {"text": "q"}, "chosen": "a", "rejected": "b"}]),
+    }
+
+
 @pytest.mark.parametrize("script,flags,fragment", CASES, ids=[f"{c[0]}:{' '.join(c[1])[:40]}" for c in CASES])
-def test_user_error_is_one_line_exit_2_nothing_written(tiny, tmp_path, script, flags, fragment):
-    flags = [f if f != "MODEL" else tiny for f in flags]
+def test_user_error_is_one_line_exit_2_nothing_written(tiny, tmp_path, monkeypatch, capsys, bad_files, script, flags, fragment):
+    """In-process, as `python algos/<script> ...` runs it (cli), so the table stays fast."""
+    import importlib
+
+    flags = [f.format(**bad_files) if f.startswith("{") and f.endswith("}") and f[1:-1] in bad_files else f for f in flags]
+    from common.run import cli
+
+    sys.path.insert(0, str(REPO / "algos"))
+    module = importlib.import_module(script[:-3])
     base = [] if "--model-name-or-path" in flags else ["--model-name-or-path", tiny]
-    proc = subprocess.run([sys.executable, str(REPO / "algos" / script), *base, *flags, "--output-dir", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**os.environ, "TOY_MODEL": tiny})
-    err = [line for line in proc.stderr.strip().splitlines() if "gemm_4bit" not in line and "real_accelerator" not in line]
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert len(err) == 1 and fragment in err[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TOY_MODEL", tiny)
+    monkeypatch.setattr(sys, "argv", [script, *base, *flags, "--output-dir", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as exit_info:
+        cli(module.main, module.Args)
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
+    assert exit_info.value.code == 2, err
+    assert len(err) == 1 and fragment in err[0], err
     assert not (tmp_path / "out").exists()  # no run folder for a run that never started
+
+
+def test_user_error_from_the_command_line(tiny, tmp_path):
+    """The same as users see it, in a fresh process: one line on stderr, exit code 2, no traceback."""
+    proc = subprocess.run([sys.executable, str(REPO / "algos/ppo_llm.py"), "--model-name-or-path", tiny, "--kl-target", "0",
+                           "--output-dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    err = [line for line in proc.stderr.strip().splitlines() if "gemm_4bit" not in line and "real_accelerator" not in line]
+    assert proc.returncode == 2 and len(err) == 1 and "--kl-target 0" in err[0] and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_yaml_preset_errors_name_the_file(tmp_path):
