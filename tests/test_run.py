@@ -201,3 +201,37 @@ def test_optimizer_state_is_keyed_by_name_and_loads_old_checkpoints(tiny):
         for (_, p), (_, q) in zip(model.named_parameters(), fresh.named_parameters()):
             assert torch.equal(opt.state[p]["exp_avg_sq"], fresh_opt.state[q]["exp_avg_sq"])
             assert opt.state[p]["step"] == fresh_opt.state[q]["step"]
+
+
+def test_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
+    import errno
+
+    acc = Accelerator(cpu=True)
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def save_pretrained(self, path, state_dict=None, safe_serialization=True):
+            Path(path).mkdir(parents=True)
+            torch.save(state_dict, Path(path) / "w.pt")
+
+    R.save_checkpoint(acc, tmp_path, 1, {"m": Wrap()}, {})
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert (tmp_path / "checkpoints/step_1").stat().st_mode & 0o777 == 0o777 & ~mask  # not mkdtemp's 0700
+    real_save = torch.save
+
+    def full_disk(obj, f, *a, **k):
+        if str(f).endswith("trainer_state.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(R.UserError, match=r"no space left on .* while writing checkpoint step_2; step_1 is intact"):
+        R.save_checkpoint(acc, tmp_path, 2, {"m": Wrap()}, {})
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_1"]  # no half checkpoint, no temp folder left behind
+    (tmp_path / "checkpoints" / ".step_3.tmp-abc").mkdir()  # what a SIGKILL mid-save leaves
+    assert R.remove_stale_temp_checkpoints(tmp_path) == [".step_3.tmp-abc"]
