@@ -160,6 +160,7 @@ def main(args: Args):
     log = accelerator.print
     ckpt = resolve_resume(args, Path(__file__).stem)  # --resume: checked before anything loads; None = fresh run
 
+    M.check_context(args.model_name_or_path, args.max_length, "--max-length", args.trust_remote_code)
     tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     M.set_prompt_format(tok, args.apply_chat_template, args.chat_template_kwargs, args.system_prompt)
     lora = dict(lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, lora_target="all-linear",

@@ -203,6 +203,19 @@ def set_prompt_format(tok, apply_chat_template: bool = True, chat_template_kwarg
     return tok
 
 
+def check_context(name_or_path: str, n_tokens: int, what: str, trust_remote_code: bool = False) -> None:
+    """A sequence budget (`what`, e.g. --max-prompt-length + --max-new-tokens) that the model's context
+    cannot hold is a user error, said before the weights load (positions past it give garbage or crash)."""
+    from transformers import AutoConfig
+
+    from common.run import UserError
+
+    config = AutoConfig.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code)
+    context = getattr(getattr(config, "text_config", None) or config, "max_position_embeddings", None)
+    if context and n_tokens > context:
+        raise UserError(f"{what} = {n_tokens} tokens: more than the model's context of {context} ({name_or_path})")
+
+
 def apply_chat(tok, prompt, add_generation_prompt: bool = True) -> str:
     """A prompt (string or list of {role, content}) as the text the model sees.
 

@@ -70,6 +70,8 @@ CASES = [
     ("ppo_llm.py", ["--config", "missing.yaml"], "--config missing.yaml: file not found"),
     ("dpo_llm.py", ["--online", "--reward-fn", "nope.py:fn"], "not found"),
     ("sft_llm.py", ["--resume", "nowhere"], "no complete checkpoint"),
+    ("grpo_llm.py", ["--max-prompt-length", "2040", "--max-new-tokens", "48"], "more than the model's context of 2048"),
+    ("sft_llm.py", ["--max-length", "4096"], "--max-length = 4096 tokens: more than the model's context"),
     # rewards
     ("ppo_llm.py", ["--reward", ""], "--reward is empty"),
     ("grpo_llm.py", ["--reward", "rule:abc"], "weight of 'rule' is not a number"),
