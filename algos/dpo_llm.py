@@ -373,12 +373,12 @@ def main(args: Args):
             scores = scores.view(-1, args.num_samples)  # (B, K)
             pairs, pair_ids = [], []
             for k, i in enumerate(ids):
-                best, worst = scores[k].argmax().item(), scores[k].argmin().item()
-                if scores[k, best] == scores[k, worst]:
+                best_i, worst_i = scores[k].argmax().item(), scores[k].argmin().item()
+                if scores[k, best_i] == scores[k, worst_i]:
                     ties += 1
                     continue
-                pairs.append({"prompt": train_rows[i].text, "chosen": response_ids[k * args.num_samples + best],
-                              "rejected": response_ids[k * args.num_samples + worst]})
+                pairs.append({"prompt": train_rows[i].text, "chosen": response_ids[k * args.num_samples + best_i],
+                              "rejected": response_ids[k * args.num_samples + worst_i]})
             pair_ids = None
             filler = {"prompt": rows[0].text, "chosen": response_ids[0], "rejected": response_ids[0]}  # see the update below
             gen_s = time.time() - t_gen
