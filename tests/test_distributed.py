@@ -289,7 +289,7 @@ def test_online_dpo_two_processes_with_uneven_pairs(tiny_peaky, toy_prompts, tmp
     both ranks step together."""
     launch("dpo_llm.py", "--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--online", "--reward-fn", TOY_REWARD,
            "--output-dir", tmp_path, "--total-steps", 4, "--batch-size", 4, "--micro-batch-size", 1, "--num-samples", 2,
-           "--max-new-tokens", 6, "--eval-every", 0, "--learning-rate", 1e-3, env={"TOY_MODEL": tiny_peaky})
+           "--max-new-tokens", 5, "--eval-every", 0, "--learning-rate", 1e-3, env={"TOY_MODEL": tiny_peaky})
     run = only_run(tmp_path)
     assert_ran(run, "DDP")
     rows = read_metrics(run)
