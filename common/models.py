@@ -67,13 +67,22 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     # the output embedding is tied to the input one, so lm_head.weight may be "missing" here
     assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
     model.tie_weights()
+    _save_once(model, tok, out)
+
+
+def _save_once(model, tok, out: Path, extra: dict | None = None) -> None:
+    """Model + tokenizer (+ extra JSON files) into the cache folder `out`. Written to a temp folder next to
+    it, then renamed: two processes making it at once each write their own folder; the first rename
+    wins and the loser's copy is deleted."""
+    import json
+
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Write to a temp folder next to the target, then rename: two processes converting at once
-    # each write their own folder; the first rename wins and the loser's copy is deleted.
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        for name, value in (extra or {}).items():
+            (tmp / name).write_text(json.dumps(value))
         try:
             os.rename(tmp, out)
         except OSError:
@@ -111,7 +120,6 @@ def _merged_adapter(folder: Path) -> str:
     """`folder` (a peft adapter + our tokenizer files) merged onto its base model, as a plain model folder
     in `$CLEANRLHF_CACHE/merged/`, keyed by the adapter's path and modification time."""
     import hashlib
-    import json
 
     weights = next(folder.glob("adapter_model.*"), None)
     if weights is None:
@@ -139,19 +147,7 @@ def _merged_adapter(folder: Path) -> str:
     from peft import PeftModel
 
     merged = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
-        merged.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / "merged_from.json").write_text(json.dumps({"adapter": str(folder.resolve()), "base": base}))
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not (out / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    _save_once(merged, tok, out, {"merged_from.json": {"adapter": str(folder.resolve()), "base": base}})
     return str(out)
 
 
@@ -367,7 +363,7 @@ def load_value_model(name_or_path: str, tok=None, dtype: str = "auto", trust_rem
 
     When `name_or_path` is a causal LM (the policy), the body is copied from it and the new head is
     initialised to zero, so every value starts at 0 and the first advantages are the rewards."""
-    from transformers import AutoConfig, AutoModelForTokenClassification
+    from transformers import AutoModelForTokenClassification
 
     path = resolve_model_path(name_or_path)
     config = _config(path, trust_remote_code)
