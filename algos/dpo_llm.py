@@ -141,6 +141,8 @@ class Args:
     """score given when a reward function fails (default: stop with an error naming the row)"""
     reward_timeout: float = 60.0
     """seconds one reward-function call may take before it counts as failed (error naming the row, or --reward-fallback; 0: no limit)"""
+    reward_workers: int = 2
+    """processes that run --reward-fn functions off the training loop (a crash or hang there costs a row, not the run); 0: in this process"""
 
     # --- optimisation
     total_steps: int = 100
@@ -253,7 +255,7 @@ def main(args: Args):
         rm_tok = M.load_tokenizer(args.reward_model, args.trust_remote_code) if args.reward_model else None
         rm = prepare_frozen(accelerator, M.load_reward_model(args.reward_model, rm_tok, args.dtype)) if args.reward_model else None
         reward = Reward(args.reward, args.reward_fn, rm, rm_tok, args.max_new_tokens, args.reward_fallback,
-                    reward_weights=args.reward_weights, timeout=args.reward_timeout)
+                    reward_weights=args.reward_weights, timeout=args.reward_timeout, workers=args.reward_workers)
         train_rows = load_prompts(train_files, tok, max_prompt_length=args.max_prompt_length, log=log)
         reward.check({r.data_source for r in train_rows})
     else:

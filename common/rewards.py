@@ -199,6 +199,105 @@ class RewardError(UserError):
     """A reward function failed on a row (the message names it); a UserError: one line, exit 2."""
 
 
+def score_row(fns, timeout: float, data_source, response, ground_truth, extra_info) -> list[tuple[bool, object]]:
+    """Each function's raw output, (True, out), or the failure as text, (False, repr(exception)).
+    The same code runs in the trainer (--reward-workers 0) and in a pool worker."""
+    outs = []
+    for fn in fns:
+        try:
+            outs.append((True, call_with_timeout(fn, timeout, data_source, response, ground_truth, extra_info)))
+        except Exception as e:  # any failure of user code is data for the caller, not a crash here
+            outs.append((False, repr(e)))
+    return outs
+
+
+_WORKER_FNS: list = []
+
+
+def _init_worker(specs: list[str]) -> None:
+    """Pool worker start-up: one thread (the trainer owns the cores), the functions imported once."""
+    import signal
+    import sys
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle (it checkpoints)
+    if "torch" in sys.modules:
+        torch.set_num_threads(1)
+    _WORKER_FNS[:] = [load_reward_fn(spec) for spec in specs]
+
+
+def _worker_score(timeout: float, data_source, response, ground_truth, extra_info):
+    return score_row(_WORKER_FNS, timeout, data_source, response, ground_truth, extra_info)
+
+
+class RewardPool:
+    """Custom reward functions scored in `workers` processes, as verl and OpenRLHF score off the
+    training loop: rows run in parallel, a function that crashes its process (segfault, os._exit)
+    or hangs in C code past the timeout costs one row, not the run. The pool is rebuilt after such
+    a failure. concurrent.futures does the work; what it lacks is killing a stuck worker, done here.
+
+    fork: the workers start in milliseconds and inherit the imported functions' modules; a reward
+    function that itself starts threads before the fork is the user's to make fork-safe."""
+
+    def __init__(self, specs: list[str], workers: int, timeout: float):
+        self.specs, self.workers, self.timeout = specs, workers, timeout
+        self.pool = None
+
+    def _start(self):
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("fork"),
+                                        initializer=_init_worker, initargs=(self.specs,))
+
+    def _kill(self):
+        """Stop every worker now (a stuck one never returns), then forget the pool."""
+        if self.pool is None:
+            return
+        for proc in list(getattr(self.pool, "_processes", {}).values()):  # no public API to kill workers
+            proc.kill()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool = None
+
+    def map(self, jobs: list[tuple]) -> list[list[tuple[bool, object]]]:
+        """jobs: (data_source, response, ground_truth, extra_info) per row -> score_row's output per row."""
+        import time
+        from concurrent.futures import TimeoutError as FutureTimeout
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            if self.pool is None:
+                self._start()
+            futures = [self.pool.submit(_worker_score, self.timeout, *job) for job in jobs]
+        except BrokenProcessPool:  # a worker died while idle: start afresh once
+            self._kill()
+            self._start()
+            futures = [self.pool.submit(_worker_score, self.timeout, *job) for job in jobs]
+        # each row gets its own timeout inside the worker (SIGALRM); the pool-level wait only catches
+        # code that never returns to Python: rows queue behind each other, so the budget grows with them
+        grace = None if self.timeout <= 0 else self.timeout * (1 + -(-len(jobs) // self.workers)) + 5
+        deadline = None if grace is None else time.monotonic() + grace
+        out, broken = [], False
+        for fut in futures:
+            try:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                out.append(fut.result(timeout=left))
+            except FutureTimeout:
+                out.append([(False, f"RewardTimeout('the reward worker gave no result within {grace:g} s "
+                                    f"(--reward-timeout {self.timeout:g}); it was stopped')")] * len(self.specs))
+                broken = True
+            except BrokenProcessPool as e:
+                out.append([(False, f"RewardWorkerDied('the reward worker process died: {e}')")] * len(self.specs))
+                broken = True
+        if broken:
+            self._kill()
+        return out
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+
 SOURCES = ("rule", "model", "format", "length", "length_bonus")
 
 
@@ -226,7 +325,7 @@ class Reward:
 
     def __init__(self, mix: str = "rule:1.0", reward_fn: str | list[str] | None = None, reward_model=None,
                  reward_tok=None, max_new_tokens: int = 1, fallback: float | None = None, batch_size: int = 16,
-                 reward_weights: list[float] | None = None, timeout: float = 60.0):
+                 reward_weights: list[float] | None = None, timeout: float = 60.0, workers: int = 2):
         self.mix = parse_mix(mix)
         specs = [reward_fn] if isinstance(reward_fn, str) else list(reward_fn or [])
         if reward_weights is not None and len(reward_weights) != len(specs):
@@ -239,6 +338,8 @@ class Reward:
         self.rule_fns = list(zip(names, fns, weights)) or [("rule", compute_score, 1.0)]
         self.custom = bool(specs)
         self.timeout = timeout
+        # custom functions run in a process pool (--reward-workers; 0: in the trainer); ours in-process
+        self.pool = RewardPool(specs, workers, timeout) if specs and workers > 0 else None
         if "model" in self.mix and reward_model is None:
             raise UserError("--reward includes 'model' but no --reward-model was given")
         self.reward_model, self.reward_tok = reward_model, reward_tok
@@ -249,21 +350,23 @@ class Reward:
         if "rule" in self.mix and not self.custom:
             check_data_sources(data_sources)
 
-    def _rule(self, row, response: str, index: int) -> tuple[float, dict]:
-        """The rule score of one response: the function's (or the weighted sum of several functions'),
-        and extra fields to log (each function's own score under its name when there are several)."""
+    def _rule(self, row, response: str, outs: list[tuple[bool, object]]) -> tuple[float, dict]:
+        """The rule score of one response from each function's raw output (score_row): the function's
+        score (or the weighted sum of several), and extra fields to log (each function's own score
+        under its name when there are several)."""
         where = f"data_source {row.data_source!r}, row {row.uid}, response {response[:200]!r}"
         total, extras = 0.0, {}
-        for name, fn, weight in self.rule_fns:
+        for (name, _, weight), (ok, out) in zip(self.rule_fns, outs):
             try:
-                out = call_with_timeout(fn, self.timeout, row.data_source, response, row.ground_truth, row.extra_info)
+                if not ok:
+                    raise RuntimeError(out)
                 extra = dict(out) if isinstance(out, dict) else {}
                 score = float(extra.pop("score") if isinstance(out, dict) else out)
                 if not math.isfinite(score):
                     raise ValueError(f"reward function returned {score}")
             except Exception as e:
                 if self.fallback is None:
-                    raise RewardError(f"reward function {name!r} failed on {where}: {e!r}") from e
+                    raise RewardError(f"reward function {name!r} failed on {where}: {e if not ok else repr(e)}") from None
                 self.errors += 1
                 score, extra = self.fallback, {}
             total += weight * score
@@ -300,7 +403,10 @@ class Reward:
         B = len(responses)
         comps, extras = {}, {}
         if "rule" in self.mix:
-            vals = [self._rule(r, s, i) for i, (r, s) in enumerate(zip(rows, responses))]
+            jobs = [(r.data_source, s, r.ground_truth, r.extra_info) for r, s in zip(rows, responses)]
+            fns = [fn for _, fn, _ in self.rule_fns]
+            raw = self.pool.map(jobs) if self.pool else [score_row(fns, self.timeout, *job) for job in jobs]
+            vals = [self._rule(r, s, o) for r, s, o in zip(rows, responses, raw)]
             comps["rule"] = torch.tensor([v[0] for v in vals], device=device)
             for k in {k for _, e in vals for k in e}:
                 extras[k] = torch.tensor([float(e.get(k, 0.0)) for _, e in vals], device=device)

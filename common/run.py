@@ -131,7 +131,8 @@ POSITIVE = ("batch_size", "mini_batch_size", "micro_batch_size", "total_steps", 
 NON_NEGATIVE = ("save_every", "eval_every", "keep_last", "warmup_steps", "lora_r", "top_k", "num_eval_prompts",
                 "num_eval_pairs", "num_eval_examples", "num_samples_logged", "kl_coef", "ent_coef", "vf_coef",
                 "weight_decay", "critic_warmup_steps", "overlong_buffer", "max_resample_rounds", "missing_eos_penalty",
-                "tis_cap", "sft_coef", "label_smoothing", "save_every_minutes", "max_grad_norm", "beta_min", "reward_timeout")
+                "tis_cap", "sft_coef", "label_smoothing", "save_every_minutes", "max_grad_norm", "beta_min", "reward_timeout",
+                "reward_workers")
 
 
 def check_args(args) -> None:
@@ -314,7 +315,8 @@ def library_versions() -> dict:
 # of samples under the restored state, so resuming with it is refused by name.
 RESUME_MAY_CHANGE = {"total_steps", "save_every", "save_every_minutes", "keep_last", "eval_every", "log_every",
                      "num_samples_logged", "track", "wandb_project_name", "wandb_entity", "resume", "output_dir",
-                     "config", "save_merged", "save_best", "max_wall_minutes"}
+                     "config", "save_merged", "save_best", "max_wall_minutes",
+                     "reward_timeout", "reward_workers"}
 
 
 def _json_args(args) -> dict:

@@ -2,6 +2,8 @@
 
 import json
 import math
+import os
+import time
 
 import pytest
 import torch
@@ -120,13 +122,56 @@ def test_several_reward_functions_with_weights_and_length_bonus(tmp_path):
         Reward("rule:1.0", [f"{tmp_path}/a.py:has_yes"], reward_weights=[0.5, 0.5])
 
 
-def test_a_stuck_reward_function_times_out_with_the_row(tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stuck_reward_function_times_out_with_the_row(tmp_path, workers):
     (tmp_path / "slow.py").write_text("import time\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
                                       "    if 'stuck' in solution_str:\n        time.sleep(30)\n    return 1.0\n")
     rows = [PromptRow("p", "x", None, {}, i) for i in range(2)]
-    r = Reward("rule:1.0", f"{tmp_path}/slow.py:score", timeout=0.3)
+    r = Reward("rule:1.0", f"{tmp_path}/slow.py:score", timeout=0.3, workers=workers)
     with pytest.raises(RewardError, match=r"row 1.*no result after 0.3 s"):
         r(rows, ["fine", "stuck here"], torch.ones(2))
-    r = Reward("rule:1.0", f"{tmp_path}/slow.py:score", timeout=0.3, fallback=-1.0)
+    r = Reward("rule:1.0", f"{tmp_path}/slow.py:score", timeout=0.3, fallback=-1.0, workers=workers)
     scores, _, _ = r(rows, ["fine", "stuck here"], torch.ones(2))
     assert scores.tolist() == [1.0, -1.0] and r.errors == 1
+
+
+def test_the_pool_scores_as_the_trainer_does(tmp_path):
+    """Several functions with extras and weights: the pool's scores equal in-process scoring; the
+    workers are other processes, started once and reused."""
+    (tmp_path / "a.py").write_text("import os\ndef has_yes(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                   "    return {'score': float('yes' in solution_str) + len(ground_truth or ''), 'pid': os.getpid()}\n")
+    (tmp_path / "b.py").write_text("def pen(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                   "    return -0.5 * extra_info.get('w', 1)\n")
+    specs = [f"{tmp_path}/a.py:has_yes", f"{tmp_path}/b.py:pen"]
+    rows = [PromptRow("p", "x", "ab"[: i % 3], {"w": i}, i) for i in range(7)]
+    responses = ["yes", "no", "yes yes", "", "maybe", "yes", "n"]
+    results = {w: Reward("rule:1.0", specs, reward_weights=[0.7, 0.3], workers=w) for w in (0, 2)}
+    out = {w: r(rows, responses, torch.ones(7)) for w, r in results.items()}
+    assert torch.equal(out[0][0], out[2][0]) and torch.equal(out[0][1]["rule"], out[2][1]["rule"])
+    assert torch.equal(out[0][2]["pen"], out[2][2]["pen"])
+    assert set(out[0][2]["pid"].tolist()) == {os.getpid()} and os.getpid() not in out[2][2]["pid"].tolist()
+    workers = set(results[2].pool.pool._processes)  # the pool's two processes
+    again = set(results[2](rows, responses, torch.ones(7))[2]["pid"].tolist())
+    assert len(workers) == 2 and set(out[2][2]["pid"].tolist()) <= workers and again <= workers
+    results[2].pool.close()
+
+
+def test_a_crashing_or_unresponsive_reward_function_costs_a_row_not_the_run(tmp_path):
+    """os._exit in a worker (as a segfault would) and a hang the SIGALRM timer cannot reach (the
+    function ignores it) become failures of their row; the pool restarts and scores the next batch."""
+    (tmp_path / "bad.py").write_text(
+        "import os, signal, time\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if solution_str == 'crash':\n        os._exit(3)\n"
+        "    if solution_str == 'deaf':\n        signal.signal(signal.SIGALRM, signal.SIG_IGN)\n        time.sleep(60)\n"
+        "    return 1.0\n")
+    rows = [PromptRow("p", "x", None, {}, i) for i in range(3)]
+    r = Reward("rule:1.0", f"{tmp_path}/bad.py:score", workers=2)
+    with pytest.raises(RewardError, match=r"row 1.*worker process died"):
+        r(rows, ["ok", "crash", "ok"], torch.ones(3))
+    assert r(rows, ["ok", "ok", "ok"], torch.ones(3))[0].tolist() == [1.0, 1.0, 1.0]  # a fresh pool
+    r = Reward("rule:1.0", f"{tmp_path}/bad.py:score", workers=2, timeout=0.2, fallback=0.0)
+    start = time.monotonic()
+    scores, _, _ = r(rows, ["ok", "deaf", "ok"], torch.ones(3))
+    assert scores.tolist() == [1.0, 0.0, 1.0] and r.errors == 1 and time.monotonic() - start < 15
+    assert r(rows, ["ok", "ok", "ok"], torch.ones(3))[0].tolist() == [1.0, 1.0, 1.0]
+    r.pool.close()
