@@ -27,7 +27,7 @@ def main():
     tok = M.load_tokenizer(a.model)
     model = M.load_causal_lm(a.model, tok).eval()
     reward = Reward("rule:1.0", max_new_tokens=a.max_new_tokens)
-    print(f"| task | prompts | greedy accuracy (exact) | mean reward | seconds |\n|---|---|---|---|---|")
+    print("| task | prompts | greedy accuracy (exact) | mean reward | seconds |\n|---|---|---|---|---|")
     for task in a.tasks:
         rows = load_prompts([default_task_files(task, test_size=a.num_prompts)[1]], tok)[:a.num_prompts]
         t0 = time.time()

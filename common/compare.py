@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import tyro
 
+from common.run import UserError
+
 DEFAULT_METRICS = ["train/reward", "train/kl", "train/entropy", "train/response_len", "eval/accuracy", "loss/policy"]
 LOWER_IS_BETTER = ("loss/", "train/kl", "perf/step_s")
 
@@ -26,7 +28,7 @@ def load_run(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
     f = run_dir / "metrics.jsonl"
     if not f.exists():
-        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (is this a run folder?)")
+        raise UserError(f"{run_dir}: no metrics.jsonl (is this a run folder?)")
     rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
     by_step = {}
     for r in rows:  # a step logged twice (rows of a crashed run, recomputed after its resume): the last one counts
@@ -157,7 +159,7 @@ class Args:
 
 def main(args: Args) -> list[dict]:
     if args.x not in ("step", "samples", "time"):
-        raise SystemExit(f"--x {args.x!r}: use step, samples or time")
+        raise UserError(f"--x {args.x!r}: use step, samples or time")
     runs = [load_run(r) for r in args.runs]
     groups = group_runs(runs)
     present = [m for m in args.metrics if any(m in row for r in runs for row in r["rows"])]
@@ -165,7 +167,7 @@ def main(args: Args) -> list[dict]:
     if missing:
         print(f"[compare] not logged by any run, skipped: {missing}")
     if not present:
-        raise SystemExit("[compare] none of --metrics is in these runs")
+        raise UserError("[compare] none of --metrics is in these runs")
     plot(groups, present, args.x, args.smooth, args.out)
     table = summary(groups, present)
     from rich.console import Console
@@ -181,4 +183,6 @@ def main(args: Args) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    from common.run import cli
+
+    cli(main, Args)  # flags checked, user errors as one line (exit 2)

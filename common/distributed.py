@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from common.run import UserError
+
 
 def make_accelerator():
     """The Accelerator of every script: on GPUs whatever `accelerate launch` configured; without a
@@ -41,7 +43,7 @@ def make_accelerator():
     if tp_size > 1:
         # tensor parallelism splits every layer over a group of processes that must all see the same
         # batch; the scripts split batches by process index and load models without a tp_plan
-        raise SystemExit(f"parallelism_config_tp_size {tp_size}: tensor parallelism is not supported by the cleanrlhf "
+        raise UserError(f"parallelism_config_tp_size {tp_size}: tensor parallelism is not supported by the cleanrlhf "
                          "scripts yet (batches are split by process, models load without tp_plan); use tp_size 1 "
                          "(FSDP2 shard x replicate, on GPUs) or configs/accelerate/fsdp2.yaml")
     if torch.cuda.is_available():
@@ -55,7 +57,7 @@ def make_accelerator():
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.num_processes > 1:
         plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* variables `accelerate launch` set
         if plugin.fsdp_version != 2:
-            raise SystemExit("FSDP on CPU processes needs fsdp_version: 2 in the accelerate config "
+            raise UserError("FSDP on CPU processes needs fsdp_version: 2 in the accelerate config "
                              "(FSDP1 looks for a GPU: 'no available devices found')")
         # both shared states, as Accelerate's own init does (a later AcceleratorState() copies PartialState's)
         accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
@@ -158,13 +160,13 @@ def load_optimizer_state(accelerator, model, opt, state: dict, folder: Path) -> 
     the engine reloads its per-rank files from {folder}/deepspeed."""
     if is_deepspeed(accelerator):
         if not state.get("deepspeed"):
-            raise SystemExit(f"--resume {folder.parent}: written without DeepSpeed; resume it under DDP or FSDP2")
+            raise UserError(f"--resume {folder.parent}: written without DeepSpeed; resume it under DDP or FSDP2")
         check_deepspeed_files(folder / "deepspeed")  # DeepSpeed unpickles with weights_only=False: vet first
         model.load_checkpoint(str(folder / "deepspeed"), tag="state", load_module_strict=False,
                               load_optimizer_states=True, load_lr_scheduler_states=True)
         return
     if state.get("deepspeed"):
-        raise SystemExit(f"--resume {folder.parent}: written under DeepSpeed; resume it under the same DeepSpeed config")
+        raise UserError(f"--resume {folder.parent}: written under DeepSpeed; resume it under the same DeepSpeed config")
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     groups = state.get("param_groups") or [{}]
@@ -187,8 +189,6 @@ def check_deepspeed_files(folder: Path) -> None:
     pickle names: a planted payload would run. Before that, every file is read by torch's own scanner
     (`get_unsafe_globals_in_checkpoint`, which executes nothing) and any global outside plain tensors and
     the few DeepSpeed classes above stops the resume, naming the file."""
-    from common.run import UserError
-
     for f in sorted(Path(folder).rglob("*.pt")):  # what DeepSpeed unpickles (its zero_to_fp32.py copies are never run)
         try:
             unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(f)))
@@ -230,9 +230,7 @@ class UpdateGuard:
             self.skipped, self.in_row = self.skipped + 1, self.in_row + 1
             self.accelerator.print(f"[cleanrlhf] step {step}: {what} gradient norm is {float(norm)}; update skipped")
             if self.in_row >= self.patience:
-                from common.run import UserError
-
-                raise UserError(f"step {step}: non-finite {what} gradient norm in {self.in_row} updates in a row; "
+                            raise UserError(f"step {step}: non-finite {what} gradient norm in {self.in_row} updates in a row; "
                                 f"stopped before writing NaN weights (the last checkpoint is intact). Lower the "
                                 f"learning rate, or check the rewards and the data")
             return norm

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import tyro
 
 from common import models as M
 from common.data import load_prompts
@@ -222,4 +221,6 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    from common.run import cli
+
+    cli(main, Args)  # flags checked, user errors as one line (exit 2)

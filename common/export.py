@@ -22,7 +22,7 @@ from typing import Optional
 
 import tyro
 
-from common.run import list_checkpoints
+from common.run import UserError, list_checkpoints
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Args:
 def find_model_folder(path: str, model: str = "policy") -> Path:
     p = Path(path)
     if not p.exists():
-        raise SystemExit(f"{path}: no such file or folder")
+        raise UserError(f"{path}: no such file or folder")
     if (p / "config.json").exists() or (p / "adapter_config.json").exists():
         return p
     if (p / "trainer_state.pt").exists():
@@ -48,11 +48,11 @@ def find_model_folder(path: str, model: str = "policy") -> Path:
     else:
         ckpts = list_checkpoints(p)
         if not ckpts:
-            raise SystemExit(f"{path}: not a model folder, a checkpoint (checkpoints/step_N) or a run folder with checkpoints")
+            raise UserError(f"{path}: not a model folder, a checkpoint (checkpoints/step_N) or a run folder with checkpoints")
         step_dir = max(ckpts, key=lambda c: int(c.name.split("_")[1]))
     if not (step_dir / model).is_dir():
         have = sorted(d.name for d in step_dir.iterdir() if d.is_dir())
-        raise SystemExit(f"{step_dir}: no model {model!r} (has {have}); pass --model")
+        raise UserError(f"{step_dir}: no model {model!r} (has {have}); pass --model")
     return step_dir / model
 
 
@@ -86,7 +86,7 @@ def main(args: Args) -> Path:
     folder = find_model_folder(args.checkpoint, args.model)
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
-        raise SystemExit(f"--out {out}: exists and is not empty; nothing was written")
+        raise UserError(f"--out {out}: exists and is not empty; nothing was written")
     src = Path(M.resolve_model_path(str(folder)))  # a LoRA adapter: merged onto its base (cached)
     run_dir = folder.parent.parent.parent if folder.parent.name.startswith("step_") else None
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -96,7 +96,7 @@ def main(args: Args) -> Path:
             if f.is_file() and f.name != "merged_from.json":
                 shutil.copy2(f, tmp / f.name)
         if not (tmp / "tokenizer_config.json").exists():
-            raise SystemExit(f"{folder}: no tokenizer files (a checkpoint from before tokenizers were saved); "
+            raise UserError(f"{folder}: no tokenizer files (a checkpoint from before tokenizers were saved); "
                              f"copy them from the base model with AutoTokenizer.save_pretrained")
         (tmp / "README.md").write_text(model_card(folder, run_dir))
         if out.exists():
@@ -107,7 +107,7 @@ def main(args: Args) -> Path:
     print(f"exported {folder} -> {out}")
     if args.push_to_hub:
         if os.environ.get("HF_HUB_OFFLINE") == "1":
-            raise SystemExit(f"--push-to-hub {args.push_to_hub}: HF_HUB_OFFLINE=1, not uploading; the folder {out} is ready")
+            raise UserError(f"--push-to-hub {args.push_to_hub}: HF_HUB_OFFLINE=1, not uploading; the folder {out} is ready")
         from huggingface_hub import HfApi
 
         api = HfApi()
@@ -118,4 +118,6 @@ def main(args: Args) -> Path:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    from common.run import cli
+
+    cli(main, Args)  # flags checked, user errors as one line (exit 2)

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import tyro
 
 from common import models as M
 from common.data import load_prompts, read_table, write_rows
 from common.evaluate import answer, load_any
 from common.rewards import Reward
+from common.run import UserError
 
 
 @dataclass
@@ -36,8 +36,8 @@ class Args:
     """sampling temperature"""
     max_new_tokens: int = 64
     """response length limit"""
-    num_prompts: int = 0
-    """use the first N prompts (0: all)"""
+    num_prompts: Optional[int] = None
+    """use the first N prompts (default: all)"""
     reward: str = "rule:1.0"
     """reward sources (partial credit helps: fewer ties)"""
     reward_fn: Optional[list[str]] = None
@@ -52,11 +52,11 @@ class Args:
 
 def main(args: Args) -> dict:
     if args.k < 2:
-        raise SystemExit("--k must be >= 2")
+        raise UserError(f"--k {args.k}: must be >= 2 (a pair needs two responses)")
     tok = M.load_tokenizer(args.model)
     rows = load_prompts(args.prompts, tok, max_prompt_length=10_000)
     raw = [r for f in args.prompts for r in read_table(f)]
-    if args.num_prompts:
+    if args.num_prompts is not None:
         rows, raw = rows[:args.num_prompts], raw[:args.num_prompts]
     reward = Reward(args.reward, args.reward_fn, max_new_tokens=args.max_new_tokens, reward_weights=args.reward_weights)
     reward.check({r.data_source for r in rows})
@@ -76,7 +76,7 @@ def main(args: Args) -> dict:
                       "chosen_score": scores[i, best].item(), "rejected_score": scores[i, worst].item(),
                       "data_source": row.data_source})
     if not pairs:
-        raise SystemExit(f"all {len(rows)} prompts tied: no pair written (raise --k or --temperature, or use a partial-credit reward)")
+        raise UserError(f"all {len(rows)} prompts tied: no pair written (raise --k or --temperature, or use a partial-credit reward)")
     write_rows(pairs, args.out)
     report = {"prompts": len(rows), "pairs": len(pairs), "tied": ties, "mean_score": scores.mean().item()}
     print(f"wrote {args.out}: {report}")
@@ -84,4 +84,6 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    from common.run import cli
+
+    cli(main, Args)  # flags checked, user errors as one line (exit 2)

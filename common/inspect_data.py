@@ -78,4 +78,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from common.run import UserError, user_error
+
+    try:
+        main()
+    except UserError as e:
+        user_error(f"error: {e}")

@@ -104,7 +104,7 @@ def resolve_model_path(name_or_path: str) -> str:
     if looks_local and not Path(name_or_path).expanduser().exists():
         from common.run import UserError
 
-        raise UserError(f"--model-name-or-path {name_or_path}: no such folder")
+        raise UserError(f"model {name_or_path}: no such folder")
     if name_or_path.lower() != DEFAULT_MODEL:
         return name_or_path
     out = cache_dir() / "SmolLM2-135M-Instruct"
@@ -123,7 +123,9 @@ def _merged_adapter(folder: Path) -> str:
 
     weights = next(folder.glob("adapter_model.*"), None)
     if weights is None:
-        raise FileNotFoundError(f"{folder}: adapter_config.json but no adapter_model.safetensors")
+        from common.run import UserError
+
+        raise UserError(f"{folder}: adapter_config.json but no adapter_model.safetensors")
     key = hashlib.sha1(f"{folder.resolve()}:{weights.stat().st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_dir() / "merged" / f"{folder.name}-{key}"
     if (out / "config.json").exists():
@@ -132,7 +134,9 @@ def _merged_adapter(folder: Path) -> str:
 
     cfg = PeftConfig.from_pretrained(str(folder))
     if cfg.task_type not in ("CAUSAL_LM", None):
-        raise ValueError(f"{folder}: a {cfg.task_type} adapter; only causal-LM adapters load as a model path "
+        from common.run import UserError
+
+        raise UserError(f"{folder}: a {cfg.task_type} adapter; only causal-LM adapters load as a model path "
                          f"(save with --save-merged for a full folder)")
     base = resolve_model_path(cfg.base_model_name_or_path)
     from transformers import AutoModelForCausalLM
@@ -165,7 +169,9 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, padding_s
     tok = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code)
     tok.padding_side = padding_side
     if tok.eos_token_id is None:
-        raise ValueError(f"tokenizer of {name_or_path} has no EOS token; responses could never end")
+        from common.run import UserError
+
+        raise UserError(f"tokenizer of {name_or_path} has no EOS token; responses could never end")
     if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
         candidates = [tok.unk_token, "<|endoftext|>", "<|finetune_right_pad_id|>", "<pad>"]
         vocab = tok.get_vocab()
@@ -296,7 +302,9 @@ def _finish(model, tok, lora_r: int, lora_alpha: int, lora_dropout: float, lora_
         if gradient_checkpointing:
             model.enable_input_require_grads()
     elif load_in_4bit:
-        raise ValueError("--load-in-4bit (QLoRA) trains LoRA adapters only: set --lora-r > 0")
+        from common.run import UserError
+
+        raise UserError("--load-in-4bit (QLoRA) trains LoRA adapters only: set --lora-r > 0")
     return model
 
 

@@ -9,10 +9,8 @@ Never here: losses, training loops, the choice of advantages. Those are the algo
 
 from __future__ import annotations
 
-import math
 
 import torch
-import torch.nn.functional as F
 
 
 # ---------------------------------------------------------------------------------------------

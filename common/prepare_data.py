@@ -23,7 +23,6 @@ import os
 import re
 from pathlib import Path
 
-import tyro
 from dataclasses import dataclass, field
 
 from common.data import problem_key, read_table, write_rows
@@ -169,8 +168,6 @@ def default_sft_files(task: str = DEFAULT_TASK, train_size: int = 2000, test_siz
 
 def default_preference_files(task: str = DEFAULT_TASK, train_size: int = 2000, test_size: int = 64, seed: int = 0):
     """(train, test) preference parquet paths built from the built-in task (`answer_pairs`), cached."""
-    from common.models import cache_dir
-
     train_src, test_src = default_task_files(task, train_size, test_size, seed)
     out = Path(train_src).parent
     train, test = out / "pairs_train.parquet", out / "pairs_test.parquet"
@@ -275,7 +272,17 @@ def _read_source(src: str, split: str) -> list[dict]:
 
 
 def main(args: Args) -> None:
+    from reasoning_gym.factory import DATASETS
+
+    from common.run import UserError
+
     out = Path(args.out)
+    unknown = [t for t in args.tasks if t not in TASKS and t not in DATASETS]
+    if unknown and not (args.gsm8k or args.math or args.preferences):
+        raise UserError(f"--tasks: unknown reasoning-gym dataset(s) {unknown}; e.g. {', '.join(TASKS)} "
+                        f"({len(DATASETS)} in reasoning_gym.factory.DATASETS)")
+    if not 0 < args.test_fraction < 1:
+        raise UserError(f"--test-fraction {args.test_fraction}: must be in (0, 1)")
     for task in args.tasks if not (args.gsm8k or args.math or args.preferences) else []:
         train, test = write_task(task, out, args.train_size, args.test_size, args.seed, args.test_fraction)
         for split, src in (("train", train), ("test", test)):  # SFT examples and answer pairs of the same prompts
@@ -298,4 +305,6 @@ def main(args: Args) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TQDM_DISABLE", "1")
-    main(tyro.cli(Args))
+    from common.run import cli
+
+    cli(main, Args)  # flags checked, user errors as one line (exit 2)

@@ -38,7 +38,6 @@ def parse_args(cls, argv: list[str] | None = None):
     tyro with the fields' types, exactly as if typed: `learning_rate: 1e-5` is a float (YAML 1.1 alone
     reads it as a string), a Literal's choices are checked, nested groups (`health: {kl_max: 1}`) work.
     An unknown key is an error naming the file, the key and the valid names."""
-    import tyro
     import yaml
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -60,15 +59,39 @@ def parse_args(cls, argv: list[str] | None = None):
             if not isinstance(cfg, dict):
                 user_error(f"--config {path}: expected a mapping of field names to values")
             preset = _preset_flags(cls, cfg, path)
-            try:  # the preset alone first, so a bad value is blamed on the file
-                with open(os.devnull, "w") as devnull, _redirect_stderr(devnull):
-                    tyro.cli(cls, args=preset)
-            except SystemExit:
-                print(f"--config {path}: a value in this preset does not parse as its flag:", file=sys.stderr)
-                tyro.cli(cls, args=preset)  # prints tyro's message naming the flag, exits 2
+            _tyro_cli(cls, preset, blame=f"--config {path}: ")  # the preset alone first, so a bad value is blamed on the file
             break
     argv = _merge_repeated_list_flags(cls, argv)
-    return tyro.cli(cls, args=preset + argv, description=doc)  # later flags win: the CLI overrides the preset
+    return _tyro_cli(cls, preset + argv, description=doc)  # later flags win: the CLI overrides the preset
+
+
+def _tyro_cli(cls, args: list[str], description: str | None = None, blame: str = ""):
+    """tyro.cli, with its parse errors as one line: tyro draws a box (message, suggestions, help
+    pointer); we keep the message and the first suggestion. --help is untouched (stdout, exit 0)."""
+    import io
+
+    import tyro
+
+    buf = io.StringIO()
+    try:
+        with _redirect_stderr(buf):
+            return tyro.cli(cls, args=args, description=description)
+    except SystemExit as e:
+        text = buf.getvalue()
+        if e.code in (0, None) or "│" not in text:
+            sys.stderr.write(text)
+            raise
+        sections, current = [], []
+        for line in text.splitlines():
+            inner = line.strip().strip("│").strip()
+            if line.strip().startswith("│") and inner and not set(inner) <= {"─"}:
+                current.append(inner)
+            elif current:
+                sections.append(current)
+                current = []
+        message = " ".join(sections[0]) if sections else text.strip()
+        hint = next((s[1].split()[0] for s in sections[1:] if s[0].startswith("Perhaps you meant") and len(s) > 1), None)
+        user_error(f"error: {blame}{message}" + (f"; perhaps you meant {hint}" if hint else "") + " (see --help)")
 
 
 def _merge_repeated_list_flags(cls, argv: list[str]) -> list[str]:
@@ -127,12 +150,13 @@ class UserError(ValueError):
 POSITIVE = ("batch_size", "mini_batch_size", "micro_batch_size", "total_steps", "max_new_tokens", "group_size",
             "num_prompts", "ppo_epochs", "num_iterations", "log_every", "num_samples", "max_length", "max_prompt_length",
             "max_completion_length", "learning_rate", "critic_learning_rate", "clip_eps", "clip_eps_low",
-            "clip_eps_high", "clip_eps_value", "beta_max", "policy_kl_target", "lora_alpha")
+            "clip_eps_high", "clip_eps_value", "beta_max", "policy_kl_target", "lora_alpha", "samples",
+            "train_size", "test_size")
 NON_NEGATIVE = ("save_every", "eval_every", "keep_last", "warmup_steps", "lora_r", "top_k", "num_eval_prompts",
                 "num_eval_pairs", "num_eval_examples", "num_samples_logged", "kl_coef", "ent_coef", "vf_coef",
                 "weight_decay", "critic_warmup_steps", "overlong_buffer", "max_resample_rounds", "missing_eos_penalty",
                 "tis_cap", "sft_coef", "label_smoothing", "save_every_minutes", "max_grad_norm", "beta_min", "reward_timeout",
-                "reward_workers")
+                "reward_workers", "n")
 
 
 def check_args(args) -> None:
@@ -148,8 +172,11 @@ def check_args(args) -> None:
         v = getattr(args, name, None)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and not v >= 0:
             raise UserError(f"{flag(name)} {v}: must be >= 0")
-    if getattr(args, "temperature", 1.0) <= 0:
+    greedy_at_zero = any(f.name == "temperature" and f.default == 0 for f in dataclasses.fields(args))  # evaluate: 0 = greedy
+    if getattr(args, "temperature", 1.0) < 0 or (not greedy_at_zero and getattr(args, "temperature", 1.0) == 0):
         raise UserError(f"--temperature {args.temperature}: must be > 0 (sampling; evaluation is greedy already)")
+    if getattr(args, "sample_temperature", 1.0) <= 0:
+        raise UserError(f"--sample-temperature {args.sample_temperature}: must be > 0 (greedy accuracy is always reported)")
     if not 0 < getattr(args, "top_p", 1.0) <= 1:
         raise UserError(f"--top-p {args.top_p}: must be in (0, 1]")
     for name in ("gamma", "lam"):

@@ -90,8 +90,11 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def bad_files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("bad_data")
+    return make_bad_files(tmp_path_factory.mktemp("bad_data"))
 
+
+def make_bad_files(d):
+    """The catalogue's bad data files in folder d (also used by benchmarks/bad_inputs.py)."""
     def jsonl(name, rows):
         (d / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         return str(d / name)

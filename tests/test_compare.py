@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from common.compare import Args, group_runs, load_run, main, smooth, summary
+from common.compare import Args, load_run, main, smooth
 
 
 def fake_run(root, name, exp, seed, values):

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from common import models as M
-from common.data import DataError, Sampler, load_preferences, load_prompts, load_sft, read_files, write_rows
+from common.data import DataError, Sampler, load_preferences, load_prompts, load_sft, write_rows
 from common.prepare_data import gsm8k_rows, last_boxed, math_rows, preference_rows, reasoning_gym_rows
 from common.rewards import compute_score
 

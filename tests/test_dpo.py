@@ -1,7 +1,6 @@
 """algos/dpo_llm.py: losses by hand, offline and online end to end, learning a toy preference, resume;
 common.gen_preferences."""
 
-import json
 import math
 import subprocess
 import sys

@@ -1,6 +1,5 @@
 """algos/grpo_llm.py: every variant's advantage and loss aggregation by hand; end to end; learning; resume."""
 
-import json
 import sys
 from pathlib import Path
 

@@ -1,7 +1,6 @@
 """algos/ppo_llm.py end to end: run folder, parameters change, learning, exact resume, adaptive KL, LoRA."""
 
 import json
-import os
 from pathlib import Path
 
 import torch

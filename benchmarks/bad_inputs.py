@@ -1,0 +1,278 @@
+"""The reliability catalogue as users meet it: 91 bad inputs and faults, each run in a fresh process
+against a checkout of this repository, and what happened, counted.
+
+    python benchmarks/bad_inputs.py                      # this checkout
+    git worktree add /tmp/before 95394da                 # the first wave, before the reliability work
+    python benchmarks/bad_inputs.py --repo /tmp/before   # the same cases against it
+
+Every case is a mistake a user makes (or a fault: a signal, a crashing reward function, a planted
+pickle payload). Outcomes:
+    one line     exit code != 0, at most 2 lines on stderr (after the libraries' import warnings), no traceback
+    traceback    a Python traceback on stderr
+    multi-line   exit code != 0, a message longer than 2 lines but no traceback (e.g. tyro's usage box)
+    silent       exit code 0: the mistake was accepted (the run did something else than asked)
+    hang         no exit within the time limit
+    lost run     a fault left no resumable checkpoint (the work of the run is gone)
+    code ran     a planted pickle payload executed (it creates a marker file)
+and, besides, `left a folder`: a failed start that still created a run folder. The tiny model and
+files are made here; cases from tests/test_bad_inputs.py are reused as they are.
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(HERE), str(HERE / "tests")]
+NOISE = ("gemm_4bit", "real_accelerator", "kernels-community", "FutureWarning", "warnings.warn", "UserWarning")
+
+
+class Payload:
+    """Unpickling this opens (creates) the marker file: proof that a load ran code."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def setup(work: Path) -> dict:
+    from common.models import tiny_model
+    from test_bad_inputs import make_bad_files
+
+    f = {"tiny": tiny_model(work / "tiny"), **make_bad_files(work)}
+    with open(work / "toy.jsonl", "w") as out:
+        for i in range(16):
+            out.write(json.dumps({"prompt": [{"role": "user", "content": f"hi {i}"}], "data_source": "toy",
+                                  "reward_model": {"ground_truth": ""}, "extra_info": {"index": i}}) + "\n")
+    f["toy"] = str(work / "toy.jsonl")
+    fns = {"nan": "return float('nan')", "raises": "raise KeyError('no such key')", "text": "return 'abc'",
+           "crash": "import os; os._exit(3)", "hang": "import time; time.sleep(10000)", "one": "return 1.0",
+           "none": "return None", "big": "return 3e38 if len(solution_str) % 2 else -3e38"}
+    for name, body in fns.items():
+        (work / f"r_{name}.py").write_text(f"def score(data_source, solution_str, ground_truth, extra_info=None):\n    {body}\n")
+        f[f"r_{name}"] = f"{work}/r_{name}.py:score"
+    (work / "r_nofn.py").write_text("x = 1\n")
+    f["r_nofn"] = f"{work}/r_nofn.py:score"
+    presets = {"unknown_key": "learning_rat: 1e-5\n", "group_mean": "baseline: group_mean\n", "scale_no": "scale_rewards: no\n",
+               "lr_text": "learning_rate: fast\n", "not_mapping": "- 1\n- 2\n", "bad_yaml": "a: [\n", "neg_steps": "total_steps: -3\n"}
+    for name, text in presets.items():
+        (work / f"{name}.yaml").write_text(text)
+        f[f"y_{name}"] = str(work / f"{name}.yaml")
+    (work / "not_parquet.parquet").write_text("this is text\n")
+    f["not_parquet"] = str(work / "not_parquet.parquet")
+    (work / "empty_sft.jsonl").write_text(json.dumps({"prompt": "q", "response": ""}) + "\n")
+    f["empty_sft"] = str(work / "empty_sft.jsonl")
+    (work / "same_pair.jsonl").write_text(json.dumps({"prompt": "q", "chosen": "a", "rejected": 7}) + "\n")
+    f["int_rejected"] = str(work / "same_pair.jsonl")
+    return f
+
+
+def small(f):
+    """A GRPO run small enough for seconds on the tiny model."""
+    return ["--model-name-or-path", f["tiny"], "--train-files", f["toy"], "--num-prompts", "2", "--group-size", "2",
+            "--mini-batch-size", "4", "--micro-batch-size", "4", "--max-new-tokens", "4", "--eval-every", "0"]
+
+
+def cases(f) -> list[dict]:
+    """name, argv (after `python`), and `kind`: error (a mistake to refuse) or a fault with its own check."""
+    from test_bad_inputs import CASES, TOY_REWARD
+
+    out = []
+    for script, flags, _ in CASES:
+        flags = [x.format(**f) if x.startswith("{") and x[1:-1] in f else x for x in flags]
+        base = [] if "--model-name-or-path" in flags else ["--model-name-or-path", f["tiny"]]
+        out.append({"name": f"{script} {' '.join(flags)}"[:90], "argv": [f"algos/{script}", *base, *flags], "kind": "error"})
+    tiny, run = f["tiny"], small(f)
+    more = [
+        # tools
+        ("-m common.evaluate --model (not --models)", ["-m", "common.evaluate", "--model", tiny]),
+        ("-m common.evaluate --models ./missing", ["-m", "common.evaluate", "--models", "./missing"]),
+        ("-m common.evaluate --data missing.parquet", ["-m", "common.evaluate", "--models", tiny, "--data", "missing.parquet"]),
+        ("-m common.evaluate --n -1", ["-m", "common.evaluate", "--models", tiny, "--n", "-1"]),
+        ("-m common.evaluate --sample-temperature 0", ["-m", "common.evaluate", "--models", tiny, "--n", "2", "--sample-temperature", "0"]),
+        ("-m common.gen_preferences --prompts missing", ["-m", "common.gen_preferences", "--model", tiny, "--prompts", "missing.parquet", "--out", "p.parquet"]),
+        ("-m common.gen_preferences --k 1", ["-m", "common.gen_preferences", "--model", tiny, "--prompts", f["toy"], "--k", "1", "--out", "p.parquet"]),
+        ("-m common.inspect_data missing.jsonl", ["-m", "common.inspect_data", "missing.jsonl"]),
+        ("-m common.inspect_data latin-1 file", ["-m", "common.inspect_data", f["latin1"]]),
+        ("-m common.compare no_runs/", ["-m", "common.compare", "no_runs/"]),
+        ("-m common.export missing checkpoint", ["-m", "common.export", "runs/none/checkpoints/step_3", "--out", "exp"]),
+        ("-m common.prepare_data --tasks no_such_task", ["-m", "common.prepare_data", "--tasks", "no_such_task", "--out", "d"]),
+        ("-m common.prepare_data --test-fraction 1.5", ["-m", "common.prepare_data", "--test-fraction", "1.5", "--out", "d"]),
+        # presets
+        ("--config unknown key", ["algos/ppo_llm.py", "--config", f["y_unknown_key"]]),
+        ("--config baseline: group_mean", ["algos/grpo_llm.py", "--config", f["y_group_mean"]]),
+        ("--config scale_rewards: no", ["algos/grpo_llm.py", "--config", f["y_scale_no"]]),
+        ("--config learning_rate: fast", ["algos/ppo_llm.py", "--config", f["y_lr_text"]]),
+        ("--config a list", ["algos/dpo_llm.py", "--config", f["y_not_mapping"]]),
+        ("--config invalid YAML", ["algos/sft_llm.py", "--config", f["y_bad_yaml"]]),
+        ("--config total_steps: -3", ["algos/grpo_llm.py", "--config", f["y_neg_steps"]]),
+        # reward functions (no fallback: the run must stop with the row named)
+        ("reward fn returns NaN", ["algos/grpo_llm.py", *run, "--total-steps", "1", "--reward-fn", f["r_nan"]]),
+        ("reward fn raises", ["algos/grpo_llm.py", *run, "--total-steps", "1", "--reward-fn", f["r_raises"]]),
+        ("reward fn returns text", ["algos/grpo_llm.py", *run, "--total-steps", "1", "--reward-fn", f["r_text"]]),
+        ("reward fn returns None", ["algos/grpo_llm.py", *run, "--total-steps", "1", "--reward-fn", f["r_none"]]),
+        ("reward fn file has no such function", ["algos/grpo_llm.py", *run, "--reward-fn", f["r_nofn"]]),
+        ("reward fn kills its process", ["algos/grpo_llm.py", *run, "--total-steps", "1", "--reward-fn", f["r_crash"]]),
+        # data
+        ("a .parquet file that is text", ["algos/grpo_llm.py", *run[:2], "--train-files", f["not_parquet"]]),
+        ("--val-files missing", ["algos/grpo_llm.py", *run, "--val-files", "missing.jsonl"]),
+        ("SFT response empty", ["algos/sft_llm.py", "--model-name-or-path", tiny, "--train-files", f["empty_sft"]]),
+        ("DPO rejected is a number", ["algos/dpo_llm.py", "--model-name-or-path", tiny, "--train-files", f["int_rejected"]]),
+    ]
+    out += [{"name": n, "argv": a, "kind": "error"} for n, a in more]
+    out += [
+        {"name": "reward fn hangs (default timeout)", "argv": ["algos/grpo_llm.py", *run, "--total-steps", "1", "--reward-fn", f["r_hang"]],
+         "kind": "error", "timeout": 150},
+        {"name": "SIGTERM at step 2 of 6", "argv": ["algos/grpo_llm.py", *run, "--total-steps", "6", "--reward-fn", f["r_one"]],
+         "kind": "signal"},
+        {"name": "reward fn kills its process, --reward-fallback 0", "kind": "survive",
+         "argv": ["algos/grpo_llm.py", *run, "--total-steps", "2", "--save-every", "2", "--reward-fn", f["r_crash"], "--reward-fallback", "0"]},
+        {"name": "overflowing rewards: weights saved finite", "kind": "finite",
+         "argv": ["algos/grpo_llm.py", *run, "--total-steps", "2", "--save-every", "2", "--reward-fn", f["r_big"],
+                  "--scale-rewards", "none", "--loss-agg", "token-mean"]},
+        {"name": "resume a run with a pickle payload in trainer_state.pt", "kind": "payload",
+         "argv": ["algos/grpo_llm.py", *run, "--total-steps", "3", "--reward-fn", TOY_REWARD]},
+        {"name": "resume a GRPO run with ppo_llm.py", "kind": "resume_error", "resume_with": "algos/ppo_llm.py",
+         "argv": ["algos/grpo_llm.py", *run, "--total-steps", "2", "--save-every", "2", "--reward-fn", f["r_one"]]},
+        {"name": "resume with a different --learning-rate", "kind": "resume_error", "extra": ["--learning-rate", "0.1"],
+         "argv": ["algos/grpo_llm.py", *run, "--total-steps", "2", "--save-every", "2", "--reward-fn", f["r_one"]]},
+        {"name": "resume with --total-steps <= the checkpoint's step", "kind": "resume_error", "extra": ["--total-steps", "2"],
+         "argv": ["algos/grpo_llm.py", *run, "--total-steps", "2", "--save-every", "2", "--reward-fn", f["r_one"]]},
+    ]
+    return out
+
+
+def significant(stderr: str) -> list[str]:
+    return [ln for ln in stderr.strip().splitlines() if ln.strip() and not any(n in ln for n in NOISE)]
+
+
+def classify_error(proc, cwd: Path) -> str:
+    if proc is None:
+        return "hang"
+    if "Traceback (most recent call last)" in proc.stderr:
+        return "traceback"
+    if proc.returncode == 0:
+        return "silent"
+    return "one line" if len(significant(proc.stderr)) <= 2 else "multi-line"
+
+
+def run_case(repo: Path, case: dict, cwd: Path, env: dict) -> dict:
+    def call(argv, timeout=case.get("timeout", 300)):
+        try:
+            return subprocess.run([sys.executable, *argv, "--output-dir", str(cwd / "out")], cwd=cwd, env=env,
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    argv = [str(repo / a) if a.startswith("algos/") else a for a in case["argv"]]
+    if argv[0] == "-m":
+        argv = argv[:]  # tools take no --output-dir: run them without it
+    kind, start, leftover = case["kind"], time.time(), False
+    if kind == "error":
+        if argv[0] == "-m":
+            try:
+                proc = subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True,
+                                      timeout=case.get("timeout", 300))
+            except subprocess.TimeoutExpired:
+                proc = None
+        else:
+            proc = call(argv)
+        outcome = classify_error(proc, cwd)
+        leftover = outcome != "silent" and (cwd / "out").exists() and any((cwd / "out").iterdir())
+        detail = (significant(proc.stderr) or [""])[-1][:160] if proc else ""
+    elif kind == "signal":
+        p = subprocess.Popen([sys.executable, *argv, "--output-dir", str(cwd / "out")], cwd=cwd, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for line in p.stdout:
+            if line.startswith("step 2:"):
+                p.send_signal(signal.SIGTERM)
+                break
+        try:
+            p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            p.kill()
+        ckpts = list((cwd / "out").glob("*/checkpoints/step_*"))
+        outcome = "ok" if ckpts and p.returncode != 0 else "lost run" if not ckpts else "silent"
+        detail = f"exit {p.returncode}, checkpoints {sorted(c.name for c in ckpts)}"
+    elif kind == "survive":
+        proc = call(argv)
+        ckpts = list((cwd / "out").glob("*/checkpoints/step_*"))
+        outcome = "hang" if proc is None else "ok" if proc.returncode == 0 and ckpts else "lost run"
+        detail = "" if proc is None else f"exit {proc.returncode}: {(significant(proc.stderr) or [''])[-1][:120]}"
+    elif kind == "finite":
+        proc = call(argv)
+        import torch
+        from safetensors.torch import load_file
+
+        files = list((cwd / "out").glob("*/checkpoints/step_*/policy/model.safetensors"))
+        finite = all(torch.isfinite(t).all() for fl in files for t in load_file(fl).values())
+        outcome = "lost run" if not files else "ok" if finite else "silent"
+        detail = f"{len(files)} checkpoint(s), finite: {finite}"
+    elif kind == "payload":
+        import torch
+
+        proc = call([*argv[:-2], "--total-steps", "2", "--save-every", "2", *argv[-2:]])
+        states = list((cwd / "out").glob("*/checkpoints/step_2/trainer_state.pt"))
+        marker = cwd / "PWNED"
+        if not states:
+            outcome, detail = "lost run", "no checkpoint to plant into"
+        else:
+            torch.save({"payload": Payload(str(marker))}, states[0])
+            proc = call([*argv, "--resume", str(states[0].parents[2])])
+            outcome = "code ran" if marker.exists() else classify_error(proc, cwd)
+            outcome = "one line" if outcome == "one line" else outcome
+            detail = (significant(proc.stderr) or [""])[-1][:160] if proc else ""
+    elif kind == "resume_error":
+        call(argv)
+        runs = list((cwd / "out").glob("*/checkpoints/step_2"))
+        if not runs:
+            outcome, detail = "lost run", "no checkpoint"
+        else:
+            script = str(repo / case.get("resume_with", case["argv"][0]))
+            proc = call([script, *argv[1:], *case.get("extra", []), "--resume", str(runs[0].parents[1])])
+            outcome = classify_error(proc, cwd)
+            detail = (significant(proc.stderr) or [""])[-1][:160] if proc else ""
+    return {"case": case["name"], "kind": kind, "outcome": outcome, "left_folder": leftover,
+            "seconds": round(time.time() - start, 1), "detail": detail}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repo", default=str(HERE), help="the checkout to test (default: this one)")
+    p.add_argument("--out", default=None, help="write the per-case results here as JSON lines")
+    p.add_argument("--only", default=None, help="run the cases whose name contains this text")
+    a = p.parse_args()
+    repo = Path(a.repo).resolve()
+    work = Path(tempfile.mkdtemp(prefix="bad_inputs_"))
+    f = setup(work)
+    env = {**os.environ, "PYTHONPATH": str(repo), "TOY_MODEL": f["tiny"], "WANDB_MODE": "disabled"}
+    env.pop("CLEANRLHF_DEBUG", None)
+    todo = [c for c in cases(f) if not a.only or a.only in c["name"]]
+    results = []
+    for i, case in enumerate(todo):
+        cwd = work / f"case_{i:03d}"
+        cwd.mkdir()
+        r = run_case(repo, case, cwd, env)
+        results.append(r)
+        print(f"{i + 1:3d}/{len(todo)} {r['outcome']:<10} {r['seconds']:6.1f}s  {r['case']}  | {r['detail']}", flush=True)
+        if a.out:
+            with open(a.out, "a") as out:
+                out.write(json.dumps(r) + "\n")
+    counts = Counter(r["outcome"] for r in results)
+    print(f"\n{repo} ({len(results)} cases)\n\n| outcome | cases |\n|---|---|")
+    for k in ("one line", "ok", "multi-line", "traceback", "silent", "hang", "lost run", "code ran"):
+        print(f"| {k} | {counts.get(k, 0)} |")
+    print(f"| (failed start left a run folder) | {sum(r['left_folder'] for r in results)} |")
+
+
+if __name__ == "__main__":
+    main()
