@@ -14,7 +14,7 @@ scores them with the reward registry, and trains on best vs worst (ties skipped)
     python algos/dpo_llm.py                                     # SmolLM2-135M-Instruct, built-in chain_sum_1d pairs
     python algos/dpo_llm.py --train-files pairs.parquet --val-files pairs_test.parquet --loss-type ipo
     python algos/dpo_llm.py --online --train-files data/chain_sum_1d/train.parquet   # online DPO on a prompt set
-    python -m common.gen_preferences --model runs/ppo_llm__.../checkpoints/step_100/policy --out pairs.parquet
+    python -m tools.gen_preferences --model runs/ppo_llm__.../checkpoints/step_100/policy --out pairs.parquet
     accelerate launch algos/dpo_llm.py --lora-r 16
 
 Legend: B pairs per rank, L = prompt + completion length, V vocabulary.
@@ -33,15 +33,34 @@ import torch.nn.functional as F
 
 from common import models as M
 from common.data import Sampler, encode_prompt_completion, load_preferences, load_prompts
-from common.distributed import (UpdateGuard, backward, configure_deepspeed, load_optimizer_state, make_accelerator, optimizer_state,
-                                prepare_frozen)
-from common.evaluate import evaluate_policy
-from common.ops import all_sum, exact_div, selective_log_softmax
-from common.prepare_data import default_preference_files, default_task_files
+from common.distributed import (
+    UpdateGuard,
+    backward,
+    configure_deepspeed,
+    make_accelerator,
+    prepare_frozen,
+    unwrap_for_generation,
+)
+from common.eval import evaluate_policy
+from common.ops import exact_div, global_mean_divisor, selective_log_softmax
 from common.rewards import Reward
-from common.rollout import generate, sample_seed, tokenize_queries, unwrap_for_generation
-from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, peak_mem_gb,
-                        BestKeeper, StopSignal, UserError, cli, resolve_resume, save_checkpoint, seed_everything, set_rng_state)
+from common.rollout import generate, tokenize_queries
+from common.run import (
+    BestKeeper,
+    StopSignal,
+    Tracker,
+    UserError,
+    cli,
+    load_weights,
+    make_run_dir,
+    mix_seed,
+    peak_mem_gb,
+    resolve_resume,
+    restore_checkpoint,
+    save_checkpoint,
+    seed_everything,
+)
+from common.tasks import default_preference_files, default_task_files
 
 
 @dataclass
@@ -195,7 +214,9 @@ def dpo_loss(pi_c, pi_r, ref_c, ref_r, loss_type, beta, label_smoothing=0.0):
     if loss_type == "hinge":
         return torch.relu(1 - beta * z)
     if loss_type == "robust":
-        return (-(1 - label_smoothing) * F.logsigmoid(beta * z) + label_smoothing * F.logsigmoid(-beta * z)) / (1 - 2 * label_smoothing)
+        return (-(1 - label_smoothing) * F.logsigmoid(beta * z) + label_smoothing * F.logsigmoid(-beta * z)) / (
+            1 - 2 * label_smoothing
+        )
     raise ValueError(f"unknown --loss-type {loss_type!r}")
 
 
@@ -204,10 +225,15 @@ def encode_pairs(tok, pairs, max_prompt_length, max_completion_length, device):
     encoder). Completions are texts (EOS appended) or, with --online, the policy's own token ids (kept
     as generated: a truncated sample gets no EOS it never emitted).
     Returns input_ids, attention_mask, completion_mask: (2B, L)."""
-    return encode_prompt_completion(tok, [p["prompt"] for p in pairs] * 2,
-                                    [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], eos=True,
-                                    max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
-                                    device=device)
+    return encode_prompt_completion(
+        tok,
+        [p["prompt"] for p in pairs] * 2,
+        [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs],
+        eos=True,
+        max_prompt_length=max_prompt_length,
+        max_completion_length=max_completion_length,
+        device=device,
+    )
 
 
 def completion_logps(model, ids, attn, comp):
@@ -228,21 +254,37 @@ def main(args: Args):
     if args.online and args.num_samples < 2:
         raise UserError("--online needs --num-samples >= 2 to form a pair")
     # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
-    configure_deepspeed(accelerator, args.micro_batch_size, args.local_batch_size // args.micro_batch_size, args.max_grad_norm)
+    configure_deepspeed(
+        accelerator, args.micro_batch_size, args.local_batch_size // args.micro_batch_size, args.max_grad_norm
+    )
     seed_everything(args.seed)
     log = accelerator.print
     ckpt = resolve_resume(args, Path(__file__).stem)  # --resume: checked before anything loads; None = fresh run
 
-    M.check_context(args.model_name_or_path, args.max_prompt_length + max(args.max_completion_length, args.max_new_tokens), "--max-prompt-length + --max-completion-length", args.trust_remote_code)
+    M.check_context(
+        args.model_name_or_path,
+        args.max_prompt_length + max(args.max_completion_length, args.max_new_tokens),
+        "--max-prompt-length + --max-completion-length",
+        args.trust_remote_code,
+    )
     tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     M.set_prompt_format(tok, args.apply_chat_template, args.chat_template_kwargs, args.system_prompt)
-    policy = M.load_causal_lm(args.model_name_or_path, tok, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-                              gradient_checkpointing=args.gradient_checkpointing, load_in_4bit=args.load_in_4bit,
-                              dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    policy = M.load_causal_lm(
+        args.model_name_or_path,
+        tok,
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        gradient_checkpointing=args.gradient_checkpointing,
+        load_in_4bit=args.load_in_4bit,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+    )
     ref_policy = None  # with LoRA: the policy with its adapter disabled
     if args.lora_r == 0:
-        ref_policy = prepare_frozen(accelerator, M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype,
-                                                                  trust_remote_code=args.trust_remote_code))
+        ref_policy = prepare_frozen(
+            accelerator,
+            M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype, trust_remote_code=args.trust_remote_code),
+        )
 
     train_files, val_files, eval_prompt_files = args.train_files, args.val_files, args.eval_prompt_files
     if train_files is None:
@@ -253,40 +295,61 @@ def main(args: Args):
     if args.online:
         # the reward model's own tokenizer and chat template (it may differ from the policy's)
         rm_tok = M.load_tokenizer(args.reward_model, args.trust_remote_code) if args.reward_model else None
-        rm = prepare_frozen(accelerator, M.load_reward_model(args.reward_model, rm_tok, args.dtype)) if args.reward_model else None
-        reward = Reward(args.reward, args.reward_fn, rm, rm_tok, args.max_new_tokens, args.reward_fallback,
-                    reward_weights=args.reward_weights, timeout=args.reward_timeout, workers=args.reward_workers)
+        rm = (
+            prepare_frozen(accelerator, M.load_reward_model(args.reward_model, rm_tok, args.dtype))
+            if args.reward_model
+            else None
+        )
+        reward = Reward(
+            args.reward,
+            args.reward_fn,
+            rm,
+            rm_tok,
+            args.max_new_tokens,
+            args.reward_fallback,
+            reward_weights=args.reward_weights,
+            timeout=args.reward_timeout,
+            workers=args.reward_workers,
+        )
         train_rows = load_prompts(train_files, tok, max_prompt_length=args.max_prompt_length, log=log)
         reward.check({r.data_source for r in train_rows})
     else:
         train_rows = load_preferences(train_files, tok, log=log)
     first = train_rows[0].text if args.online else train_rows[0]["prompt"]
     log(f"[prompt] the first training prompt as the model sees it:\n{first}")
-    val_pairs = load_preferences(val_files, tok, log=log)[:args.num_eval_pairs] if val_files else []
-    eval_prompts = load_prompts(eval_prompt_files, tok, max_prompt_length=args.max_prompt_length, log=log)[:args.num_eval_prompts] if eval_prompt_files else []
-    eval_reward = reward or (Reward(args.reward, args.reward_fn, max_new_tokens=args.max_new_tokens, reward_weights=args.reward_weights) if eval_prompts else None)
+    val_pairs = load_preferences(val_files, tok, log=log)[: args.num_eval_pairs] if val_files else []
+    eval_prompts = (
+        load_prompts(eval_prompt_files, tok, max_prompt_length=args.max_prompt_length, log=log)[: args.num_eval_prompts]
+        if eval_prompt_files
+        else []
+    )
+    eval_reward = reward or (
+        Reward(args.reward, args.reward_fn, max_new_tokens=args.max_new_tokens, reward_weights=args.reward_weights)
+        if eval_prompts
+        else None
+    )
     if eval_prompts:
         eval_reward.check({r.data_source for r in eval_prompts})
     sampler = Sampler(len(train_rows), args.seed)
 
     from transformers import get_scheduler
-    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay)
-    sched = get_scheduler(args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.total_steps)
+
+    opt = torch.optim.AdamW(
+        [p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay
+    )
+    sched = get_scheduler(
+        args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.total_steps
+    )
     best = BestKeeper(args.save_best)  # --save-best
     guard = UpdateGuard(accelerator)  # non-finite gradients: step skipped, never NaN weights
-    start_step = 0
     if ckpt:
         load_weights(policy, ckpt / "policy")
     policy, opt, sched = accelerator.prepare(policy, opt, sched)
+    # what a checkpoint holds, by name: save_checkpoint writes these keys and restore_checkpoint reads them
+    models, optimizers = {"policy": policy}, {"opt": ("policy", opt)}
+    state = {"sched": sched, "sampler": sampler, "best": best, "guard": guard}
+    start_step = restore_checkpoint(accelerator, ckpt, models, state, optimizers) if ckpt else 0
     if ckpt:
-        state = load_trainer_state(ckpt)
-        load_optimizer_state(accelerator, policy, opt, state["opt"], ckpt / "policy")
-        for obj, key in ((sched, "sched"), (sampler, "sampler")):
-            obj.load_state_dict(state[key])
-        set_rng_state(state["rng"])
-        best.load_state_dict(state.get("best", {"best": None}))
-        guard.load_state_dict(state.get("guard", {"skipped": 0, "in_row": 0}))
-        start_step = state["step"]
         log(f"resumed from {ckpt} at step {start_step}")
     run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
     tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
@@ -304,7 +367,7 @@ def main(args: Args):
     if args.precompute_ref and not args.online:
         t0 = time.time()
         for i in range(0, len(train_rows), args.micro_batch_size):
-            chunk = train_rows[i:i + args.micro_batch_size]
+            chunk = train_rows[i : i + args.micro_batch_size]
             s, m = ref_logps(*encode_pairs(tok, chunk, args.max_prompt_length, args.max_completion_length, device))
             for j in range(len(chunk)):
                 ref_cache[i + j] = (s[j], s[len(chunk) + j], m[j], m[len(chunk) + j])
@@ -333,23 +396,37 @@ def main(args: Args):
     def evaluate():
         metrics = {}
         if val_pairs:
-            local = val_pairs[accelerator.process_index::accelerator.num_processes][:max(len(val_pairs) // accelerator.num_processes, 1)]
+            local = val_pairs[accelerator.process_index :: accelerator.num_processes][
+                : max(len(val_pairs) // accelerator.num_processes, 1)
+            ]
             acc, margin, loss = [], [], []
             for i in range(0, len(local), args.micro_batch_size):
-                l, _, c, r, _, _ = pair_stats(local[i:i + args.micro_batch_size])
+                l, _, c, r, _, _ = pair_stats(local[i : i + args.micro_batch_size])
                 acc.append((c > r).float()), margin.append(c - r), loss.append(l)
             metrics["eval/rewards_accuracy"] = accelerator.gather(torch.cat(acc)).mean().item()
             metrics["eval/rewards_margin"] = accelerator.gather(torch.cat(margin)).mean().item()
             metrics["eval/loss"] = accelerator.gather(torch.cat(loss)).mean().item()
         if eval_prompts:
-            m, _ = evaluate_policy(accelerator, policy, tok, eval_reward, eval_prompts, args.max_new_tokens, args.micro_batch_size)
+            m, _ = evaluate_policy(
+                accelerator, policy, tok, eval_reward, eval_prompts, args.max_new_tokens, args.micro_batch_size
+            )
             metrics.update(m)
         return metrics
 
     def checkpoint(step, label=None):
-        save_checkpoint(accelerator, run_dir, step, {"policy": policy},
-                        {"opt": optimizer_state(accelerator, policy, opt), "sched": sched.state_dict(), "sampler": sampler.state_dict(), "best": best.state_dict(), "guard": guard.state_dict()}, args.keep_last,
-                            tokenizer=tok, args=args, save_merged=args.save_merged, label=label)
+        save_checkpoint(
+            accelerator,
+            run_dir,
+            step,
+            models,
+            state,
+            args.keep_last,
+            tokenizer=tok,
+            args=args,
+            save_merged=args.save_merged,
+            label=label,
+            optimizers=optimizers,
+        )
 
     if args.eval_every and start_step == 0 and (val_pairs or eval_prompts):
         tracker.log(0, evaluate())
@@ -358,14 +435,16 @@ def main(args: Args):
         t_step = time.time()
         r = accelerator.process_index
         global_ids = sampler.take(args.batch_size)
-        ids = global_ids[r * args.local_batch_size:(r + 1) * args.local_batch_size]
+        ids = global_ids[r * args.local_batch_size : (r + 1) * args.local_batch_size]
         ties, gen_s = 0, 0.0
         # ------------------------------------------------------------------ 1. pairs (offline, or sampled + ranked)
         if args.online:
             t_gen = time.time()
             rows = [train_rows[i] for i in ids for _ in range(args.num_samples)]  # (B*K,) a prompt's samples adjacent
             q, qm = tokenize_queries(tok, [x.text for x in rows], device)
-            seeds = [sample_seed(args.seed, step, (r * args.local_batch_size) * args.num_samples + j) for j in range(len(rows))]
+            seeds = [
+                mix_seed(args.seed, step, (r * args.local_batch_size) * args.num_samples + j) for j in range(len(rows))
+            ]
             with unwrap_for_generation(accelerator, policy) as gen_model:
                 ro = generate(gen_model, tok, q, qm, args.max_new_tokens, args.temperature, seeds=seeds)
             texts = tok.batch_decode(ro.responses, skip_special_tokens=True)
@@ -379,10 +458,19 @@ def main(args: Args):
                 if scores[k, best_i] == scores[k, worst_i]:
                     ties += 1
                     continue
-                pairs.append({"prompt": train_rows[i].text, "chosen": response_ids[k * args.num_samples + best_i],
-                              "rejected": response_ids[k * args.num_samples + worst_i]})
+                pairs.append(
+                    {
+                        "prompt": train_rows[i].text,
+                        "chosen": response_ids[k * args.num_samples + best_i],
+                        "rejected": response_ids[k * args.num_samples + worst_i],
+                    }
+                )
             pair_ids = None
-            filler = {"prompt": rows[0].text, "chosen": response_ids[0], "rejected": response_ids[0]}  # see the update below
+            filler = {
+                "prompt": rows[0].text,
+                "chosen": response_ids[0],
+                "rejected": response_ids[0],
+            }  # see the update below
             gen_s = time.time() - t_gen
         else:
             pairs, pair_ids = [train_rows[i] for i in ids], ids
@@ -390,29 +478,32 @@ def main(args: Args):
         # ------------------------------------------------------------------ 2. update
         t_train = time.time()
         stats = {k: [] for k in ("loss", "sft", "chosen", "rejected", "logps_c", "logps_r")}
-        # mean over all ranks' pairs: DDP averages the ranks' gradients, so divide by (global count) / W.
-        # --online skips ties, so ranks can hold different numbers of pairs; every rank still runs the
+        # mean over all ranks' pairs (global_mean_divisor). --online skips ties, so ranks can hold different numbers of pairs; every rank still runs the
         # same number of backward passes (DDP and DeepSpeed reduce inside them), a short rank running
         # a filler pair with weight 0
-        n_global = all_sum(torch.tensor(float(len(pairs)), device=device)).item()
+        divisor = global_mean_divisor(torch.tensor(float(len(pairs)), device=device))
         n_micro = int(accelerator.gather(torch.tensor([-(-len(pairs) // args.micro_batch_size)], device=device)).max())
         for j in range(n_micro):
-            mp = pairs[j * args.micro_batch_size:(j + 1) * args.micro_batch_size]
+            mp = pairs[j * args.micro_batch_size : (j + 1) * args.micro_batch_size]
             weight = 1.0 if mp else 0.0
-            losses, nll, c, rj, lc, lr_ = pair_stats(mp or [filler], pair_ids[j * args.micro_batch_size:(j + 1) * args.micro_batch_size] if pair_ids else None)
-            loss = weight * (losses.sum() + args.sft_coef * nll.sum()) / (n_global / args.world_size)
+            losses, nll, c, rj, lc, lr_ = pair_stats(
+                mp or [filler],
+                pair_ids[j * args.micro_batch_size : (j + 1) * args.micro_batch_size] if pair_ids else None,
+            )
+            loss = weight * (losses.sum() + args.sft_coef * nll.sum()) / divisor
             backward(accelerator, policy, loss, last=j == n_micro - 1)
             if mp:
                 for key, v in zip(stats, (losses, nll, c, rj, lc, lr_)):
                     stats[key].append(v.detach())
-        if n_global > 0:
+        if n_micro > 0:  # some rank has a pair
             guard.step(policy, opt, args.max_grad_norm, "policy", step)
         sched.step()
         opt.zero_grad()
         train_s = time.time() - t_train
 
         # ------------------------------------------------------------------ 3. log, evaluate, checkpoint
-        if step % args.log_every == 0 or step == args.total_steps:
+        evaluating = bool(args.eval_every and (step % args.eval_every == 0 or step == args.total_steps))
+        if step % args.log_every == 0 or step == args.total_steps or evaluating:  # an evaluation step is always logged
             # pairs per rank differ when --online skips ties: gather padded values with a validity flag
             def gmean(key):
                 x = torch.cat(stats[key]) if stats[key] else torch.zeros(0, device=device)
@@ -420,32 +511,49 @@ def main(args: Args):
                 x = accelerator.gather(x)
                 x = x[~torch.isnan(x)]
                 return x.mean().item() if len(x) else float("nan")
-            c_all, r_all = [torch.cat(stats[k]) if stats[k] else torch.zeros(0, device=device) for k in ("chosen", "rejected")]
+
+            c_all, r_all = [
+                torch.cat(stats[k]) if stats[k] else torch.zeros(0, device=device) for k in ("chosen", "rejected")
+            ]
             acc = F.pad((c_all > r_all).float(), (0, args.local_batch_size - len(c_all)), value=float("nan"))
             acc = accelerator.gather(acc)
             step_s = time.time() - t_step
             metrics = {
-                "loss/policy": gmean("loss"), "loss/sft": gmean("sft"),
-                "rewards/chosen": gmean("chosen"), "rewards/rejected": gmean("rejected"),
+                "loss/policy": gmean("loss"),
+                "loss/sft": gmean("sft"),
+                "rewards/chosen": gmean("chosen"),
+                "rewards/rejected": gmean("rejected"),
                 "rewards/accuracy": acc[~torch.isnan(acc)].mean().item() if (~torch.isnan(acc)).any() else float("nan"),
                 "rewards/margin": gmean("chosen") - gmean("rejected"),
-                "train/logps_chosen": gmean("logps_c"), "train/logps_rejected": gmean("logps_r"),
-                "train/lr": sched.get_last_lr()[0], "train/pairs": accelerator.reduce(torch.tensor(float(len(pairs)), device=device), "sum").item(),
-                "perf/step_s": step_s, "perf/gen_s": gen_s, "perf/train_s": train_s, "perf/peak_mem_gb": peak_mem_gb(device),
+                "train/logps_chosen": gmean("logps_c"),
+                "train/logps_rejected": gmean("logps_r"),
+                "train/lr": sched.get_last_lr()[0],
+                "train/pairs": accelerator.reduce(torch.tensor(float(len(pairs)), device=device), "sum").item(),
+                "perf/step_s": step_s,
+                "perf/gen_s": gen_s,
+                "perf/train_s": train_s,
+                "perf/peak_mem_gb": peak_mem_gb(device),
             }
             if args.online:
-                metrics["train/skipped_ties"] = accelerator.reduce(torch.tensor(float(ties), device=device), "sum").item()
+                metrics["train/skipped_ties"] = accelerator.reduce(
+                    torch.tensor(float(ties), device=device), "sum"
+                ).item()
                 metrics["train/reward"] = accelerator.gather(scores.mean(1)).mean().item()
             metrics = {k: v for k, v in metrics.items() if v == v}  # no pairs this step (all tied): no pair metrics
-            if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
+            if evaluating:
                 metrics.update(evaluate())
             metrics["train/skipped_steps"] = guard.skipped
             tracker.log(step, metrics)
             if best.improved(metrics):
                 checkpoint(step, "best")
             as_text = lambda c: c if isinstance(c, str) else tok.decode(c, skip_special_tokens=True)  # --online: ids
-            tracker.samples(step, [{"prompt": p["prompt"], "chosen": as_text(p["chosen"]), "rejected": as_text(p["rejected"])}
-                                   for p in pairs[:args.num_samples_logged]])
+            tracker.samples(
+                step,
+                [
+                    {"prompt": p["prompt"], "chosen": as_text(p["chosen"]), "rejected": as_text(p["rejected"])}
+                    for p in pairs[: args.num_samples_logged]
+                ],
+            )
         stopping = stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit
         due = stop.save_due(args.save_every_minutes)
         if (args.save_every and step % args.save_every == 0) or step == args.total_steps or stopping or due:

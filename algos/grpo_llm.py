@@ -30,22 +30,40 @@ from typing import Annotated, Literal, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` imports from a plain `python algos/...`
 
 import torch
-import tyro
 import torch.nn.functional as F
+import tyro
 
 from common import models as M
 from common.data import Sampler, load_prompts
-from common.distributed import (UpdateGuard, backward, configure_deepspeed, load_optimizer_state, make_accelerator, optimizer_state,
-                                prepare_frozen)
-from common.evaluate import evaluate_policy
+from common.distributed import (
+    UpdateGuard,
+    backward,
+    configure_deepspeed,
+    make_accelerator,
+    prepare_frozen,
+    unwrap_for_generation,
+)
+from common.eval import evaluate_policy
 from common.health import HealthConfig, HealthMonitor
-from common.ops import all_sum, exact_div, group_advantages, kl_estimate, masked_var, rloo_advantages
-from common.prepare_data import default_task_files
+from common.ops import all_sum, exact_div, global_mean_divisor, kl_estimate, masked_var
 from common.rewards import Reward
-from common.rollout import (forward_logprobs, generate, sample_seed, sequence_attention_mask, tokenize_queries,
-                            unwrap_for_generation)
-from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, peak_mem_gb,
-                        BestKeeper, StopSignal, UserError, cli, resolve_resume, save_checkpoint, seed_everything, set_rng_state)
+from common.rollout import forward_logprobs, generate, sequence_attention_mask, tokenize_queries
+from common.run import (
+    BestKeeper,
+    StopSignal,
+    Tracker,
+    UserError,
+    cli,
+    load_weights,
+    make_run_dir,
+    mix_seed,
+    peak_mem_gb,
+    resolve_resume,
+    restore_checkpoint,
+    save_checkpoint,
+    seed_everything,
+)
+from common.tasks import default_task_files
 
 
 @dataclass
@@ -214,16 +232,21 @@ class Args:
 # ALGO LOGIC: advantages, reward shaping and loss aggregation
 def compute_advantages(scores, group_size, baseline, scale_rewards, eps=1e-6):
     """scores: (N*G,) with a prompt's G samples adjacent -> advantages (N*G,).
-    group-mean: score - group mean (GRPO); rloo: score - mean of the other G-1. Then divided by the
-    group's std (group), the global batch's std over all processes (batch), or nothing (none, Dr. GRPO)."""
+    group-mean: score - group mean (GRPO); rloo: score - mean of the other G-1 (Ahmadian et al. 2024).
+    Then divided by the group's unbiased std + eps (group), the global batch's std over all processes
+    (batch; groups never straddle ranks, so the group statistics need no communication), or nothing
+    (none, Dr. GRPO). A group of equal scores gives exactly 0, never NaN. eps = 1e-6 as in the GRPO
+    reference code (TRL uses 1e-4)."""
+    s = scores.view(-1, group_size)  # (N, G)
     if baseline == "group-mean":
-        return group_advantages(scores, group_size, scale_rewards, eps, distributed=True)
-    adv = rloo_advantages(scores, group_size)
+        adv = s - s.mean(dim=1, keepdim=True)
+    else:
+        adv = s - (s.sum(dim=1, keepdim=True) - s) / (group_size - 1)
     if scale_rewards == "group":
-        adv = adv / (scores.view(-1, group_size).std(1, keepdim=True) + eps).expand(-1, group_size).reshape(-1)
+        adv = adv / (s.std(dim=1, keepdim=True) + eps)
     elif scale_rewards == "batch":
         adv = adv / (masked_var(scores, torch.ones_like(scores), distributed=True).sqrt() + eps)
-    return adv
+    return adv.reshape(-1)
 
 
 def overlong_penalty(lengths, max_new_tokens, buffer, factor):
@@ -257,8 +280,12 @@ def take_informative_groups(parts, G, n_groups, pad_id):
     left, responses on the right. Returns (batch, number of equal-reward groups used to fill)."""
     picked = [(p, j) for p in parts for j in range(len(p["rows"]) // G) if p["scores"].view(-1, G)[j].std() > 0]
     n_informative = min(len(picked), n_groups)
-    picked = picked[:n_groups] + [(p, j) for p in parts for j in range(len(p["rows"]) // G)
-                                  if not p["scores"].view(-1, G)[j].std() > 0][:n_groups - n_informative]
+    picked = (
+        picked[:n_groups]
+        + [(p, j) for p in parts for j in range(len(p["rows"]) // G) if not p["scores"].view(-1, G)[j].std() > 0][
+            : n_groups - n_informative
+        ]
+    )
     P = max(p["queries"].shape[1] for p, _ in picked)
     T = max(p["responses"].shape[1] for p, _ in picked)
     out = {}
@@ -294,68 +321,109 @@ def main(args: Args):
         raise UserError("--group-size must be >= 2: advantages compare the samples of a prompt")
     args.world_size = accelerator.num_processes
     args.local_num_prompts = exact_div(args.num_prompts, args.world_size, "--num-prompts over the number of processes")
-    args.local_mini_batch_size = exact_div(args.mini_batch_size, args.world_size, "--mini-batch-size over the number of processes")
+    args.local_mini_batch_size = exact_div(
+        args.mini_batch_size, args.world_size, "--mini-batch-size over the number of processes"
+    )
     exact_div(args.num_prompts * G, args.mini_batch_size, "--num-prompts x --group-size over --mini-batch-size")
-    exact_div(args.local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size")
+    exact_div(
+        args.local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size"
+    )
     # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
-    configure_deepspeed(accelerator, args.micro_batch_size, args.local_mini_batch_size // args.micro_batch_size, args.max_grad_norm)
+    configure_deepspeed(
+        accelerator, args.micro_batch_size, args.local_mini_batch_size // args.micro_batch_size, args.max_grad_norm
+    )
     seed_everything(args.seed)
     log = accelerator.print
     ckpt = resolve_resume(args, Path(__file__).stem)  # --resume: checked before anything loads; None = fresh run
 
-    M.check_context(args.model_name_or_path, args.max_prompt_length + args.max_new_tokens, "--max-prompt-length + --max-new-tokens", args.trust_remote_code)
+    M.check_context(
+        args.model_name_or_path,
+        args.max_prompt_length + args.max_new_tokens,
+        "--max-prompt-length + --max-new-tokens",
+        args.trust_remote_code,
+    )
     tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     M.set_prompt_format(tok, args.apply_chat_template, args.chat_template_kwargs, args.system_prompt)
-    policy = M.load_causal_lm(args.model_name_or_path, tok, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-                              gradient_checkpointing=args.gradient_checkpointing, load_in_4bit=args.load_in_4bit,
-                              dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    policy = M.load_causal_lm(
+        args.model_name_or_path,
+        tok,
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        gradient_checkpointing=args.gradient_checkpointing,
+        load_in_4bit=args.load_in_4bit,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+    )
     ref_policy = None  # kl_coef 0: no reference at all; with LoRA: the adapter disabled
     if args.kl_coef > 0 and args.lora_r == 0:
-        ref_policy = prepare_frozen(accelerator, M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype,
-                                                                  trust_remote_code=args.trust_remote_code))
+        ref_policy = prepare_frozen(
+            accelerator,
+            M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype, trust_remote_code=args.trust_remote_code),
+        )
     # the reward model's own tokenizer and chat template (it may differ from the policy's)
     rm_tok = M.load_tokenizer(args.reward_model, args.trust_remote_code) if args.reward_model else None
-    rm = prepare_frozen(accelerator, M.load_reward_model(args.reward_model, rm_tok, args.dtype)) if args.reward_model else None
-    reward = Reward(args.reward, args.reward_fn, rm, rm_tok, args.max_new_tokens, args.reward_fallback,
-                    reward_weights=args.reward_weights, timeout=args.reward_timeout, workers=args.reward_workers)
+    rm = (
+        prepare_frozen(accelerator, M.load_reward_model(args.reward_model, rm_tok, args.dtype))
+        if args.reward_model
+        else None
+    )
+    reward = Reward(
+        args.reward,
+        args.reward_fn,
+        rm,
+        rm_tok,
+        args.max_new_tokens,
+        args.reward_fallback,
+        reward_weights=args.reward_weights,
+        timeout=args.reward_timeout,
+        workers=args.reward_workers,
+    )
 
     train_files, val_files = args.train_files, args.val_files
     if train_files is None:
         train_files, default_val = default_task_files(args.task)
         val_files = val_files or [default_val]
-    train_rows = load_prompts(train_files, tok, args.prompt_key, args.reward_fn_key, args.max_prompt_length, args.truncate_prompts, log)
-    val_rows = load_prompts(val_files, tok, args.prompt_key, args.reward_fn_key, args.max_prompt_length, args.truncate_prompts, log)[:args.num_eval_prompts] if val_files else []
+    train_rows = load_prompts(
+        train_files, tok, args.prompt_key, args.reward_fn_key, args.max_prompt_length, args.truncate_prompts, log
+    )
+    val_rows = (
+        load_prompts(
+            val_files, tok, args.prompt_key, args.reward_fn_key, args.max_prompt_length, args.truncate_prompts, log
+        )[: args.num_eval_prompts]
+        if val_files
+        else []
+    )
     reward.check({r.data_source for r in train_rows + val_rows})
     log(f"[prompt] the first training prompt as the model sees it:\n{train_rows[0].text}")
     sampler = Sampler(len(train_rows), args.seed)
 
     n_updates = args.total_steps * args.num_iterations * (args.num_prompts * G // args.mini_batch_size)
     from transformers import get_scheduler
-    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay)
+
+    opt = torch.optim.AdamW(
+        [p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay
+    )
     sched = get_scheduler(args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=n_updates)
 
     health = HealthMonitor(args.health, log)
     best = BestKeeper(args.save_best)  # --save-best
     guard = UpdateGuard(accelerator)  # non-finite gradients: step skipped, never NaN weights
-    start_step = 0
     if ckpt:
         load_weights(policy, ckpt / "policy")
     policy, opt, sched = accelerator.prepare(policy, opt, sched)
+    # what a checkpoint holds, by name: save_checkpoint writes these keys and restore_checkpoint reads them
+    models, optimizers = {"policy": policy}, {"opt": ("policy", opt)}
+    state = {"sched": sched, "sampler": sampler, "health": health, "best": best, "guard": guard}
+    start_step = restore_checkpoint(accelerator, ckpt, models, state, optimizers) if ckpt else 0
     if ckpt:
-        state = load_trainer_state(ckpt)
-        load_optimizer_state(accelerator, policy, opt, state["opt"], ckpt / "policy")
-        for obj, key in ((sched, "sched"), (sampler, "sampler"), (health, "health")):
-            obj.load_state_dict(state[key])
-        set_rng_state(state["rng"])
-        best.load_state_dict(state.get("best", {"best": None}))
-        guard.load_state_dict(state.get("guard", {"skipped": 0, "in_row": 0}))
-        start_step = state["step"]
         log(f"resumed from {ckpt} at step {start_step}")
     # pi_old may be the sampler's log-probs only where sampler and trainer compute the same numbers: one
     # pass (mu = 1), float32 weights without autocast (bf16 KV-cache decoding differs from the batched
     # forward by up to 0.24 nats on SmolLM2), and no importance correction asked for; else recompute
     same_numerics = next(policy.parameters()).dtype == torch.float32 and accelerator.mixed_precision == "no"
-    args.old_logprobs_from = "sampler" if args.num_iterations == 1 and same_numerics and args.tis_cap == 0 else "trainer"
+    args.old_logprobs_from = (
+        "sampler" if args.num_iterations == 1 and same_numerics and args.tis_cap == 0 else "trainer"
+    )
     run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
     tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
     stop = StopSignal(accelerator)
@@ -371,30 +439,60 @@ def main(args: Args):
         """One global draw of prompts; this rank's share, each repeated G times, sampled and scored."""
         global_ids = sampler.take(args.num_prompts)
         r = accelerator.process_index
-        rows = [train_rows[i] for i in global_ids[r * args.local_num_prompts:(r + 1) * args.local_num_prompts]]
+        rows = [train_rows[i] for i in global_ids[r * args.local_num_prompts : (r + 1) * args.local_num_prompts]]
         rows = [x for x in rows for _ in range(G)]  # (N*G,) a prompt's samples adjacent
         queries, query_mask = tokenize_queries(tok, [x.text for x in rows], device)  # (B, P)
         uid0 = (round_ * args.num_prompts + r * args.local_num_prompts) * G
-        seeds = [sample_seed(args.seed, step, uid0 + j) for j in range(len(rows))]
+        seeds = [mix_seed(args.seed, step, uid0 + j) for j in range(len(rows))]
         with unwrap_for_generation(accelerator, policy) as gen_model:
-            ro = generate(gen_model, tok, queries, query_mask, args.max_new_tokens, args.temperature,
-                          args.top_k, args.top_p, seeds)
+            ro = generate(
+                gen_model,
+                tok,
+                queries,
+                query_mask,
+                args.max_new_tokens,
+                args.temperature,
+                args.top_k,
+                args.top_p,
+                seeds,
+            )
         texts = tok.batch_decode(ro.responses, skip_special_tokens=True)
         scores, components, extras = reward(rows, texts, ro.response_mask.sum(1), device, ro.is_eos)  # (B,)
-        return dict(rows=rows, texts=texts, queries=queries, query_mask=query_mask, responses=ro.responses,
-                    mask=ro.response_mask, logprobs=ro.logprobs, truncated=ro.truncated, scores=scores,
-                    solved=extras.get("acc", (scores >= 1).float()), **{f"reward/{k}": v for k, v in components.items()})
+        return dict(
+            rows=rows,
+            texts=texts,
+            queries=queries,
+            query_mask=query_mask,
+            responses=ro.responses,
+            mask=ro.response_mask,
+            logprobs=ro.logprobs,
+            truncated=ro.truncated,
+            scores=scores,
+            solved=extras.get("acc", (scores >= 1).float()),
+            **{f"reward/{k}": v for k, v in components.items()},
+        )
 
     def checkpoint(step, label=None):
-        save_checkpoint(accelerator, run_dir, step, {"policy": policy},
-                        {"opt": optimizer_state(accelerator, policy, opt), "sched": sched.state_dict(), "sampler": sampler.state_dict(),
-                         "health": health.state_dict(), "best": best.state_dict(), "guard": guard.state_dict()}, args.keep_last,
-                            tokenizer=tok, args=args, save_merged=args.save_merged, label=label)
+        save_checkpoint(
+            accelerator,
+            run_dir,
+            step,
+            models,
+            state,
+            args.keep_last,
+            tokenizer=tok,
+            args=args,
+            save_merged=args.save_merged,
+            label=label,
+            optimizers=optimizers,
+        )
 
     if args.eval_every and val_rows and start_step == 0:
-        metrics, samples = evaluate_policy(accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size)
+        metrics, samples = evaluate_policy(
+            accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size
+        )
         tracker.log(0, {**metrics, **health.check(metrics)})
-        tracker.samples(0, [{**s, "split": "eval"} for s in samples[:args.num_samples_logged]])
+        tracker.samples(0, [{**s, "split": "eval"} for s in samples[: args.num_samples_logged]])
 
     for step in range(start_step + 1, args.total_steps + 1):
         t_step = time.time()
@@ -427,48 +525,79 @@ def main(args: Args):
             if args.old_logprobs_from == "sampler":
                 old_logprobs = b["logprobs"]  # on-policy, same numerics: the sampler's log-probs, no extra forward
             else:
-                old_logprobs = torch.cat([forward_logprobs(policy, query_responses[i:i + args.micro_batch_size],
-                                                           attn[i:i + args.micro_batch_size], P, args.temperature)
-                                          for i in range(0, len(rows), args.micro_batch_size)]) * mask
+                old_logprobs = (
+                    torch.cat(
+                        [
+                            forward_logprobs(
+                                policy,
+                                query_responses[i : i + args.micro_batch_size],
+                                attn[i : i + args.micro_batch_size],
+                                P,
+                                args.temperature,
+                            )
+                            for i in range(0, len(rows), args.micro_batch_size)
+                        ]
+                    )
+                    * mask
+                )
             ref_logprobs = None
             if args.kl_coef > 0:
-                ref_logprobs = torch.cat([ref_logprobs_of(query_responses[i:i + args.micro_batch_size],
-                                                          attn[i:i + args.micro_batch_size], P)
-                                          for i in range(0, len(rows), args.micro_batch_size)]) * mask
+                ref_logprobs = (
+                    torch.cat(
+                        [
+                            ref_logprobs_of(
+                                query_responses[i : i + args.micro_batch_size], attn[i : i + args.micro_batch_size], P
+                            )
+                            for i in range(0, len(rows), args.micro_batch_size)
+                        ]
+                    )
+                    * mask
+                )
 
         # sampler-vs-trainer gap of pi_old (mean |delta| per token); with the sampler path it is measured
         # on the first minibatch's forward below, before any optimizer step
         diff_sum, diff_n = ((old_logprobs - b["logprobs"]).abs() * mask).sum(), mask.sum()
         if args.old_logprobs_from == "sampler":
             diff_sum, diff_n = torch.zeros_like(diff_sum), torch.zeros_like(diff_n)
-        tis_weights = torch.exp(old_logprobs - b["logprobs"]).clamp(max=args.tis_cap) * mask if args.tis_cap > 0 else None  # (B, T)
+        tis_weights = (
+            torch.exp(old_logprobs - b["logprobs"]).clamp(max=args.tis_cap) * mask if args.tis_cap > 0 else None
+        )  # (B, T)
 
         # ------------------------------------------------------------------ 3. update
         t_train = time.time()
         stats = {k: [] for k in ("pg", "kl", "ent", "clip")}
         r = accelerator.process_index
-        g = torch.Generator().manual_seed(args.seed * 7919 + step * 104729 + r)
+        g = torch.Generator().manual_seed(mix_seed(args.seed, step, r))
         for it in range(args.num_iterations):
             perm = torch.randperm(len(rows), generator=g).tolist()
             for mb_start in range(0, len(rows), args.local_mini_batch_size):
-                mb = perm[mb_start:mb_start + args.local_mini_batch_size]
+                mb = perm[mb_start : mb_start + args.local_mini_batch_size]
                 # token totals over the global minibatch / W: DDP/FSDP average the W ranks' gradients, so
                 # token-mean is over all ranks' tokens (each rank holds len(mb) sequences: n_seqs needs no reduce)
-                n_tokens, n_seqs = all_sum(loss_mask[mb].sum()).clamp(min=1) / args.world_size, len(mb)
+                n_tokens, n_seqs = global_mean_divisor(loss_mask[mb].sum()), len(mb)
                 for k in range(0, len(mb), args.micro_batch_size):
-                    mi = mb[k:k + args.micro_batch_size]
-                    new_logprobs, entropy = forward_logprobs(policy, query_responses[mi], attn[mi], P, args.temperature, with_entropy=True)
-                    token_loss, clipped = clipped_surrogate(new_logprobs, old_logprobs[mi], advantages[mi, None],
-                                                            args.clip_eps_low, args.clip_eps_high)  # (b, T)
+                    mi = mb[k : k + args.micro_batch_size]
+                    new_logprobs, entropy = forward_logprobs(
+                        policy, query_responses[mi], attn[mi], P, args.temperature, with_entropy=True
+                    )
+                    token_loss, clipped = clipped_surrogate(
+                        new_logprobs, old_logprobs[mi], advantages[mi, None], args.clip_eps_low, args.clip_eps_high
+                    )  # (b, T)
                     if tis_weights is not None:
                         token_loss = token_loss * tis_weights[mi]
                     if args.old_logprobs_from == "sampler" and it == 0 and mb_start == 0:  # weights not yet stepped
                         diff_sum = diff_sum + ((new_logprobs.detach() - b["logprobs"][mi]).abs() * mask[mi]).sum()
                         diff_n = diff_n + mask[mi].sum()
-                    kl = kl_estimate(new_logprobs, ref_logprobs[mi], args.kl_estimator) if ref_logprobs is not None else torch.zeros_like(token_loss)
+                    kl = (
+                        kl_estimate(new_logprobs, ref_logprobs[mi], args.kl_estimator)
+                        if ref_logprobs is not None
+                        else torch.zeros_like(token_loss)
+                    )
                     agg = lambda x: aggregate(x, loss_mask[mi], args.loss_agg, n_tokens, n_seqs, args.max_new_tokens)
                     pg, kl_term = agg(token_loss), agg(kl)
-                    backward(accelerator, policy, pg + args.kl_coef * kl_term, last=k + args.micro_batch_size >= len(mb))
+                    backward(
+                        accelerator, policy, pg + args.kl_coef * kl_term, last=k + args.micro_batch_size >= len(mb)
+                    )
                     for key, v in zip(stats, (pg, kl_term, agg(entropy), agg(clipped))):
                         stats[key].append(v.detach())
                 guard.step(policy, opt, args.max_grad_norm, "policy", step)  # these: no-ops under DeepSpeed
@@ -477,24 +606,34 @@ def main(args: Args):
         train_s = time.time() - t_train
 
         # ------------------------------------------------------------------ 4. log, evaluate, checkpoint
-        if step % args.log_every == 0 or step == args.total_steps:
+        evaluating = bool(args.eval_every and val_rows and (step % args.eval_every == 0 or step == args.total_steps))
+        if step % args.log_every == 0 or step == args.total_steps or evaluating:  # an evaluation step is always logged
             n_minibatches = args.num_iterations * len(rows) // args.local_mini_batch_size
             red = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
             all_scores = accelerator.gather(scores)
             by_group = all_scores.view(-1, G)
             step_s = time.time() - t_step
             metrics = {
-                "train/reward": all_scores.mean().item(), "train/reward_std": all_scores.std().item(),
+                "train/reward": all_scores.mean().item(),
+                "train/reward_std": all_scores.std().item(),
                 "train/zero_std_groups": (by_group.std(1) == 0).float().mean().item(),
-                "train/kl": red(stats["kl"]), "train/kl_coef": args.kl_coef,
+                "train/kl": red(stats["kl"]),
+                "train/kl_coef": args.kl_coef,
                 "train/sampler_logprob_diff": (all_sum(diff_sum) / all_sum(diff_n).clamp(min=1)).item(),
-                "train/entropy": red(stats["ent"]), "train/clip_frac": red(stats["clip"]),
+                "train/entropy": red(stats["ent"]),
+                "train/clip_frac": red(stats["clip"]),
                 "train/response_len": accelerator.gather(lengths).float().mean().item(),
                 "train/truncated": accelerator.gather(truncated.float()).mean().item(),
-                "train/lr": sched.get_last_lr()[0], "train/resample_rounds": rounds, "train/filled_zero_std_groups": n_filled,
-                "loss/policy": red(stats["pg"]), "loss/total": red(stats["pg"]) + args.kl_coef * red(stats["kl"]),
-                "perf/step_s": step_s, "perf/gen_s": gen_s, "perf/train_s": train_s,
-                "perf/tokens_per_s": accelerator.gather(lengths).sum().item() / step_s, "perf/peak_mem_gb": peak_mem_gb(device),
+                "train/lr": sched.get_last_lr()[0],
+                "train/resample_rounds": rounds,
+                "train/filled_zero_std_groups": n_filled,
+                "loss/policy": red(stats["pg"]),
+                "loss/total": red(stats["pg"]) + args.kl_coef * red(stats["kl"]),
+                "perf/step_s": step_s,
+                "perf/gen_s": gen_s,
+                "perf/train_s": train_s,
+                "perf/tokens_per_s": accelerator.gather(lengths).sum().item() / step_s,
+                "perf/peak_mem_gb": peak_mem_gb(device),
                 "train/episodes": step * args.num_prompts * G,
             }
             solved = accelerator.gather(b["solved"]).view(-1, G)  # (all prompts, G) exact-match
@@ -508,16 +647,23 @@ def main(args: Args):
                 metrics[f"reward/{src}"] = scores[sel].mean().item()  # this rank's rows of that source
             if reward.errors:
                 metrics["reward/errors"] = reward.errors
-            if args.eval_every and val_rows and (step % args.eval_every == 0 or step == args.total_steps):
-                eval_metrics, eval_samples = evaluate_policy(accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size)
+            if evaluating:
+                eval_metrics, eval_samples = evaluate_policy(
+                    accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size
+                )
                 metrics.update(eval_metrics)
-                tracker.samples(step, [{**s, "split": "eval"} for s in eval_samples[:args.num_samples_logged]])
+                tracker.samples(step, [{**s, "split": "eval"} for s in eval_samples[: args.num_samples_logged]])
             metrics["train/skipped_steps"] = guard.skipped
             tracker.log(step, {**metrics, **health.check(metrics)})
             if best.improved(metrics):
                 checkpoint(step, "best")
-            tracker.samples(step, [{"prompt": x.text, "response": t, "reward": float(s), "advantage": float(a), "split": "train"}
-                                   for x, t, s, a in zip(rows, texts, scores, advantages)][:args.num_samples_logged])
+            tracker.samples(
+                step,
+                [
+                    {"prompt": x.text, "response": t, "reward": float(s), "advantage": float(a), "split": "train"}
+                    for x, t, s, a in zip(rows, texts, scores, advantages)
+                ][: args.num_samples_logged],
+            )
         stopping = stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit
         due = stop.save_due(args.save_every_minutes)
         if (args.save_every and step % args.save_every == 0) or step == args.total_steps or stopping or due:

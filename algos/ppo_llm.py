@@ -37,18 +37,35 @@ import tyro
 
 from common import models as M
 from common.data import Sampler, load_prompts
-from common.distributed import (UpdateGuard, backward, configure_deepspeed, load_optimizer_state, make_accelerator, optimizer_state,
-                                prepare_frozen)
-from common.evaluate import evaluate_policy
+from common.distributed import (
+    UpdateGuard,
+    backward,
+    configure_deepspeed,
+    make_accelerator,
+    prepare_frozen,
+    unwrap_for_generation,
+)
+from common.eval import evaluate_policy
 from common.health import HealthConfig, HealthMonitor
-from common.ops import (AdaptiveKLController, FixedKLController, all_sum, exact_div, gae, kl_estimate, masked_mean,
-                        masked_whiten)
-from common.prepare_data import default_task_files
+from common.ops import all_sum, exact_div, gae, global_mean_divisor, kl_estimate, masked_mean, masked_whiten
 from common.rewards import Reward
-from common.rollout import (forward_logprobs, forward_values, generate, sample_seed, sequence_attention_mask,
-                            tokenize_queries, unwrap_for_generation)
-from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, peak_mem_gb,
-                        BestKeeper, StopSignal, UserError, cli, resolve_resume, save_checkpoint, seed_everything, set_rng_state)
+from common.rollout import forward_logprobs, forward_values, generate, sequence_attention_mask, tokenize_queries
+from common.run import (
+    BestKeeper,
+    StopSignal,
+    Tracker,
+    UserError,
+    cli,
+    load_weights,
+    make_run_dir,
+    mix_seed,
+    peak_mem_gb,
+    resolve_resume,
+    restore_checkpoint,
+    save_checkpoint,
+    seed_everything,
+)
+from common.tasks import default_task_files
 
 
 @dataclass
@@ -221,6 +238,26 @@ class Args:
 
 
 # ALGO LOGIC: the PPO losses
+class KLController:
+    """beta of the KL penalty in the reward. Fixed when target is None; else adaptive (Ziegler et al.
+    2019, lm-human-preferences): e = clip(KL / target - 1, -0.2, 0.2), beta <- beta * (1 + e * n / horizon),
+    n = the samples in the batch just trained on. (A copy lives in each PPO script: tests/test_house.py.)"""
+
+    def __init__(self, kl_coef: float, target: float | None = None, horizon: int = 10000):
+        self.value, self.target, self.horizon = kl_coef, target, horizon
+
+    def update(self, current_kl: float, n_samples: int) -> None:
+        if self.target:
+            err = min(max(current_kl / self.target - 1, -0.2), 0.2)
+            self.value *= 1 + err * n_samples / self.horizon
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"] if isinstance(state, dict) else state  # older dynamic-KL checkpoints: a float
+
+
 def policy_loss(logprobs, old_logprobs, advantages, mask, n_tokens, clip_eps, dual_clip_c=None, tis_weights=None):
     """Clipped surrogate, summed over masked tokens and divided by the minibatch's token count.
     All (b, T) except n_tokens (scalar); tis_weights (b, T) multiply each token's loss (--tis-cap).
@@ -252,73 +289,128 @@ def main(args: Args):
     device = accelerator.device
     args.world_size = accelerator.num_processes
     args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")
-    args.local_mini_batch_size = exact_div(args.mini_batch_size, args.world_size, "--mini-batch-size over the number of processes")
+    args.local_mini_batch_size = exact_div(
+        args.mini_batch_size, args.world_size, "--mini-batch-size over the number of processes"
+    )
     exact_div(args.batch_size, args.mini_batch_size, "--batch-size over --mini-batch-size")
-    exact_div(args.local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size")
+    exact_div(
+        args.local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size"
+    )
     # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
-    configure_deepspeed(accelerator, args.micro_batch_size, args.local_mini_batch_size // args.micro_batch_size, args.max_grad_norm)
+    configure_deepspeed(
+        accelerator, args.micro_batch_size, args.local_mini_batch_size // args.micro_batch_size, args.max_grad_norm
+    )
     if args.kl_target is not None and args.kl_target <= 0:
         raise UserError(f"--kl-target {args.kl_target}: must be > 0 (omit it for a fixed --kl-coef)")
     seed_everything(args.seed)
     log = accelerator.print
     ckpt = resolve_resume(args, Path(__file__).stem)  # --resume: checked before anything loads; None = fresh run
 
-    M.check_context(args.model_name_or_path, args.max_prompt_length + args.max_new_tokens, "--max-prompt-length + --max-new-tokens", args.trust_remote_code)
+    M.check_context(
+        args.model_name_or_path,
+        args.max_prompt_length + args.max_new_tokens,
+        "--max-prompt-length + --max-new-tokens",
+        args.trust_remote_code,
+    )
     tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     M.set_prompt_format(tok, args.apply_chat_template, args.chat_template_kwargs, args.system_prompt)
-    lora = dict(lora_r=args.lora_r, lora_alpha=args.lora_alpha, gradient_checkpointing=args.gradient_checkpointing,
-                load_in_4bit=args.load_in_4bit, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    lora = dict(
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        gradient_checkpointing=args.gradient_checkpointing,
+        load_in_4bit=args.load_in_4bit,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+    )
     policy = M.load_causal_lm(args.model_name_or_path, tok, **lora)
     critic = M.load_value_model(args.critic_model or args.model_name_or_path, tok, **lora)
     use_ref = args.kl_coef > 0 or args.kl_target is not None
     ref_policy = None  # with LoRA the reference is the policy with its adapter disabled
     if use_ref and args.lora_r == 0:
-        ref_policy = prepare_frozen(accelerator, M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype,
-                                                                  trust_remote_code=args.trust_remote_code))
+        ref_policy = prepare_frozen(
+            accelerator,
+            M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype, trust_remote_code=args.trust_remote_code),
+        )
     # the reward model's own tokenizer and chat template (it may differ from the policy's)
     rm_tok = M.load_tokenizer(args.reward_model, args.trust_remote_code) if args.reward_model else None
-    rm = prepare_frozen(accelerator, M.load_reward_model(args.reward_model, rm_tok, args.dtype)) if args.reward_model else None
-    reward = Reward(args.reward, args.reward_fn, rm, rm_tok, args.max_new_tokens, args.reward_fallback,
-                    reward_weights=args.reward_weights, timeout=args.reward_timeout, workers=args.reward_workers)
+    rm = (
+        prepare_frozen(accelerator, M.load_reward_model(args.reward_model, rm_tok, args.dtype))
+        if args.reward_model
+        else None
+    )
+    reward = Reward(
+        args.reward,
+        args.reward_fn,
+        rm,
+        rm_tok,
+        args.max_new_tokens,
+        args.reward_fallback,
+        reward_weights=args.reward_weights,
+        timeout=args.reward_timeout,
+        workers=args.reward_workers,
+    )
 
     train_files, val_files = args.train_files, args.val_files
     if train_files is None:
         train_files, default_val = default_task_files(args.task)
         val_files = val_files or [default_val]
-    train_rows = load_prompts(train_files, tok, args.prompt_key, args.reward_fn_key, args.max_prompt_length, args.truncate_prompts, log)
-    val_rows = load_prompts(val_files, tok, args.prompt_key, args.reward_fn_key, args.max_prompt_length, args.truncate_prompts, log)[:args.num_eval_prompts] if val_files else []
+    train_rows = load_prompts(
+        train_files, tok, args.prompt_key, args.reward_fn_key, args.max_prompt_length, args.truncate_prompts, log
+    )
+    val_rows = (
+        load_prompts(
+            val_files, tok, args.prompt_key, args.reward_fn_key, args.max_prompt_length, args.truncate_prompts, log
+        )[: args.num_eval_prompts]
+        if val_files
+        else []
+    )
     reward.check({r.data_source for r in train_rows + val_rows})
     log(f"[prompt] the first training prompt as the model sees it:\n{train_rows[0].text}")
     sampler = Sampler(len(train_rows), args.seed)
 
     n_updates = args.total_steps * args.ppo_epochs * (args.batch_size // args.mini_batch_size)
     from transformers import get_scheduler
-    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay)
-    critic_opt = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=args.critic_learning_rate, weight_decay=args.weight_decay)
+
+    opt = torch.optim.AdamW(
+        [p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay
+    )
+    critic_opt = torch.optim.AdamW(
+        [p for p in critic.parameters() if p.requires_grad],
+        lr=args.critic_learning_rate,
+        weight_decay=args.weight_decay,
+    )
     sched = get_scheduler(args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=n_updates)
-    critic_sched = get_scheduler(args.lr_scheduler, critic_opt, num_warmup_steps=args.warmup_steps, num_training_steps=n_updates)
-    kl_ctl = AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon) if args.kl_target else FixedKLController(args.kl_coef)
+    critic_sched = get_scheduler(
+        args.lr_scheduler, critic_opt, num_warmup_steps=args.warmup_steps, num_training_steps=n_updates
+    )
+    kl_ctl = KLController(args.kl_coef, args.kl_target, args.kl_horizon)
 
     health = HealthMonitor(args.health, log)
     best = BestKeeper(args.save_best)  # --save-best
     guard = UpdateGuard(accelerator)  # non-finite gradients: step skipped, never NaN weights
-    start_step = 0
     if ckpt:
         load_weights(policy, ckpt / "policy")
         load_weights(critic, ckpt / "critic")
-    policy, opt, sched = accelerator.prepare(policy, opt, sched)  # one model per call: FSDP2 pairs it with its optimizer
+    policy, opt, sched = accelerator.prepare(
+        policy, opt, sched
+    )  # one model per call: FSDP2 pairs it with its optimizer
     critic, critic_opt, critic_sched = accelerator.prepare(critic, critic_opt, critic_sched)
+    # what a checkpoint holds, by name: save_checkpoint writes these keys and restore_checkpoint reads them
+    models, optimizers = (
+        {"policy": policy, "critic": critic},
+        {"opt": ("policy", opt), "critic_opt": ("critic", critic_opt)},
+    )
+    state = {
+        "sched": sched,
+        "critic_sched": critic_sched,
+        "sampler": sampler,
+        "kl_ctl": kl_ctl,
+        "health": health,
+        "best": best,
+        "guard": guard,
+    }
+    start_step = restore_checkpoint(accelerator, ckpt, models, state, optimizers) if ckpt else 0
     if ckpt:
-        state = load_trainer_state(ckpt)
-        load_optimizer_state(accelerator, policy, opt, state["opt"], ckpt / "policy")
-        load_optimizer_state(accelerator, critic, critic_opt, state["critic_opt"], ckpt / "critic")
-        for obj, key in ((sched, "sched"), (critic_sched, "critic_sched"),
-                         (sampler, "sampler"), (kl_ctl, "kl_ctl"), (health, "health")):
-            obj.load_state_dict(state[key])
-        set_rng_state(state["rng"])
-        best.load_state_dict(state.get("best", {"best": None}))
-        guard.load_state_dict(state.get("guard", {"skipped": 0, "in_row": 0}))
-        start_step = state["step"]
         log(f"resumed from {ckpt} at step {start_step}")
     run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
     tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
@@ -332,33 +424,56 @@ def main(args: Args):
             return forward_logprobs(policy, query_responses, attn, P, args.temperature)
 
     def checkpoint(step, label=None):
-        save_checkpoint(accelerator, run_dir, step, {"policy": policy, "critic": critic},
-                        {"opt": optimizer_state(accelerator, policy, opt), "critic_opt": optimizer_state(accelerator, critic, critic_opt), "sched": sched.state_dict(),
-                         "critic_sched": critic_sched.state_dict(), "sampler": sampler.state_dict(),
-                         "kl_ctl": kl_ctl.state_dict(), "health": health.state_dict(), "best": best.state_dict(), "guard": guard.state_dict()}, args.keep_last,
-                            tokenizer=tok, args=args, save_merged=args.save_merged, label=label)
+        save_checkpoint(
+            accelerator,
+            run_dir,
+            step,
+            models,
+            state,
+            args.keep_last,
+            tokenizer=tok,
+            args=args,
+            save_merged=args.save_merged,
+            label=label,
+            optimizers=optimizers,
+        )
 
     if args.eval_every and val_rows and start_step == 0:
-        metrics, samples = evaluate_policy(accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size)
+        metrics, samples = evaluate_policy(
+            accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size
+        )
         tracker.log(0, {**metrics, **health.check(metrics)})
-        tracker.samples(0, [{**s, "split": "eval"} for s in samples[:args.num_samples_logged]])
+        tracker.samples(0, [{**s, "split": "eval"} for s in samples[: args.num_samples_logged]])
 
     for step in range(start_step + 1, args.total_steps + 1):
         t_step = time.time()
         # ------------------------------------------------------------------ 1. rollout
         global_ids = sampler.take(args.batch_size)  # same on every rank; each takes its slice
         r = accelerator.process_index
-        ids = global_ids[r * args.local_batch_size:(r + 1) * args.local_batch_size]
+        ids = global_ids[r * args.local_batch_size : (r + 1) * args.local_batch_size]
         rows = [train_rows[i] for i in ids]
         queries, query_mask = tokenize_queries(tok, [x.text for x in rows], device)  # (B, P)
         P = queries.shape[1]
-        seeds = [sample_seed(args.seed, step, r * args.local_batch_size + j) for j in range(len(rows))]
+        seeds = [mix_seed(args.seed, step, r * args.local_batch_size + j) for j in range(len(rows))]
         t_gen = time.time()
         with unwrap_for_generation(accelerator, policy) as gen_model:
-            ro = generate(gen_model, tok, queries, query_mask, args.max_new_tokens, args.temperature,
-                          args.top_k, args.top_p, seeds)
+            ro = generate(
+                gen_model,
+                tok,
+                queries,
+                query_mask,
+                args.max_new_tokens,
+                args.temperature,
+                args.top_k,
+                args.top_p,
+                seeds,
+            )
         gen_s = time.time() - t_gen
-        query_responses, responses, mask = ro.query_responses, ro.responses, ro.response_mask  # (B, P+T), (B, T), (B, T)
+        query_responses, responses, mask = (
+            ro.query_responses,
+            ro.responses,
+            ro.response_mask,
+        )  # (B, P+T), (B, T), (B, T)
         T = responses.shape[1]
         attn = sequence_attention_mask(query_mask, T)  # (B, P+T)
 
@@ -381,7 +496,9 @@ def main(args: Args):
         # pi_old is the trainer's recomputed log-probs; the sampler's (KV cache, maybe another precision
         # or engine) can differ: the gap is a metric, and --tis-cap corrects for it
         sampler_diff = all_sum(((logprobs - ro.logprobs).abs() * mask).sum()) / all_sum(mask.sum()).clamp(min=1)
-        tis_weights = torch.exp(logprobs - ro.logprobs).clamp(max=args.tis_cap) * mask if args.tis_cap > 0 else None  # (B, T)
+        tis_weights = (
+            torch.exp(logprobs - ro.logprobs).clamp(max=args.tis_cap) * mask if args.tis_cap > 0 else None
+        )  # (B, T)
         kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T) per-token KL
         rewards = -kl_ctl.value * kl  # (B, T)
         last = (lengths.long() - 1).clamp(min=0)  # (B,) index of the last real token
@@ -398,23 +515,32 @@ def main(args: Args):
         t_train = time.time()
         stats = {k: [] for k in ("pg", "vf", "ent", "clip", "akl")}
         train_policy = step > args.critic_warmup_steps
-        g = torch.Generator().manual_seed(args.seed * 7919 + step * 104729 + r)
+        g = torch.Generator().manual_seed(mix_seed(args.seed, step, r))
         for epoch in range(args.ppo_epochs):
             perm = torch.randperm(len(rows), generator=g).tolist()
             for mb_start in range(0, len(rows), args.local_mini_batch_size):
-                mb_ids = perm[mb_start:mb_start + args.local_mini_batch_size]
+                mb_ids = perm[mb_start : mb_start + args.local_mini_batch_size]
                 # token-mean over the global minibatch: DDP/FSDP average the W ranks' gradients, so each
                 # rank divides by (all ranks' tokens) / W
-                n_tokens = all_sum(mask[mb_ids].sum()).clamp(min=1) / args.world_size
+                n_tokens = global_mean_divisor(mask[mb_ids].sum())
                 for k in range(0, len(mb_ids), args.micro_batch_size):
-                    mi = mb_ids[k:k + args.micro_batch_size]
+                    mi = mb_ids[k : k + args.micro_batch_size]
                     last = k + args.micro_batch_size >= len(mb_ids)  # the minibatch's last micro-batch
                     with torch.set_grad_enabled(train_policy):  # critic warm-up: no policy graph
-                        new_logprobs, entropy = forward_logprobs(policy, query_responses[mi], attn[mi], P, args.temperature, with_entropy=True)
+                        new_logprobs, entropy = forward_logprobs(
+                            policy, query_responses[mi], attn[mi], P, args.temperature, with_entropy=True
+                        )
                     new_values = forward_values(critic, query_responses[mi], attn[mi], P)
-                    pg, clip_frac, approx_kl = policy_loss(new_logprobs, logprobs[mi], advantages[mi], mask[mi],
-                                                           n_tokens, args.clip_eps, args.dual_clip_c,
-                                                           tis_weights[mi] if tis_weights is not None else None)
+                    pg, clip_frac, approx_kl = policy_loss(
+                        new_logprobs,
+                        logprobs[mi],
+                        advantages[mi],
+                        mask[mi],
+                        n_tokens,
+                        args.clip_eps,
+                        args.dual_clip_c,
+                        tis_weights[mi] if tis_weights is not None else None,
+                    )
                     vf = value_loss(new_values, values[mi], returns[mi], mask[mi], n_tokens, args.clip_eps_value)
                     ent = (entropy * mask[mi]).sum() / n_tokens
                     # two models, two backward passes (disjoint graphs): under DeepSpeed each engine steps itself
@@ -438,7 +564,8 @@ def main(args: Args):
         kl_ctl.update(mean_kl, args.batch_size)
 
         # ------------------------------------------------------------------ 6. log, evaluate, checkpoint
-        if step % args.log_every == 0 or step == args.total_steps:
+        evaluating = bool(args.eval_every and val_rows and (step % args.eval_every == 0 or step == args.total_steps))
+        if step % args.log_every == 0 or step == args.total_steps or evaluating:  # an evaluation step is always logged
             # each stat holds per-micro-batch parts of a minibatch mean; their sum / #minibatches = mean over minibatches
             n_minibatches = args.ppo_epochs * len(rows) // args.local_mini_batch_size
             red = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
@@ -446,32 +573,49 @@ def main(args: Args):
             gen_tokens = accelerator.gather(lengths).sum().item()
             step_s = time.time() - t_step
             metrics = {
-                "train/reward": all_scores.mean().item(), "train/reward_std": all_scores.std().item(),
-                "train/kl": mean_kl, "train/kl_coef": kl_coef_used, "train/sampler_logprob_diff": sampler_diff.item(),
-                "train/entropy": red(stats["ent"]), "train/clip_frac": red(stats["clip"]), "train/approx_kl": red(stats["akl"]),
+                "train/reward": all_scores.mean().item(),
+                "train/reward_std": all_scores.std().item(),
+                "train/kl": mean_kl,
+                "train/kl_coef": kl_coef_used,
+                "train/sampler_logprob_diff": sampler_diff.item(),
+                "train/entropy": red(stats["ent"]),
+                "train/clip_frac": red(stats["clip"]),
+                "train/approx_kl": red(stats["akl"]),
                 "train/response_len": accelerator.gather(lengths).float().mean().item(),
                 "train/truncated": accelerator.gather(ro.truncated.float()).mean().item(),
-                "train/lr": sched.get_last_lr()[0], "train/value_mean": masked_mean(values, mask, distributed=True).item(),
-                "loss/policy": red(stats["pg"]), "loss/value": red(stats["vf"]),
+                "train/lr": sched.get_last_lr()[0],
+                "train/value_mean": masked_mean(values, mask, distributed=True).item(),
+                "loss/policy": red(stats["pg"]),
+                "loss/value": red(stats["vf"]),
                 "loss/total": red(stats["pg"]) + args.vf_coef * red(stats["vf"]) - args.ent_coef * red(stats["ent"]),
-                "perf/step_s": step_s, "perf/gen_s": gen_s, "perf/train_s": train_s,
-                "perf/tokens_per_s": gen_tokens / step_s, "perf/peak_mem_gb": peak_mem_gb(device),
+                "perf/step_s": step_s,
+                "perf/gen_s": gen_s,
+                "perf/train_s": train_s,
+                "perf/tokens_per_s": gen_tokens / step_s,
+                "perf/peak_mem_gb": peak_mem_gb(device),
                 "train/episodes": step * args.batch_size,
             }
             for name, v in {**components, **extras}.items():
                 metrics[f"reward/{name}"] = accelerator.gather(v).mean().item()
             if reward.errors:
                 metrics["reward/errors"] = reward.errors
-            if args.eval_every and val_rows and (step % args.eval_every == 0 or step == args.total_steps):
-                eval_metrics, eval_samples = evaluate_policy(accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size)
+            if evaluating:
+                eval_metrics, eval_samples = evaluate_policy(
+                    accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size
+                )
                 metrics.update(eval_metrics)
-                tracker.samples(step, [{**s, "split": "eval"} for s in eval_samples[:args.num_samples_logged]])
+                tracker.samples(step, [{**s, "split": "eval"} for s in eval_samples[: args.num_samples_logged]])
             metrics["train/skipped_steps"] = guard.skipped
             tracker.log(step, {**metrics, **health.check(metrics)})
             if best.improved(metrics):
                 checkpoint(step, "best")
-            tracker.samples(step, [{"prompt": x.text, "response": t, "reward": float(s), "kl": float(k), "split": "train"}
-                                   for x, t, s, k in zip(rows, texts, scores, masked_mean(kl, mask, dim=1))][:args.num_samples_logged])
+            tracker.samples(
+                step,
+                [
+                    {"prompt": x.text, "response": t, "reward": float(s), "kl": float(k), "split": "train"}
+                    for x, t, s, k in zip(rows, texts, scores, masked_mean(kl, mask, dim=1))
+                ][: args.num_samples_logged],
+            )
         stopping = stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit
         due = stop.save_due(args.save_every_minutes)
         if (args.save_every and step % args.save_every == 0) or step == args.total_steps or stopping or due:

@@ -31,12 +31,23 @@ import torch.nn.functional as F
 
 from common import models as M
 from common.data import Sampler, encode_prompt_completion, load_preferences
-from common.distributed import UpdateGuard, backward, configure_deepspeed, load_optimizer_state, make_accelerator, optimizer_state, reshard
+from common.distributed import UpdateGuard, backward, configure_deepspeed, make_accelerator, reshard
 from common.ops import exact_div
-from common.prepare_data import default_preference_files
 from common.rollout import position_ids_from_mask
-from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, peak_mem_gb,
-                        BestKeeper, StopSignal, cli, resolve_resume, save_checkpoint, seed_everything, set_rng_state)
+from common.run import (
+    BestKeeper,
+    StopSignal,
+    Tracker,
+    cli,
+    load_weights,
+    make_run_dir,
+    peak_mem_gb,
+    resolve_resume,
+    restore_checkpoint,
+    save_checkpoint,
+    seed_everything,
+)
+from common.tasks import default_preference_files
 
 
 @dataclass
@@ -135,11 +146,18 @@ def scores_of(model, tok, pairs, max_length, device):
     """Raw scores of chosen and rejected, one forward pass: (B,), (B,). Each sequence is
     prompt + completion + EOS (the shared encoder, which the RL reward scorer uses too); the head
     reads the last non-pad token, i.e. EOS (transformers finds it from pad_token_id, which is not EOS)."""
-    ids, attn, _ = encode_prompt_completion(tok, [p["prompt"] for p in pairs] * 2,
-                                            [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs],
-                                            eos=True, max_length=max_length, device=device)  # (2B, L)
-    s = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits[:, 0].float()  # (2B,)
-    return s[:len(pairs)], s[len(pairs):]
+    ids, attn, _ = encode_prompt_completion(
+        tok,
+        [p["prompt"] for p in pairs] * 2,
+        [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs],
+        eos=True,
+        max_length=max_length,
+        device=device,
+    )  # (2B, L)
+    s = (
+        model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits[:, 0].float()
+    )  # (2B,)
+    return s[: len(pairs)], s[len(pairs) :]
 
 
 def bt_loss(chosen, rejected):
@@ -155,7 +173,9 @@ def main(args: Args):
     args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")
     exact_div(args.local_batch_size, args.micro_batch_size, "--batch-size per process over --micro-batch-size")
     # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
-    configure_deepspeed(accelerator, args.micro_batch_size, -(-args.local_batch_size // args.micro_batch_size), args.max_grad_norm)
+    configure_deepspeed(
+        accelerator, args.micro_batch_size, args.local_batch_size // args.micro_batch_size, args.max_grad_norm
+    )
     seed_everything(args.seed)
     log = accelerator.print
     ckpt = resolve_resume(args, Path(__file__).stem)  # --resume: checked before anything loads; None = fresh run
@@ -163,8 +183,18 @@ def main(args: Args):
     M.check_context(args.model_name_or_path, args.max_length, "--max-length", args.trust_remote_code)
     tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     M.set_prompt_format(tok, args.apply_chat_template, args.chat_template_kwargs, args.system_prompt)
-    lora = dict(lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, lora_target="all-linear",
-                gradient_checkpointing=args.gradient_checkpointing, load_in_4bit=False) if args.lora_r else {}
+    lora = (
+        dict(
+            lora_r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=0.0,
+            lora_target="all-linear",
+            gradient_checkpointing=args.gradient_checkpointing,
+            load_in_4bit=False,
+        )
+        if args.lora_r
+        else {}
+    )
     model = M.load_reward_model(args.model_name_or_path, tok, args.dtype, args.trust_remote_code, **lora)
     train_files, val_files = args.train_files, args.val_files
     if train_files is None:
@@ -172,27 +202,27 @@ def main(args: Args):
         val_files = val_files or [default_val]
     train_pairs = load_preferences(train_files, tok, log=log)
     log(f"[prompt] the first training prompt as the model sees it:\n{train_pairs[0]['prompt']}")
-    val_pairs = load_preferences(val_files, tok, log=log)[:args.num_eval_pairs] if val_files else []
+    val_pairs = load_preferences(val_files, tok, log=log)[: args.num_eval_pairs] if val_files else []
     sampler = Sampler(len(train_pairs), args.seed)
 
     from transformers import get_scheduler
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay)
-    sched = get_scheduler(args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.total_steps)
+
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay
+    )
+    sched = get_scheduler(
+        args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.total_steps
+    )
     best = BestKeeper(args.save_best)  # --save-best
     guard = UpdateGuard(accelerator)  # non-finite gradients: step skipped, never NaN weights
-    start_step = 0
     if ckpt:
         load_weights(model, ckpt / "model")
     model, opt, sched = accelerator.prepare(model, opt, sched)
+    # what a checkpoint holds, by name: save_checkpoint writes these keys and restore_checkpoint reads them
+    models, optimizers = {"model": model}, {"opt": ("model", opt)}
+    state = {"sched": sched, "sampler": sampler, "best": best, "guard": guard}
+    start_step = restore_checkpoint(accelerator, ckpt, models, state, optimizers) if ckpt else 0
     if ckpt:
-        state = load_trainer_state(ckpt)
-        load_optimizer_state(accelerator, model, opt, state["opt"], ckpt / "model")
-        for obj, key in ((sched, "sched"), (sampler, "sampler")):
-            obj.load_state_dict(state[key])
-        set_rng_state(state["rng"])
-        best.load_state_dict(state.get("best", {"best": None}))
-        guard.load_state_dict(state.get("guard", {"skipped": 0, "in_row": 0}))
-        start_step = state["step"]
         log(f"resumed from {ckpt} at step {start_step}")
     run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
     tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
@@ -203,35 +233,52 @@ def main(args: Args):
     def score_pairs(pairs):
         """Global (chosen, rejected) scores of `pairs`, split over processes."""
         world = accelerator.num_processes
-        pairs = pairs[:max(len(pairs) // world, 1) * world]
-        local = pairs[accelerator.process_index::world]
-        cs, rs = zip(*[scores_of(model, tok, local[i:i + args.micro_batch_size], args.max_length, device)
-                       for i in range(0, len(local), args.micro_batch_size)])
+        pairs = pairs[: max(len(pairs) // world, 1) * world]
+        local = pairs[accelerator.process_index :: world]
+        cs, rs = zip(
+            *[
+                scores_of(model, tok, local[i : i + args.micro_batch_size], args.max_length, device)
+                for i in range(0, len(local), args.micro_batch_size)
+            ]
+        )
         return accelerator.gather(torch.cat(cs)), accelerator.gather(torch.cat(rs))
 
     def evaluate():
         if not val_pairs:
             return {}
         c, r = score_pairs(val_pairs)
-        return {"eval/rm_accuracy": (c > r).float().mean().item(), "eval/rm_margin": (c - r).mean().item(),
-                "eval/loss": bt_loss(c, r).mean().item()}
+        return {
+            "eval/rm_accuracy": (c > r).float().mean().item(),
+            "eval/rm_margin": (c - r).mean().item(),
+            "eval/loss": bt_loss(c, r).mean().item(),
+        }
 
     if args.eval_every and start_step == 0:
         tracker.log(0, evaluate())
 
     def checkpoint(step, label=None):
-        save_checkpoint(accelerator, run_dir, step, {"model": model},
-                        {"opt": optimizer_state(accelerator, model, opt), "sched": sched.state_dict(), "sampler": sampler.state_dict(), "best": best.state_dict(), "guard": guard.state_dict()}, args.keep_last,
-                        tokenizer=tok, args=args, save_merged=args.save_merged, label=label)
+        save_checkpoint(
+            accelerator,
+            run_dir,
+            step,
+            models,
+            state,
+            args.keep_last,
+            tokenizer=tok,
+            args=args,
+            save_merged=args.save_merged,
+            label=label,
+            optimizers=optimizers,
+        )
 
     for step in range(start_step + 1, args.total_steps + 1):
         t_step = time.time()
         r = accelerator.process_index
         global_ids = sampler.take(args.batch_size)
-        batch = [train_pairs[i] for i in global_ids[r * args.local_batch_size:(r + 1) * args.local_batch_size]]
+        batch = [train_pairs[i] for i in global_ids[r * args.local_batch_size : (r + 1) * args.local_batch_size]]
         stats = {"loss": [], "c": [], "r": []}
         for k in range(0, len(batch), args.micro_batch_size):
-            c, rj = scores_of(model, tok, batch[k:k + args.micro_batch_size], args.max_length, device)
+            c, rj = scores_of(model, tok, batch[k : k + args.micro_batch_size], args.max_length, device)
             loss = bt_loss(c, rj)
             backward(accelerator, model, loss.sum() / len(batch), last=k + args.micro_batch_size >= len(batch))
             for key, v in zip(stats, (loss, c, rj)):
@@ -239,12 +286,18 @@ def main(args: Args):
         guard.step(model, opt, args.max_grad_norm, "reward model", step)
         sched.step()
         opt.zero_grad()
-        if step % args.log_every == 0 or step == args.total_steps:
+        evaluating = bool(args.eval_every and (step % args.eval_every == 0 or step == args.total_steps))
+        if step % args.log_every == 0 or step == args.total_steps or evaluating:  # an evaluation step is always logged
             c, rj = accelerator.gather(torch.cat(stats["c"])), accelerator.gather(torch.cat(stats["r"]))
-            metrics = {"loss/rm": bt_loss(c, rj).mean().item(), "rm/accuracy": (c > rj).float().mean().item(),
-                       "rm/margin": (c - rj).mean().item(), "train/lr": sched.get_last_lr()[0],
-                       "perf/step_s": time.time() - t_step, "perf/peak_mem_gb": peak_mem_gb(device)}
-            if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
+            metrics = {
+                "loss/rm": bt_loss(c, rj).mean().item(),
+                "rm/accuracy": (c > rj).float().mean().item(),
+                "rm/margin": (c - rj).mean().item(),
+                "train/lr": sched.get_last_lr()[0],
+                "perf/step_s": time.time() - t_step,
+                "perf/peak_mem_gb": peak_mem_gb(device),
+            }
+            if evaluating:
                 metrics.update(evaluate())
             metrics["train/skipped_steps"] = guard.skipped
             tracker.log(step, metrics)
@@ -258,7 +311,7 @@ def main(args: Args):
             stop.exit(run_dir, step)
 
     # ------------------------------------------------------------------ normalise and save the reward model
-    c, rj = score_pairs(train_pairs[:args.num_norm_samples])
+    c, rj = score_pairs(train_pairs[: args.num_norm_samples])
     ref = torch.cat([c, rj])  # the reference sample's raw scores
     gain = 1.0 / ref.std().clamp(min=1e-6).item()
     bias = -ref.mean().item() * gain
@@ -266,16 +319,25 @@ def main(args: Args):
     state_dict = accelerator.get_state_dict(model)  # full weights, gathered under FSDP2 / ZeRO-3
     unwrapped = accelerator.unwrap_model(model)
     if args.lora_r:  # LoRA: merged into the weights, since --reward-model expects a plain folder
-        state_dict = M.merge_lora_state_dict(state_dict, args.lora_alpha / args.lora_r) if accelerator.is_main_process else None
+        state_dict = (
+            M.merge_lora_state_dict(state_dict, args.lora_alpha / args.lora_r) if accelerator.is_main_process else None
+        )
         unwrapped = unwrapped.get_base_model()
     unwrapped.config.reward_gain, unwrapped.config.reward_bias = gain, bias
     unwrapped.config.reward_max_length = args.max_length  # the RL scorer truncates as training did
     if accelerator.is_main_process:
         unwrapped.save_pretrained(run_dir / "reward_model", state_dict=state_dict)
         tok.save_pretrained(run_dir / "reward_model")
-        norm = (ref * gain + bias)
-        tracker.log(args.total_steps, {"rm/norm_gain": gain, "rm/norm_bias": bias, "rm/norm_mean": norm.mean().item(),
-                                       "rm/norm_std": norm.std().item()})
+        norm = ref * gain + bias
+        tracker.log(
+            args.total_steps,
+            {
+                "rm/norm_gain": gain,
+                "rm/norm_bias": bias,
+                "rm/norm_mean": norm.mean().item(),
+                "rm/norm_std": norm.std().item(),
+            },
+        )
     tracker.close()
     log(f"reward model: {run_dir / 'reward_model'} (gain {gain:.4g}, bias {bias:.4g})")
     return run_dir

@@ -28,13 +28,24 @@ import torch
 
 from common import models as M
 from common.data import Sampler, encode_prompt_completion, load_prompts, load_sft
-from common.distributed import UpdateGuard, backward, configure_deepspeed, load_optimizer_state, make_accelerator, optimizer_state
-from common.evaluate import evaluate_policy
-from common.ops import exact_div, selective_log_softmax
-from common.prepare_data import default_sft_files, default_task_files
+from common.distributed import UpdateGuard, backward, configure_deepspeed, make_accelerator
+from common.eval import evaluate_policy
+from common.ops import exact_div, global_mean_divisor, selective_log_softmax
 from common.rewards import Reward
-from common.run import (Tracker, load_trainer_state, load_weights, make_run_dir, peak_mem_gb,
-                        BestKeeper, StopSignal, cli, resolve_resume, save_checkpoint, seed_everything, set_rng_state)
+from common.run import (
+    BestKeeper,
+    StopSignal,
+    Tracker,
+    cli,
+    load_weights,
+    make_run_dir,
+    peak_mem_gb,
+    resolve_resume,
+    restore_checkpoint,
+    save_checkpoint,
+    seed_everything,
+)
+from common.tasks import default_sft_files, default_task_files
 
 
 @dataclass
@@ -138,8 +149,14 @@ class Args:
 def encode_examples(tok, examples, max_length, device):
     """Right-padded prompt+response+EOS (the shared encoder). Returns input_ids, attention_mask,
     loss_mask: (B, L). loss_mask is 1 on response tokens and EOS only: the prompt is context, not a target."""
-    return encode_prompt_completion(tok, [ex["prompt"] for ex in examples], [ex["response"] for ex in examples],
-                                    eos=True, max_length=max_length, device=device)
+    return encode_prompt_completion(
+        tok,
+        [ex["prompt"] for ex in examples],
+        [ex["response"] for ex in examples],
+        eos=True,
+        max_length=max_length,
+        device=device,
+    )
 
 
 def sft_loss_sum(model, ids, attn, loss_mask):
@@ -157,7 +174,9 @@ def main(args: Args):
     args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")
     exact_div(args.local_batch_size, args.micro_batch_size, "--batch-size per process over --micro-batch-size")
     # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
-    configure_deepspeed(accelerator, args.micro_batch_size, -(-args.local_batch_size // args.micro_batch_size), args.max_grad_norm)
+    configure_deepspeed(
+        accelerator, args.micro_batch_size, args.local_batch_size // args.micro_batch_size, args.max_grad_norm
+    )
     seed_everything(args.seed)
     log = accelerator.print
     ckpt = resolve_resume(args, Path(__file__).stem)  # --resume: checked before anything loads; None = fresh run
@@ -165,9 +184,16 @@ def main(args: Args):
     M.check_context(args.model_name_or_path, args.max_length, "--max-length", args.trust_remote_code)
     tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     M.set_prompt_format(tok, args.apply_chat_template, args.chat_template_kwargs, args.system_prompt)
-    model = M.load_causal_lm(args.model_name_or_path, tok, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-                             gradient_checkpointing=args.gradient_checkpointing, load_in_4bit=args.load_in_4bit,
-                             dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    model = M.load_causal_lm(
+        args.model_name_or_path,
+        tok,
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        gradient_checkpointing=args.gradient_checkpointing,
+        load_in_4bit=args.load_in_4bit,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+    )
     train_files, val_files, eval_prompt_files = args.train_files, args.val_files, args.eval_prompt_files
     if train_files is None:
         train_files, default_val = default_sft_files(args.task)
@@ -175,31 +201,35 @@ def main(args: Args):
         eval_prompt_files = eval_prompt_files or [default_task_files(args.task)[1]]
     train_rows = load_sft(train_files, tok)
     log(f"[prompt] the first training prompt as the model sees it:\n{train_rows[0]['prompt']}")
-    val_rows = load_sft(val_files, tok)[:args.num_eval_examples] if val_files else []
-    eval_prompts = load_prompts(eval_prompt_files, tok, max_prompt_length=args.max_length, log=log)[:args.num_eval_prompts] if eval_prompt_files else []
+    val_rows = load_sft(val_files, tok)[: args.num_eval_examples] if val_files else []
+    eval_prompts = (
+        load_prompts(eval_prompt_files, tok, max_prompt_length=args.max_length, log=log)[: args.num_eval_prompts]
+        if eval_prompt_files
+        else []
+    )
     reward = Reward("rule:1.0", max_new_tokens=args.max_new_tokens)
     if eval_prompts:
         reward.check({r.data_source for r in eval_prompts})
     sampler = Sampler(len(train_rows), args.seed)
 
     from transformers import get_scheduler
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay)
-    sched = get_scheduler(args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.total_steps)
+
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay
+    )
+    sched = get_scheduler(
+        args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.total_steps
+    )
     best = BestKeeper(args.save_best)  # --save-best
     guard = UpdateGuard(accelerator)  # non-finite gradients: step skipped, never NaN weights
-    start_step = 0
     if ckpt:
         load_weights(model, ckpt / "policy")
     model, opt, sched = accelerator.prepare(model, opt, sched)
+    # what a checkpoint holds, by name: save_checkpoint writes these keys and restore_checkpoint reads them
+    models, optimizers = {"policy": model}, {"opt": ("policy", opt)}
+    state = {"sched": sched, "sampler": sampler, "best": best, "guard": guard}
+    start_step = restore_checkpoint(accelerator, ckpt, models, state, optimizers) if ckpt else 0
     if ckpt:
-        state = load_trainer_state(ckpt)
-        load_optimizer_state(accelerator, model, opt, state["opt"], ckpt / "policy")
-        for obj, key in ((sched, "sched"), (sampler, "sampler")):
-            obj.load_state_dict(state[key])
-        set_rng_state(state["rng"])
-        best.load_state_dict(state.get("best", {"best": None}))
-        guard.load_state_dict(state.get("guard", {"skipped": 0, "in_row": 0}))
-        start_step = state["step"]
         log(f"resumed from {ckpt} at step {start_step}")
     run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
     tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
@@ -210,15 +240,19 @@ def main(args: Args):
     def evaluate():
         metrics = {}
         if val_rows:
-            local = val_rows[accelerator.process_index::accelerator.num_processes]
+            local = val_rows[accelerator.process_index :: accelerator.num_processes]
             tot = torch.zeros(2, device=device)
             for i in range(0, len(local), args.micro_batch_size):
-                s, n = sft_loss_sum(model, *encode_examples(tok, local[i:i + args.micro_batch_size], args.max_length, device))
+                s, n = sft_loss_sum(
+                    model, *encode_examples(tok, local[i : i + args.micro_batch_size], args.max_length, device)
+                )
                 tot += torch.stack([s, n])
             tot = accelerator.reduce(tot, "sum")
             metrics["eval/loss"] = (tot[0] / tot[1].clamp(min=1)).item()
         if eval_prompts:
-            m, _ = evaluate_policy(accelerator, model, tok, reward, eval_prompts, args.max_new_tokens, args.micro_batch_size)
+            m, _ = evaluate_policy(
+                accelerator, model, tok, reward, eval_prompts, args.max_new_tokens, args.micro_batch_size
+            )
             metrics.update(m)
         return metrics
 
@@ -226,35 +260,54 @@ def main(args: Args):
         tracker.log(0, evaluate())
 
     def checkpoint(step, label=None):
-        save_checkpoint(accelerator, run_dir, step, {"policy": model},
-                        {"opt": optimizer_state(accelerator, model, opt), "sched": sched.state_dict(), "sampler": sampler.state_dict(), "best": best.state_dict(), "guard": guard.state_dict()}, args.keep_last,
-                        tokenizer=tok, args=args, save_merged=args.save_merged, label=label)
+        save_checkpoint(
+            accelerator,
+            run_dir,
+            step,
+            models,
+            state,
+            args.keep_last,
+            tokenizer=tok,
+            args=args,
+            save_merged=args.save_merged,
+            label=label,
+            optimizers=optimizers,
+        )
 
     for step in range(start_step + 1, args.total_steps + 1):
         t_step = time.time()
         r = accelerator.process_index
         global_ids = sampler.take(args.batch_size)
-        batch = [train_rows[i] for i in global_ids[r * args.local_batch_size:(r + 1) * args.local_batch_size]]
+        batch = [train_rows[i] for i in global_ids[r * args.local_batch_size : (r + 1) * args.local_batch_size]]
         # token-mean over the whole global batch: count its loss tokens first
-        encoded = [encode_examples(tok, batch[k:k + args.micro_batch_size], args.max_length, device)
-                   for k in range(0, len(batch), args.micro_batch_size)]
+        encoded = [
+            encode_examples(tok, batch[k : k + args.micro_batch_size], args.max_length, device)
+            for k in range(0, len(batch), args.micro_batch_size)
+        ]
         n_local = sum(e[2][:, 1:].sum() for e in encoded)
-        n_global = accelerator.reduce(n_local.clone(), "sum")
+        divisor = global_mean_divisor(n_local)
         total = torch.zeros((), device=device)
         for j, (ids, attn, loss_mask) in enumerate(encoded):
             s, _ = sft_loss_sum(model, ids, attn, loss_mask)
-            # DDP averages gradients over processes, so scale by world_size to get the global token mean
-            backward(accelerator, model, s * args.world_size / n_global, last=j == len(encoded) - 1)
+            backward(accelerator, model, s / divisor, last=j == len(encoded) - 1)
             total += s.detach()
         grad_norm = guard.step(model, opt, args.max_grad_norm, "policy", step)  # clip; skip the step if non-finite
         sched.step()
         opt.zero_grad()
-        if step % args.log_every == 0 or step == args.total_steps:
+        evaluating = bool(args.eval_every and (step % args.eval_every == 0 or step == args.total_steps))
+        if step % args.log_every == 0 or step == args.total_steps or evaluating:  # an evaluation step is always logged
             step_s = time.time() - t_step
-            metrics = {"loss/sft": (accelerator.reduce(total, "sum") / n_global).item(), "train/lr": sched.get_last_lr()[0],
-                       "train/grad_norm": float(grad_norm), "train/tokens": n_global.item(),
-                       "perf/step_s": step_s, "perf/tokens_per_s": n_global.item() / step_s, "perf/peak_mem_gb": peak_mem_gb(device)}
-            if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
+            n_global = accelerator.reduce(n_local.clone(), "sum")
+            metrics = {
+                "loss/sft": (accelerator.reduce(total, "sum") / n_global).item(),
+                "train/lr": sched.get_last_lr()[0],
+                "train/grad_norm": float(grad_norm),
+                "train/tokens": n_global.item(),
+                "perf/step_s": step_s,
+                "perf/tokens_per_s": n_global.item() / step_s,
+                "perf/peak_mem_gb": peak_mem_gb(device),
+            }
+            if evaluating:
                 metrics.update(evaluate())
             metrics["train/skipped_steps"] = guard.skipped
             tracker.log(step, metrics)

@@ -27,7 +27,9 @@ def main():
     model = M.load_causal_lm(a.model, tok).eval()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(dev)
-    print("| batch | seeded sampler s | HF sampling s | tokens/s (seeded) | recompute forward s |\n|---|---|---|---|---|")
+    print(
+        "| batch | seeded sampler s | HF sampling s | tokens/s (seeded) | recompute forward s |\n|---|---|---|---|---|"
+    )
     for b in a.batch_sizes:
         q, qm = tokenize_queries(tok, [M.apply_chat(tok, f"Count to {i + 3}.") for i in range(b)], dev)
         t0 = time.time()
@@ -35,14 +37,22 @@ def main():
         seeded = time.time() - t0
         t0 = time.time()
         with torch.no_grad():
-            model.generate(input_ids=q, attention_mask=qm, max_new_tokens=a.max_new_tokens, do_sample=True,
-                           pad_token_id=tok.pad_token_id, min_new_tokens=ro.responses.shape[1])
+            model.generate(
+                input_ids=q,
+                attention_mask=qm,
+                max_new_tokens=a.max_new_tokens,
+                do_sample=True,
+                pad_token_id=tok.pad_token_id,
+                min_new_tokens=ro.responses.shape[1],
+            )
         hf = time.time() - t0
         t0 = time.time()
         with torch.no_grad():
             forward_logprobs(model, ro.query_responses, sequence_attention_mask(qm, ro.responses.shape[1]), q.shape[1])
         fwd = time.time() - t0
-        print(f"| {b} | {seeded:.2f} | {hf:.2f} | {ro.response_mask.sum().item() / seeded:.0f} | {fwd:.2f} |", flush=True)
+        print(
+            f"| {b} | {seeded:.2f} | {hf:.2f} | {ro.response_mask.sum().item() / seeded:.0f} | {fwd:.2f} |", flush=True
+        )
 
 
 if __name__ == "__main__":

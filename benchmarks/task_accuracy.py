@@ -1,6 +1,6 @@
 """Greedy exact-match accuracy of a model on each built-in task's test split (which tasks leave room for RL).
 
-    python benchmarks/task_accuracy.py [--model smollm2-135m-instruct] [--num-prompts 64] [--max-new-tokens 64]
+python benchmarks/task_accuracy.py [--model smollm2-135m-instruct] [--num-prompts 64] [--max-new-tokens 64]
 """
 
 import argparse
@@ -12,9 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import models as M  # noqa: E402
 from common.data import load_prompts  # noqa: E402
-from common.evaluate import answer, score  # noqa: E402
-from common.prepare_data import TASKS, default_task_files  # noqa: E402
+from common.eval import answer, score  # noqa: E402
 from common.rewards import Reward  # noqa: E402
+from common.tasks import TASKS, default_task_files  # noqa: E402
 
 
 def main():
@@ -29,10 +29,13 @@ def main():
     reward = Reward("rule:1.0", max_new_tokens=a.max_new_tokens)
     print("| task | prompts | greedy accuracy (exact) | mean reward | seconds |\n|---|---|---|---|---|")
     for task in a.tasks:
-        rows = load_prompts([default_task_files(task, test_size=a.num_prompts)[1]], tok)[:a.num_prompts]
+        rows = load_prompts([default_task_files(task, test_size=a.num_prompts)[1]], tok)[: a.num_prompts]
         t0 = time.time()
         res = score(rows, answer(model, tok, rows, a.max_new_tokens, batch_size=32, temperature=0.0), reward)["all"]
-        print(f"| {task} | {res['n']} | {res['accuracy']:.3f} | {res['reward']:.3f} | {time.time() - t0:.0f} |", flush=True)
+        print(
+            f"| {task} | {res['n']} | {res['accuracy']:.3f} | {res['reward']:.3f} | {time.time() - t0:.0f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

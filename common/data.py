@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from common.models import apply_chat
-from common.run import UserError
+from common.run import UserError, mix_seed
 
 FORMATS = (".parquet", ".jsonl", ".json", ".arrow")
 
@@ -50,7 +50,9 @@ def read_table(path: str) -> list[dict]:
     except DataError:
         raise
     except Exception as e:  # non-UTF-8 text, a truncated parquet, a JSON syntax error...
-        raise DataError(f"{path}: cannot be read as {suffix or 'a dataset folder'} ({type(e).__name__}: {str(e)[:200]})") from None
+        raise DataError(
+            f"{path}: cannot be read as {suffix or 'a dataset folder'} ({type(e).__name__}: {str(e)[:200]})"
+        ) from None
 
 
 def _read_local(p: Path, suffix: str, path: str, datasets) -> list[dict]:
@@ -95,7 +97,11 @@ def read_files(files: list[str] | str, required: list[str], what: str = "--train
         cols = set(table[0].keys())
         missing = [c for c in required if c not in cols]
         if missing:
-            hint = " (or name them with --prompt-key / --reward-fn-key)" if {"prompt", "data_source"} & set(missing) else ""
+            hint = (
+                " (or name them with --prompt-key / --reward-fn-key)"
+                if {"prompt", "data_source"} & set(missing)
+                else ""
+            )
             raise DataError(f"{f}: column(s) {missing} missing; columns present: {sorted(cols)}{hint}")
         schemas[f] = cols
         rows.extend({**r, "_file": f, "_row": i} for i, r in enumerate(table))
@@ -116,7 +122,9 @@ def _check_messages(x, where: str):
             if not isinstance(m["content"], str) or not m["content"].strip():
                 raise DataError(f"{where}: message {i} ({m['role']}) has empty or non-text content: {m['content']!r}")
         return [{"role": m["role"], "content": m["content"]} for m in x]
-    raise DataError(f"{where}: expected a string or a list of {{role, content}} messages, got {type(x).__name__}: {str(x)[:80]}")
+    raise DataError(
+        f"{where}: expected a string or a list of {{role, content}} messages, got {type(x).__name__}: {str(x)[:80]}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,11 +137,20 @@ class PromptRow:
     ground_truth: object
     extra_info: dict = field(default_factory=dict)
     uid: int = 0  # position in the merged dataset
-    messages: object = None  # the prompt before any template (string or messages): a reward model renders it with its own
+    messages: object = (
+        None  # the prompt before any template (string or messages): a reward model renders it with its own
+    )
 
 
-def load_prompts(files, tok, prompt_key: str = "prompt", reward_fn_key: str = "data_source",
-                 max_prompt_length: int = 512, truncate: bool = False, log=print) -> list[PromptRow]:
+def load_prompts(
+    files,
+    tok,
+    prompt_key: str = "prompt",
+    reward_fn_key: str = "data_source",
+    max_prompt_length: int = 512,
+    truncate: bool = False,
+    log=print,
+) -> list[PromptRow]:
     """Prompt rows, chat-templated. Prompts longer than `max_prompt_length` tokens are dropped
     (with a logged count), or cut to their last `max_prompt_length` tokens with `truncate`."""
     rows = read_files(files, [prompt_key, reward_fn_key])
@@ -151,8 +168,16 @@ def load_prompts(files, tok, prompt_key: str = "prompt", reward_fn_key: str = "d
             text = tok.decode(ids)
         rm = r.get("reward_model") or {}
         extra = r.get("extra_info") or {}
-        out.append(PromptRow(text, str(r[reward_fn_key]), rm.get("ground_truth") if isinstance(rm, dict) else rm,
-                             dict(extra) if isinstance(extra, dict) else {"value": extra}, len(out), messages))
+        out.append(
+            PromptRow(
+                text,
+                str(r[reward_fn_key]),
+                rm.get("ground_truth") if isinstance(rm, dict) else rm,
+                dict(extra) if isinstance(extra, dict) else {"value": extra},
+                len(out),
+                messages,
+            )
+        )
     if dropped:
         log(f"[data] dropped {dropped} of {len(rows)} prompts longer than --max-prompt-length {max_prompt_length}")
     if not out:
@@ -185,7 +210,9 @@ def overlap_report(train_rows: list[dict], test_rows: list[dict], prompt_key: st
     test_keys = [problem_key(r[prompt_key]) for r in test_rows if r.get(prompt_key) is not None]
     return {
         "test_rows": len(test_rows),
-        "test_rows_with_prompt_in_train": sum(json.dumps(r.get(prompt_key), sort_keys=True, default=str) in exact for r in test_rows),
+        "test_rows_with_prompt_in_train": sum(
+            json.dumps(r.get(prompt_key), sort_keys=True, default=str) in exact for r in test_rows
+        ),
         "test_rows_with_problem_in_train": sum(k in train_problems for k in test_keys),
         "distinct_test_problems": len(set(test_keys)),
         "distinct_test_problems_in_train": len(set(test_keys) & train_problems),
@@ -195,9 +222,16 @@ def overlap_report(train_rows: list[dict], test_rows: list[dict], prompt_key: st
 # ---------------------------------------------------------------------------------------------
 # Prompt + completion as one sequence (SFT, reward model training and scoring, DPO)
 # ---------------------------------------------------------------------------------------------
-def encode_prompt_completion(tok, prompts: list[str], completions: list, eos=True, max_length: int | None = None,
-                             max_prompt_length: int | None = None, max_completion_length: int | None = None,
-                             device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def encode_prompt_completion(
+    tok,
+    prompts: list[str],
+    completions: list,
+    eos=True,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+    max_completion_length: int | None = None,
+    device=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded `prompt + completion (+ EOS)` token sequences, the one encoder of the project.
 
     prompts: templated prompt texts. completions: texts, or token-id lists (a rollout's own ids,
@@ -223,9 +257,9 @@ def encode_prompt_completion(tok, prompts: list[str], completions: list, eos=Tru
         if max_completion_length is not None:
             c = c[:max_completion_length]
         if max_prompt_length is not None:
-            p = p[len(p) - min(len(p), max_prompt_length):]
+            p = p[len(p) - min(len(p), max_prompt_length) :]
         if max_length is not None:
-            p = p[len(p) - min(len(p), max(0, max_length - len(c))):]
+            p = p[len(p) - min(len(p), max(0, max_length - len(c))) :]
             c = c[:max_length]
         seqs.append(p + c)
         comp_masks.append([0] * len(p) + [1] * len(c))
@@ -266,8 +300,9 @@ def load_preferences(files, tok, log=print) -> list[dict]:
         if c == j:
             same += 1
             continue
-        out.append({"prompt": apply_chat(tok, _check_messages(prompt, where + " column 'prompt'")),
-                    "chosen": c, "rejected": j})
+        out.append(
+            {"prompt": apply_chat(tok, _check_messages(prompt, where + " column 'prompt'")), "chosen": c, "rejected": j}
+        )
     if same:
         log(f"[data] warning: dropped {same} preference rows whose chosen == rejected")
     if not out:
@@ -289,8 +324,13 @@ def load_sft(files, tok) -> list[dict]:
             out.append({"prompt": apply_chat(tok, msgs[:-1]), "response": msgs[-1]["content"]})
         return out
     rows = read_files(files, ["prompt", "response"])
-    return [{"prompt": apply_chat(tok, _check_messages(r["prompt"], f"{r['_file']} row {r['_row']} column 'prompt'")),
-             "response": _check_messages(r["response"], f"{r['_file']} row {r['_row']} column 'response'")} for r in rows]
+    return [
+        {
+            "prompt": apply_chat(tok, _check_messages(r["prompt"], f"{r['_file']} row {r['_row']} column 'prompt'")),
+            "response": _check_messages(r["response"], f"{r['_file']} row {r['_row']} column 'response'"),
+        }
+        for r in rows
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,7 +349,7 @@ class Sampler:
     def _permutation(self) -> list[int]:
         if not self.shuffle:
             return list(range(self.n))
-        g = torch.Generator().manual_seed(self.seed * 10_007 + self.epoch)
+        g = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
         return torch.randperm(self.n, generator=g).tolist()
 
     def take(self, k: int) -> list[int]:
@@ -319,7 +359,7 @@ class Sampler:
                 self.epoch, self.pos = self.epoch + 1, 0
                 self._perm = self._permutation()
             m = min(k - len(out), self.n - self.pos)
-            out += self._perm[self.pos:self.pos + m]
+            out += self._perm[self.pos : self.pos + m]
             self.pos += m
         return out
 

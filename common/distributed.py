@@ -25,6 +25,7 @@ scripts that accumulate micro-batches into minibatches:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -43,9 +44,11 @@ def make_accelerator():
     if tp_size > 1:
         # tensor parallelism splits every layer over a group of processes that must all see the same
         # batch; the scripts split batches by process index and load models without a tp_plan
-        raise UserError(f"parallelism_config_tp_size {tp_size}: tensor parallelism is not supported by the cleanrlhf "
-                         "scripts yet (batches are split by process, models load without tp_plan); use tp_size 1 "
-                         "(FSDP2 shard x replicate, on GPUs) or configs/accelerate/fsdp2.yaml")
+        raise UserError(
+            f"parallelism_config_tp_size {tp_size}: tensor parallelism is not supported by the cleanrlhf "
+            "scripts yet (batches are split by process, models load without tp_plan); use tp_size 1 "
+            "(FSDP2 shard x replicate, on GPUs) or configs/accelerate/fsdp2.yaml"
+        )
     if torch.cuda.is_available():
         return Accelerator()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it, rather than DeepSpeed warning that it guessed
@@ -57,8 +60,10 @@ def make_accelerator():
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.num_processes > 1:
         plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* variables `accelerate launch` set
         if plugin.fsdp_version != 2:
-            raise UserError("FSDP on CPU processes needs fsdp_version: 2 in the accelerate config "
-                             "(FSDP1 looks for a GPU: 'no available devices found')")
+            raise UserError(
+                "FSDP on CPU processes needs fsdp_version: 2 in the accelerate config "
+                "(FSDP1 looks for a GPU: 'no available devices found')"
+            )
         # both shared states, as Accelerate's own init does (a later AcceleratorState() copies PartialState's)
         accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         accelerator.state.fsdp_plugin = plugin
@@ -80,7 +85,9 @@ def configure_deepspeed(accelerator, micro_batch_size: int, accumulation_steps: 
     cfg["gradient_accumulation_steps"] = accumulation_steps
     cfg["train_batch_size"] = micro_batch_size * accumulation_steps * accelerator.num_processes
     cfg["gradient_clipping"] = max_grad_norm
-    cfg.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True  # full save_pretrained folders
+    cfg.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = (
+        True  # full save_pretrained folders
+    )
 
 
 def backward(accelerator, model, loss: torch.Tensor, last: bool) -> None:
@@ -150,8 +157,9 @@ def optimizer_state(accelerator, model, opt) -> dict:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     reshard(model)
-    return get_optimizer_state_dict(model, getattr(opt, "optimizer", opt),
-                                    options=_options(cpu_offload=accelerator.num_processes > 1))
+    return get_optimizer_state_dict(
+        model, getattr(opt, "optimizer", opt), options=_options(cpu_offload=accelerator.num_processes > 1)
+    )
 
 
 def load_optimizer_state(accelerator, model, opt, state: dict, folder: Path) -> None:
@@ -162,8 +170,13 @@ def load_optimizer_state(accelerator, model, opt, state: dict, folder: Path) -> 
         if not state.get("deepspeed"):
             raise UserError(f"--resume {folder.parent}: written without DeepSpeed; resume it under DDP or FSDP2")
         check_deepspeed_files(folder / "deepspeed")  # DeepSpeed unpickles with weights_only=False: vet first
-        model.load_checkpoint(str(folder / "deepspeed"), tag="state", load_module_strict=False,
-                              load_optimizer_states=True, load_lr_scheduler_states=True)
+        model.load_checkpoint(
+            str(folder / "deepspeed"),
+            tag="state",
+            load_module_strict=False,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+        )
         return
     if state.get("deepspeed"):
         raise UserError(f"--resume {folder.parent}: written under DeepSpeed; resume it under the same DeepSpeed config")
@@ -178,8 +191,12 @@ def load_optimizer_state(accelerator, model, opt, state: dict, folder: Path) -> 
 
 
 # The only non-tensor classes DeepSpeed's engine files hold (ZeRO-2 and ZeRO-3, fp32/bf16/fp16 here).
-DEEPSPEED_GLOBALS = {"deepspeed.utils.tensor_fragment.fragment_address", "deepspeed.runtime.zero.config.ZeroStageEnum",
-                     "deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"}
+DEEPSPEED_GLOBALS = {
+    "deepspeed.utils.tensor_fragment.fragment_address",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+}
 
 
 def check_deepspeed_files(folder: Path) -> None:
@@ -195,8 +212,10 @@ def check_deepspeed_files(folder: Path) -> None:
         except Exception as e:  # not a torch checkpoint at all
             raise UserError(f"{f}: not a readable DeepSpeed checkpoint file ({e!r}); refusing to load it") from None
         if unsafe - DEEPSPEED_GLOBALS:
-            raise UserError(f"{f}: refers to {sorted(unsafe - DEEPSPEED_GLOBALS)}, which loading would execute; "
-                            f"refusing to resume from it")
+            raise UserError(
+                f"{f}: refers to {sorted(unsafe - DEEPSPEED_GLOBALS)}, which loading would execute; "
+                f"refusing to resume from it"
+            )
 
 
 def save_engine_states(accelerator, folder: Path, models: dict) -> None:
@@ -205,8 +224,9 @@ def save_engine_states(accelerator, folder: Path, models: dict) -> None:
     if not is_deepspeed(accelerator):
         return
     for name, m in models.items():
-        m.save_checkpoint(str(Path(folder) / name / "deepspeed"), tag="state", save_latest=False,
-                          exclude_frozen_parameters=True)
+        m.save_checkpoint(
+            str(Path(folder) / name / "deepspeed"), tag="state", save_latest=False, exclude_frozen_parameters=True
+        )
 
 
 class UpdateGuard:
@@ -230,9 +250,11 @@ class UpdateGuard:
             self.skipped, self.in_row = self.skipped + 1, self.in_row + 1
             self.accelerator.print(f"[cleanrlhf] step {step}: {what} gradient norm is {float(norm)}; update skipped")
             if self.in_row >= self.patience:
-                            raise UserError(f"step {step}: non-finite {what} gradient norm in {self.in_row} updates in a row; "
-                                f"stopped before writing NaN weights (the last checkpoint is intact). Lower the "
-                                f"learning rate, or check the rewards and the data")
+                raise UserError(
+                    f"step {step}: non-finite {what} gradient norm in {self.in_row} updates in a row; "
+                    f"stopped before writing NaN weights (the last checkpoint is intact). Lower the "
+                    f"learning rate, or check the rewards and the data"
+                )
             return norm
         self.in_row = 0
         opt.step()
@@ -243,3 +265,62 @@ class UpdateGuard:
 
     def load_state_dict(self, s: dict) -> None:
         self.skipped, self.in_row = s["skipped"], s["in_row"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Full weights for generation (DDP, FSDP2, ZeRO-3)
+# ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def unwrap_for_generation(accelerator, model):
+    """The plain module to call `generate` on, with full weights while inside the block.
+
+    DDP / single process: the unwrapped module. DeepSpeed ZeRO-3: parameters gathered once for the
+    whole rollout phase and released on exit (what verl calls the hybrid engine). FSDP2
+    (`fully_shard`): unshard once, keep unsharded across the many decode forwards, reshard on exit."""
+    unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
+    was_training = unwrapped.training
+    unwrapped.eval()  # in train mode, gradient checkpointing would switch the KV cache off
+    try:
+        ds = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+        if ds is not None and ds.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(model.parameters())):
+                yield unwrapped
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(unwrapped, FSDPModule):
+            fsdp_modules = [m for m in unwrapped.modules() if isinstance(m, FSDPModule)]
+            # torch has a setter but no getter for reshard_after_forward, and Accelerate sets it per
+            # unit (True for layers, False for the root and the embedding/head unit): save the
+            # per-unit settings (private attributes) and put them back exactly
+            saved = [_reshard_setting(m) for m in fsdp_modules]
+            for m in fsdp_modules:
+                m.set_reshard_after_forward(False, recurse=False)
+            # generate() may enter below the FSDP root (a peft model generates through its base model),
+            # and FSDP infers its root from the first module that runs: initialise it from the root here
+            unwrapped._get_fsdp_state()._lazy_init()
+            unwrapped.unshard()
+            try:
+                yield unwrapped
+            finally:
+                for m, setting in zip(fsdp_modules, saved):
+                    _restore_reshard_setting(m, setting)
+                    m.reshard()
+            return
+        yield unwrapped
+    finally:
+        unwrapped.train(was_training)
+
+
+def _reshard_setting(m):
+    state = m._get_fsdp_state()
+    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]
+
+
+def _restore_reshard_setting(m, setting) -> None:
+    state = m._get_fsdp_state()
+    state._auto_reshard_after_forward = setting[0]
+    for g, info in zip(state._fsdp_param_groups, setting[1]):
+        g.post_forward_mesh_info = info

@@ -55,8 +55,13 @@ class HealthMonitor:
         self.last_reward: float | None = None
 
     def state_dict(self) -> dict:
-        return {"first": dict(self.first), "streak": dict(self.streak), "best_acc": self.best_acc,
-                "reward_at_best": self.reward_at_best, "last_reward": self.last_reward}
+        return {
+            "first": dict(self.first),
+            "streak": dict(self.streak),
+            "best_acc": self.best_acc,
+            "reward_at_best": self.reward_at_best,
+            "last_reward": self.last_reward,
+        }
 
     def load_state_dict(self, s: dict) -> None:  # part of a checkpoint, so a resumed run warns as the original would
         self.first, self.streak = dict(s["first"]), dict(s["streak"])
@@ -83,7 +88,9 @@ class HealthMonitor:
             fired.append("reward_scale")  # at once: no patience for a broken scale
         if "train/kl" in m and self._hold("kl", m["train/kl"] > c.kl_max):
             fired.append("kl")
-        if "train/entropy" in m and self._hold("entropy_collapse", m["train/entropy"] < c.entropy_min_frac * self.first["train/entropy"]):
+        if "train/entropy" in m and self._hold(
+            "entropy_collapse", m["train/entropy"] < c.entropy_min_frac * self.first["train/entropy"]
+        ):
             fired.append("entropy_collapse")
         if "train/response_len" in m and self.first["train/response_len"] > 0:
             ratio = m["train/response_len"] / self.first["train/response_len"]
@@ -91,15 +98,20 @@ class HealthMonitor:
                 fired.append("length_drift")
         if "train/clip_frac" in m and self._hold("clip_frac", m["train/clip_frac"] > c.clip_frac_max):
             fired.append("clip_frac")
-        if "train/truncated" in m and self._hold("truncated", m["train/truncated"] > c.truncated_max
-                                                  and m["train/truncated"] > self.first["train/truncated"]):
+        if "train/truncated" in m and self._hold(
+            "truncated", m["train/truncated"] > c.truncated_max and m["train/truncated"] > self.first["train/truncated"]
+        ):
             fired.append("truncated")
         if "eval/accuracy" in m:
             acc = m["eval/accuracy"]
             if self.best_acc is None or acc > self.best_acc:
                 self.best_acc, self.reward_at_best = acc, self.last_reward
-            elif (acc < self.best_acc - c.accuracy_drop and self.last_reward is not None
-                  and self.reward_at_best is not None and self.last_reward > self.reward_at_best):
+            elif (
+                acc < self.best_acc - c.accuracy_drop
+                and self.last_reward is not None
+                and self.reward_at_best is not None
+                and self.last_reward > self.reward_at_best
+            ):
                 fired.append("reward_up_accuracy_down")
         for name in fired:
             self.print(f"[health] {name}: {ADVICE[name]}")

@@ -56,12 +56,15 @@ def _smollm2_gguf() -> Path:
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantise a GGUF file into a plain transformers folder at `out` (atomically)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     os.environ["TQDM_DISABLE"] = "1"  # the GGUF loader prints one tqdm bar per tensor
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # transformers marks a GGUF-loaded model as quantized and refuses save_pretrained; its weights are
     # already float32, so rebuild a plain model from the config and load the state dict into it.
-    config = AutoConfig.for_model(**{k: v for k, v in gguf_model.config.to_dict().items() if k != "quantization_config"})
+    config = AutoConfig.for_model(
+        **{k: v for k, v in gguf_model.config.to_dict().items() if k != "quantization_config"}
+    )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
     # the output embedding is tied to the input one, so lm_head.weight may be "missing" here
@@ -136,8 +139,10 @@ def _merged_adapter(folder: Path) -> str:
     if cfg.task_type not in ("CAUSAL_LM", None):
         from common.run import UserError
 
-        raise UserError(f"{folder}: a {cfg.task_type} adapter; only causal-LM adapters load as a model path "
-                         f"(save with --save-merged for a full folder)")
+        raise UserError(
+            f"{folder}: a {cfg.task_type} adapter; only causal-LM adapters load as a model path "
+            f"(save with --save-merged for a full folder)"
+        )
     base = resolve_model_path(cfg.base_model_name_or_path)
     from transformers import AutoModelForCausalLM
 
@@ -183,8 +188,12 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, padding_s
     return tok
 
 
-def set_prompt_format(tok, apply_chat_template: bool = True, chat_template_kwargs: str | dict | None = None,
-                      system_prompt: str | None = None):
+def set_prompt_format(
+    tok,
+    apply_chat_template: bool = True,
+    chat_template_kwargs: str | dict | None = None,
+    system_prompt: str | None = None,
+):
     """How `apply_chat` renders prompts for this tokenizer (the scripts' --apply-chat-template,
     --chat-template-kwargs and --system-prompt). Kept on the tokenizer so every loader (prompts,
     preferences, SFT examples) renders alike. Returns `tok`."""
@@ -196,12 +205,17 @@ def set_prompt_format(tok, apply_chat_template: bool = True, chat_template_kwarg
         try:
             chat_template_kwargs = json.loads(chat_template_kwargs)
         except json.JSONDecodeError as e:
-            raise UserError(f"--chat-template-kwargs {chat_template_kwargs!r}: not JSON ({e.msg}); "
-                             f"e.g. '{{\"enable_thinking\": false}}'") from None
+            raise UserError(
+                f"--chat-template-kwargs {chat_template_kwargs!r}: not JSON ({e.msg}); "
+                f"e.g. '{{\"enable_thinking\": false}}'"
+            ) from None
         if not isinstance(chat_template_kwargs, dict):
             raise UserError("--chat-template-kwargs: expected a JSON object, e.g. '{\"enable_thinking\": false}'")
-    tok.cleanrlhf_format = {"apply_chat_template": apply_chat_template, "kwargs": chat_template_kwargs or {},
-                            "system_prompt": system_prompt}
+    tok.cleanrlhf_format = {
+        "apply_chat_template": apply_chat_template,
+        "kwargs": chat_template_kwargs or {},
+        "system_prompt": system_prompt,
+    }
     return tok
 
 
@@ -235,7 +249,9 @@ def apply_chat(tok, prompt, add_generation_prompt: bool = True) -> str:
     if fmt["system_prompt"] is not None and not (prompt and prompt[0]["role"] == "system"):
         prompt = [{"role": "system", "content": fmt["system_prompt"]}] + list(prompt)
     if not tok.chat_template:  # no template: a plain "role: content" transcript
-        return "".join(f"{m['role']}: {m['content']}\n" for m in prompt) + ("assistant: " if add_generation_prompt else "")
+        return "".join(f"{m['role']}: {m['content']}\n" for m in prompt) + (
+            "assistant: " if add_generation_prompt else ""
+        )
     return tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=add_generation_prompt, **fmt["kwargs"])
 
 
@@ -274,13 +290,25 @@ def _quantization_config(load_in_4bit: bool):
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=default_dtype(),
     )
 
 
-def _finish(model, tok, lora_r: int, lora_alpha: int, lora_dropout: float, lora_target: str,
-            gradient_checkpointing: bool, load_in_4bit: bool, task_type: str, modules_to_save=None):
+def _finish(
+    model,
+    tok,
+    lora_r: int,
+    lora_alpha: int,
+    lora_dropout: float,
+    lora_target: str,
+    gradient_checkpointing: bool,
+    load_in_4bit: bool,
+    task_type: str,
+    modules_to_save=None,
+):
     if tok is not None and len(tok) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tok))  # a `<|pad|>` token was added
     if tok is not None:
@@ -296,8 +324,14 @@ def _finish(model, tok, lora_r: int, lora_alpha: int, lora_dropout: float, lora_
         from peft import LoraConfig, get_peft_model
 
         target = "all-linear" if lora_target == "all-linear" else [t.strip() for t in lora_target.split(",")]
-        cfg = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=target,
-                         task_type=task_type, modules_to_save=modules_to_save)
+        cfg = LoraConfig(
+            r=lora_r,
+            lora_alpha=lora_alpha,
+            lora_dropout=lora_dropout,
+            target_modules=target,
+            task_type=task_type,
+            modules_to_save=modules_to_save,
+        )
         model = get_peft_model(model, cfg)
         if gradient_checkpointing:
             model.enable_input_require_grads()
@@ -330,21 +364,34 @@ def _config(path: str, trust_remote_code: bool):
     return no_dropout(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
 
 
-def load_causal_lm(name_or_path: str, tok=None, dtype: str = "auto", trust_remote_code: bool = False,
-                   lora_r: int = 0, lora_alpha: int = 32, lora_dropout: float = 0.0, lora_target: str = "all-linear",
-                   gradient_checkpointing: bool = False, load_in_4bit: bool = False):
+def load_causal_lm(
+    name_or_path: str,
+    tok=None,
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    lora_r: int = 0,
+    lora_alpha: int = 32,
+    lora_dropout: float = 0.0,
+    lora_target: str = "all-linear",
+    gradient_checkpointing: bool = False,
+    load_in_4bit: bool = False,
+):
     """A causal LM (policy or reference). `lora_r > 0` wraps it in a peft LoRA adapter over all
     linear layers (or the comma-separated `lora_target`); `load_in_4bit` makes that QLoRA."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(
-        path, config=_config(path, trust_remote_code), dtype=default_dtype(override=dtype),
-        trust_remote_code=trust_remote_code, quantization_config=_quantization_config(load_in_4bit),
+        path,
+        config=_config(path, trust_remote_code),
+        dtype=default_dtype(override=dtype),
+        trust_remote_code=trust_remote_code,
+        quantization_config=_quantization_config(load_in_4bit),
     )
     model.generation_config.pad_token_id = tok.pad_token_id if tok is not None else None
-    return _finish(model, tok, lora_r, lora_alpha, lora_dropout, lora_target, gradient_checkpointing,
-                   load_in_4bit, "CAUSAL_LM")
+    return _finish(
+        model, tok, lora_r, lora_alpha, lora_dropout, lora_target, gradient_checkpointing, load_in_4bit, "CAUSAL_LM"
+    )
 
 
 @contextlib.contextmanager
@@ -363,9 +410,18 @@ def full_parameters(module: nn.Module, modify: bool = False):
         yield
 
 
-def load_value_model(name_or_path: str, tok=None, dtype: str = "auto", trust_remote_code: bool = False,
-                     lora_r: int = 0, lora_alpha: int = 32, lora_dropout: float = 0.0, lora_target: str = "all-linear",
-                     gradient_checkpointing: bool = False, load_in_4bit: bool = False):
+def load_value_model(
+    name_or_path: str,
+    tok=None,
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    lora_r: int = 0,
+    lora_alpha: int = 32,
+    lora_dropout: float = 0.0,
+    lora_target: str = "all-linear",
+    gradient_checkpointing: bool = False,
+    load_in_4bit: bool = False,
+):
     """The critic: a causal-LM body with a scalar head per token, `AutoModelForTokenClassification`
     with one label, so it saves and loads with plain transformers. Output `logits`: (B, T, 1).
 
@@ -379,16 +435,29 @@ def load_value_model(name_or_path: str, tok=None, dtype: str = "auto", trust_rem
     config.num_labels, config.classifier_dropout = 1, 0.0  # no dropout in RL: it would bias the values
     with _quiet_load():
         model = AutoModelForTokenClassification.from_pretrained(
-            path, config=config, dtype=default_dtype(override=dtype),
-            trust_remote_code=trust_remote_code, quantization_config=_quantization_config(load_in_4bit),
+            path,
+            config=config,
+            dtype=default_dtype(override=dtype),
+            trust_remote_code=trust_remote_code,
+            quantization_config=_quantization_config(load_in_4bit),
         )
     if fresh_head:
         with full_parameters(model.score, modify=True):
             nn.init.zeros_(model.score.weight)
             if model.score.bias is not None:
                 nn.init.zeros_(model.score.bias)
-    return _finish(model, tok, lora_r, lora_alpha, lora_dropout, lora_target, gradient_checkpointing,
-                   load_in_4bit, "TOKEN_CLS", modules_to_save=["score"])
+    return _finish(
+        model,
+        tok,
+        lora_r,
+        lora_alpha,
+        lora_dropout,
+        lora_target,
+        gradient_checkpointing,
+        load_in_4bit,
+        "TOKEN_CLS",
+        modules_to_save=["score"],
+    )
 
 
 def load_reward_model(name_or_path: str, tok=None, dtype: str = "auto", trust_remote_code: bool = False, **lora):
@@ -400,7 +469,7 @@ def load_reward_model(name_or_path: str, tok=None, dtype: str = "auto", trust_re
     config.num_labels = 1
     with _quiet_load():
         model = AutoModelForSequenceClassification.from_pretrained(
-            path, config=config, dtype=default_dtype(override=dtype), trust_remote_code=trust_remote_code,
+            path, config=config, dtype=default_dtype(override=dtype), trust_remote_code=trust_remote_code
         )
     if lora:
         return _finish(model, tok, task_type="SEQ_CLS", modules_to_save=["score"], **lora)
@@ -417,7 +486,7 @@ def merge_lora_state_dict(state_dict: dict, scaling: float, adapter: str = "defa
     modules in place would merge empty shards."""
     prefix, out = "base_model.model.", {}
     for key, value in state_dict.items():
-        name = key[len(prefix):] if key.startswith(prefix) else key
+        name = key[len(prefix) :] if key.startswith(prefix) else key
         if ".lora_" in name or ".original_module." in name:
             continue
         if ".base_layer." in name:
@@ -434,8 +503,15 @@ def merge_lora_state_dict(state_dict: dict, scaling: float, adapter: str = "defa
 # ---------------------------------------------------------------------------------------------
 # Tiny models for tests
 # ---------------------------------------------------------------------------------------------
-def tiny_model(out_dir: str | Path, tokenizer_from: str = DEFAULT_MODEL, hidden: int = 64, layers: int = 2,
-               heads: int = 4, seed: int = 0, init_std: float = 0.02) -> str:
+def tiny_model(
+    out_dir: str | Path,
+    tokenizer_from: str = DEFAULT_MODEL,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    seed: int = 0,
+    init_std: float = 0.02,
+) -> str:
     """Save a random-initialised Llama-style model (2 layers, hidden 64) with the SmolLM2 tokenizer
     (the chat template included) to `out_dir`, and return the folder. Load it back with the same
     functions users call: `load_causal_lm(out_dir)`. A larger `init_std` (e.g. 0.2) gives peakier
@@ -445,10 +521,20 @@ def tiny_model(out_dir: str | Path, tokenizer_from: str = DEFAULT_MODEL, hidden:
     out_dir = Path(out_dir)
     tok = load_tokenizer(tokenizer_from)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=2048,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, initializer_range=init_std)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        initializer_range=init_std,
+    )
     model = LlamaForCausalLM(cfg)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out_dir)
@@ -472,7 +558,7 @@ def _chat_cli() -> None:
     out = model.generate(**enc, max_new_tokens=a.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
     print(f"[loaded {a.model} in {load_s:.1f}s]")
     print("user:", a.chat)
-    print("assistant:", tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+    print("assistant:", tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip())
 
 
 if __name__ == "__main__":

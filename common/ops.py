@@ -9,14 +9,15 @@ Never here: losses, training loops, the choice of advantages. Those are the algo
 
 from __future__ import annotations
 
-
 import torch
 
 
 # ---------------------------------------------------------------------------------------------
 # Log-probabilities and entropy
 # ---------------------------------------------------------------------------------------------
-def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, chunk: int = 4, temperature: float = 1.0) -> torch.Tensor:
+def selective_log_softmax(
+    logits: torch.Tensor, index: torch.Tensor, chunk: int = 4, temperature: float = 1.0
+) -> torch.Tensor:
     """log softmax(logits / temperature)[..., index], without a float32 copy of the whole (B, T, V) tensor.
 
     logits: (B, T, V) any float dtype; index: (B, T) token ids -> (B, T) float32. The temperature
@@ -57,6 +58,17 @@ def all_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def global_mean_divisor(count: torch.Tensor) -> torch.Tensor:
+    """What to divide this rank's loss *sum* by so that, after DDP (or FSDP, DeepSpeed) averages the
+    ranks' gradients, the update is the mean over the whole minibatch on all ranks: (count summed over
+    processes, at least 1) / world size. count: this rank's tokens (token-mean), sequences or pairs.
+    The one token-mean rule of every script; ranks may hold different counts."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return all_sum(count.float()).clamp(min=1) / world
+
+
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     return (x * mask).sum() if dim is None else (x * mask).sum(dim)
 
@@ -88,8 +100,9 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, distr
     return var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
-                  distributed: bool = False) -> torch.Tensor:
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8, distributed: bool = False
+) -> torch.Tensor:
     """(x - mean) / std over masked entries (unbiased variance). With `shift_mean=False` the mean
     is added back: only the scale changes (used for rewards, so their sign is kept).
     Masked-out entries are returned as they were computed; callers multiply by the mask.
@@ -144,77 +157,12 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return adv, (adv + values) * mask
 
 
-def group_advantages(scores: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-6,
-                     distributed: bool = False) -> torch.Tensor:
-    """GRPO advantages: each score minus its group's mean, divided by the group's std.
-
-    scores: (N*G,) with the G samples of a prompt adjacent -> (N*G,).
-    scale: "group" divides by the group's unbiased std (+eps), "batch" by the whole batch's std,
-    "none" does not divide (Dr. GRPO). A group of identical scores gives exactly 0 (its numerator
-    is 0), never NaN. eps = 1e-6 as in the GRPO reference code (TRL uses 1e-4).
-    distributed=True: "batch" uses the std over all processes' scores (groups never straddle ranks,
-    so the group statistics need no communication)."""
-    s = scores.view(-1, group_size)
-    centered = s - s.mean(dim=1, keepdim=True)
-    if scale == "group":
-        std = s.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(s[:, :1])
-        centered = centered / (std + eps)
-    elif scale == "batch":
-        centered = centered / (masked_var(scores, torch.ones_like(scores), distributed=distributed).sqrt() + eps)
-    elif scale != "none":
-        raise ValueError(f"unknown scale {scale!r}: use group, batch or none")
-    return centered.reshape(-1)
-
-
-def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
-    """RLOO (Ahmadian et al. 2024): each score minus the mean of the other G-1 scores of its group.
-    scores: (N*G,) -> (N*G,). Equals G/(G-1) * (score - group mean)."""
-    if group_size < 2:
-        raise ValueError("RLOO needs --group-size >= 2")
-    s = scores.view(-1, group_size)
-    baseline = (s.sum(dim=1, keepdim=True) - s) / (group_size - 1)
-    return (s - baseline).reshape(-1)
-
-
-# ---------------------------------------------------------------------------------------------
-# KL coefficient controllers
-# ---------------------------------------------------------------------------------------------
-class FixedKLController:
-    """beta stays where it started."""
-
-    def __init__(self, kl_coef: float):
-        self.value = kl_coef
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        pass
-
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.value = state["value"]
-
-
-class AdaptiveKLController(FixedKLController):
-    """Ziegler et al. 2019 (lm-human-preferences): move beta so the measured KL approaches a target.
-
-    e = clip(KL / target - 1, -0.2, 0.2);  beta <- beta * (1 + e * n_steps / horizon)
-    where n_steps is the number of samples (episodes) in the batch just trained on."""
-
-    def __init__(self, kl_coef: float, target: float, horizon: int):
-        super().__init__(kl_coef)
-        self.target, self.horizon = target, horizon
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        err = min(max(current_kl / self.target - 1, -0.2), 0.2)
-        self.value *= 1 + err * n_steps / self.horizon
-
-
 def exact_div(a: int, b: int, what: str) -> int:
     """a // b, or a UserError (a ValueError) naming the flags (`what`) when b does not divide a."""
     from common.run import UserError
 
     if b <= 0 or a <= 0 or a % b != 0:
-        raise UserError(f"{what}: {a} is not divisible by {b}" if a > 0 and b > 0 else f"{what}: sizes must be positive ({a}, {b})")
+        raise UserError(
+            f"{what}: {a} is not divisible by {b}" if a > 0 and b > 0 else f"{what}: sizes must be positive ({a}, {b})"
+        )
     return a // b
-

@@ -62,13 +62,17 @@ def extract_answer(text: str, ground_truth) -> str | None:
 # ---------------------------------------------------------------------------------------------
 def reasoning_gym_score(data_source: str, solution_str: str, ground_truth, extra_info: dict | None) -> dict:
     """reasoning-gym's own scorer on the answer (`extract_answer`). `extra_info["entry"]` holds the
-    task's entry (question, answer, metadata) as JSON, written by `python -m common.prepare_data`.
+    task's entry (question, answer, metadata) as JSON, written by `python -m tools.prepare_data`.
     score: the task's `score_answer` (may give partial credit: "11" for "1" scores 0.5);
     acc: 1 only when that score is 1 (exact)."""
     import reasoning_gym
 
     task = data_source.split("/", 1)[1]
-    entry = json.loads(extra_info["entry"]) if extra_info and "entry" in extra_info else {"answer": str(ground_truth), "metadata": {}}
+    entry = (
+        json.loads(extra_info["entry"])
+        if extra_info and "entry" in extra_info
+        else {"answer": str(ground_truth), "metadata": {}}
+    )
     answer = extract_answer(solution_str, entry.get("answer", ground_truth))
     score = 0.0 if answer is None else float(reasoning_gym.get_score_answer_fn(task)(answer, entry))
     return {"score": score, "acc": float(score == 1.0)}
@@ -148,8 +152,9 @@ def check_data_sources(sources) -> None:
     """At start-up: every data_source has a scorer, or an error listing the known ones."""
     unknown = sorted({s for s in sources if find_scorer(s) is None})
     if unknown:
-        raise UserError(f"unknown data_source {unknown}; known: {sorted(REGISTRY)} "
-                         f"(or pass --reward-fn path/to/file.py:fn)")
+        raise UserError(
+            f"unknown data_source {unknown}; known: {sorted(REGISTRY)} (or pass --reward-fn path/to/file.py:fn)"
+        )
 
 
 def load_reward_fn(spec: str):
@@ -246,8 +251,9 @@ class RewardPool:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
-        self.pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("fork"),
-                                        initializer=_init_worker, initargs=(self.specs,))
+        self.pool = ProcessPoolExecutor(
+            self.workers, mp_context=mp.get_context("fork"), initializer=_init_worker, initargs=(self.specs,)
+        )
 
     def _kill(self):
         """Stop every worker now (a stuck one never returns), then forget the pool."""
@@ -258,8 +264,10 @@ class RewardPool:
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.pool = None
 
-    def map(self, jobs: list[tuple]) -> list[list[tuple[bool, object]]]:
-        """jobs: (data_source, response, ground_truth, extra_info) per row -> score_row's output per row."""
+    def map(self, jobs: list[tuple], stop_at_failure: bool = False) -> list[list[tuple[bool, object]]]:
+        """jobs: (data_source, response, ground_truth, extra_info) per row -> score_row's output per row.
+        stop_at_failure: the first failed row ends the call (the rows after it are not scored), so a
+        run without --reward-fallback stops at once instead of waiting out every queued row."""
         import time
         from concurrent.futures import TimeoutError as FutureTimeout
         from concurrent.futures.process import BrokenProcessPool
@@ -282,12 +290,24 @@ class RewardPool:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 out.append(fut.result(timeout=left))
             except FutureTimeout:
-                out.append([(False, f"RewardTimeout('the reward worker gave no result within {grace:g} s "
-                                    f"(--reward-timeout {self.timeout:g}); it was stopped')")] * len(self.specs))
+                out.append(
+                    [
+                        (
+                            False,
+                            f"RewardTimeout('the reward worker gave no result within {grace:g} s "
+                            f"(--reward-timeout {self.timeout:g}); it was stopped')",
+                        )
+                    ]
+                    * len(self.specs)
+                )
                 broken = True
             except BrokenProcessPool as e:
                 out.append([(False, f"RewardWorkerDied('the reward worker process died: {e}')")] * len(self.specs))
                 broken = True
+            if stop_at_failure and not all(ok for ok, _ in out[-1]):
+                out += [[(False, "not scored: an earlier row failed")] * len(self.specs)] * (len(jobs) - len(out))
+                broken = True  # queued and running rows are dropped with the pool
+                break
         if broken:
             self._kill()
         return out
@@ -302,7 +322,7 @@ SOURCES = ("rule", "model", "format", "length", "length_bonus")
 
 
 def parse_mix(spec: str) -> dict[str, float]:
-    """"rule:1.0,model:0.5" -> {"rule": 1.0, "model": 0.5}."""
+    """ "rule:1.0,model:0.5" -> {"rule": 1.0, "model": 0.5}."""
     out = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, w = part.partition(":")
@@ -323,17 +343,31 @@ class Reward:
     `fallback`: None raises RewardError naming the data_source, row and response when a reward
     function raises or returns NaN/inf; a number replaces that sample's score and counts a warning."""
 
-    def __init__(self, mix: str = "rule:1.0", reward_fn: str | list[str] | None = None, reward_model=None,
-                 reward_tok=None, max_new_tokens: int = 1, fallback: float | None = None, batch_size: int = 16,
-                 reward_weights: list[float] | None = None, timeout: float = 60.0, workers: int = 2):
+    def __init__(
+        self,
+        mix: str = "rule:1.0",
+        reward_fn: str | list[str] | None = None,
+        reward_model=None,
+        reward_tok=None,
+        max_new_tokens: int = 1,
+        fallback: float | None = None,
+        batch_size: int = 16,
+        reward_weights: list[float] | None = None,
+        timeout: float = 60.0,
+        workers: int = 2,
+    ):
         self.mix = parse_mix(mix)
         specs = [reward_fn] if isinstance(reward_fn, str) else list(reward_fn or [])
         if reward_weights is not None and len(reward_weights) != len(specs):
-            raise UserError(f"--reward-weights: {len(reward_weights)} weight(s) for {len(specs)} --reward-fn function(s)")
+            raise UserError(
+                f"--reward-weights: {len(reward_weights)} weight(s) for {len(specs)} --reward-fn function(s)"
+            )
         weights = list(reward_weights) if reward_weights is not None else [1.0] * len(specs)
         fns = [load_reward_fn(spec) for spec in specs]
         names = [fn.__name__ for fn in fns]
-        names = [n if names.count(n) == 1 else f"{Path(spec.rpartition(':')[0]).stem}.{n}" for n, spec in zip(names, specs)]
+        names = [
+            n if names.count(n) == 1 else f"{Path(spec.rpartition(':')[0]).stem}.{n}" for n, spec in zip(names, specs)
+        ]
         # (name, function, weight); the dispatcher alone when no --reward-fn is given
         self.rule_fns = list(zip(names, fns, weights)) or [("rule", compute_score, 1.0)]
         self.custom = bool(specs)
@@ -366,11 +400,15 @@ class Reward:
                     raise ValueError(f"reward function returned {score}")
             except Exception as e:
                 if self.fallback is None:
-                    raise RewardError(f"reward function {name!r} failed on {where}: {e if not ok else repr(e)}") from None
+                    raise RewardError(
+                        f"reward function {name!r} failed on {where}: {e if not ok else repr(e)}"
+                    ) from None
                 self.errors += 1
                 score, extra = self.fallback, {}
             total += weight * score
-            extras.update({k: v for k, v in extra.items() if isinstance(v, (int, float, bool))})  # verl allows text fields too
+            extras.update(
+                {k: v for k, v in extra.items() if isinstance(v, (int, float, bool))}
+            )  # verl allows text fields too
             if len(self.rule_fns) > 1:
                 extras[name] = score
         return total, extras
@@ -385,14 +423,26 @@ class Reward:
         from common.rollout import position_ids_from_mask
 
         tok, cfg, out = self.reward_tok, self.reward_model.config, []
-        prompts = [apply_chat(tok, r.messages) if r.messages is not None else r.text for r in rows]  # text: already templated
+        prompts = [
+            apply_chat(tok, r.messages) if r.messages is not None else r.text for r in rows
+        ]  # text: already templated
         eos = [bool(e) for e in is_eos] if is_eos is not None else [False] * len(rows)
         for i in range(0, len(rows), self.batch_size):
             sl = slice(i, i + self.batch_size)
-            ids, attn, _ = encode_prompt_completion(tok, prompts[sl], responses[sl], eos[sl],
-                                                    max_length=getattr(cfg, "reward_max_length", None), device=device)
+            ids, attn, _ = encode_prompt_completion(
+                tok,
+                prompts[sl],
+                responses[sl],
+                eos[sl],
+                max_length=getattr(cfg, "reward_max_length", None),
+                device=device,
+            )
             # right padding, and position ids given anyway: absolute-position models (GPT-2) need them
-            out.append(self.reward_model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits[:, 0].float())
+            out.append(
+                self.reward_model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn))
+                .logits[:, 0]
+                .float()
+            )
         # rm_llm.py stores the normalisation (mean 0, std 1 on a reference sample) in the config
         return torch.cat(out) * getattr(cfg, "reward_gain", 1.0) + getattr(cfg, "reward_bias", 0.0)
 
@@ -405,7 +455,11 @@ class Reward:
         if "rule" in self.mix:
             jobs = [(r.data_source, s, r.ground_truth, r.extra_info) for r, s in zip(rows, responses)]
             fns = [fn for _, fn, _ in self.rule_fns]
-            raw = self.pool.map(jobs) if self.pool else [score_row(fns, self.timeout, *job) for job in jobs]
+            raw = (
+                self.pool.map(jobs, stop_at_failure=self.fallback is None)
+                if self.pool
+                else [score_row(fns, self.timeout, *job) for job in jobs]
+            )
             vals = [self._rule(r, s, o) for r, s, o in zip(rows, responses, raw)]
             comps["rule"] = torch.tensor([v[0] for v in vals], device=device)
             for k in {k for _, e in vals for k in e}:

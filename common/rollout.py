@@ -22,12 +22,6 @@ def tokenize_queries(tok, texts: list[str], device=None) -> tuple[torch.Tensor, 
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
-def sample_seed(seed: int, step: int, uid: int) -> int:
-    """The seed of one sample, from (run seed, training step, global sample id), so a response does
-    not depend on which other prompts share its batch, on the rank, or on a resume."""
-    return ((seed * 1_000_003 + step) * 1_000_003 + uid) % (2**63 - 1)
-
-
 class SeededSampler(LogitsProcessor):
     """Samples each row with its own `torch.Generator`, and records the sampled token's log-prob.
 
@@ -90,62 +84,6 @@ def response_masks(responses: torch.Tensor, eos_id: int, pad_id: int, stopped_ea
 
 
 @contextlib.contextmanager
-def unwrap_for_generation(accelerator, model):
-    """The plain module to call `generate` on, with full weights while inside the block.
-
-    DDP / single process: the unwrapped module. DeepSpeed ZeRO-3: parameters gathered once for the
-    whole rollout phase and released on exit (what verl calls the hybrid engine). FSDP2
-    (`fully_shard`): unshard once, keep unsharded across the many decode forwards, reshard on exit."""
-    unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
-    was_training = unwrapped.training
-    unwrapped.eval()  # in train mode, gradient checkpointing would switch the KV cache off
-    try:
-        ds = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
-        if ds is not None and ds.zero_stage == 3:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters(list(model.parameters())):
-                yield unwrapped
-            return
-        from torch.distributed.fsdp import FSDPModule
-
-        if isinstance(unwrapped, FSDPModule):
-            fsdp_modules = [m for m in unwrapped.modules() if isinstance(m, FSDPModule)]
-            # torch has a setter but no getter for reshard_after_forward, and Accelerate sets it per
-            # unit (True for layers, False for the root and the embedding/head unit): save the
-            # per-unit settings (private attributes) and put them back exactly
-            saved = [_reshard_setting(m) for m in fsdp_modules]
-            for m in fsdp_modules:
-                m.set_reshard_after_forward(False, recurse=False)
-            # generate() may enter below the FSDP root (a peft model generates through its base model),
-            # and FSDP infers its root from the first module that runs: initialise it from the root here
-            unwrapped._get_fsdp_state()._lazy_init()
-            unwrapped.unshard()
-            try:
-                yield unwrapped
-            finally:
-                for m, setting in zip(fsdp_modules, saved):
-                    _restore_reshard_setting(m, setting)
-                    m.reshard()
-            return
-        yield unwrapped
-    finally:
-        unwrapped.train(was_training)
-
-
-def _reshard_setting(m):
-    state = m._get_fsdp_state()
-    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]
-
-
-def _restore_reshard_setting(m, setting) -> None:
-    state = m._get_fsdp_state()
-    state._auto_reshard_after_forward = setting[0]
-    for g, info in zip(state._fsdp_param_groups, setting[1]):
-        g.post_forward_mesh_info = info
-
-
-@contextlib.contextmanager
 def own_generation_config(model):
     """Inside the block, every model under `model` has an empty `generation_config`.
 
@@ -155,7 +93,11 @@ def own_generation_config(model):
     `SeededSampler` sees them: rollouts would come from a penalised distribution whose log-probs
     differ from the trainer's. Sampling knobs are our flags only. (A peft model generates through
     its base model, hence every submodule that has a generation config.)"""
-    saved = [(m, m.generation_config) for m in model.modules() if isinstance(getattr(m, "generation_config", None), GenerationConfig)]
+    saved = [
+        (m, m.generation_config)
+        for m in model.modules()
+        if isinstance(getattr(m, "generation_config", None), GenerationConfig)
+    ]
     try:
         for m, _ in saved:
             m.generation_config = GenerationConfig()
@@ -166,9 +108,18 @@ def own_generation_config(model):
 
 
 @torch.no_grad()
-def generate(model, tok, queries: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seeds: list[int] | None = None,
-             stop_strings: list[str] | None = None) -> Rollout:
+def generate(
+    model,
+    tok,
+    queries: torch.Tensor,
+    attention_mask: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seeds: list[int] | None = None,
+    stop_strings: list[str] | None = None,
+) -> Rollout:
     """Sample (seeds given) or decode greedily (seeds=None) one response per query row.
 
     queries, attention_mask: (B, P) left-padded. Returns a `Rollout`; responses are right-padded to
@@ -176,12 +127,20 @@ def generate(model, tok, queries: torch.Tensor, attention_mask: torch.Tensor, ma
     B, P = queries.shape
     sampler = SeededSampler(seeds, temperature, top_k, top_p, queries.device) if seeds is not None else None
     gen_config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, stop_strings=stop_strings or None,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        stop_strings=stop_strings or None,
     )
     with own_generation_config(model):
         out = model.generate(
-            input_ids=queries, attention_mask=attention_mask, generation_config=gen_config,
+            input_ids=queries,
+            attention_mask=attention_mask,
+            generation_config=gen_config,
             logits_processor=LogitsProcessorList([sampler]) if sampler else None,
             tokenizer=tok if stop_strings else None,
         )
@@ -189,7 +148,9 @@ def generate(model, tok, queries: torch.Tensor, attention_mask: torch.Tensor, ma
     T = responses.shape[1]
     stopped_early = None
     if stop_strings:
-        stopped_early = torch.full((B,), T < max_new_tokens, device=queries.device) | (responses[:, -1] == tok.pad_token_id)
+        stopped_early = torch.full((B,), T < max_new_tokens, device=queries.device) | (
+            responses[:, -1] == tok.pad_token_id
+        )
     mask, is_eos, lengths = response_masks(responses, tok.eos_token_id, tok.pad_token_id, stopped_early)
     # after a row finishes, generate fills it with pad; make that explicit for rows ended by stop strings
     responses = torch.where(mask.bool(), responses, torch.full_like(responses, tok.pad_token_id))
@@ -213,15 +174,26 @@ def sequence_attention_mask(query_mask: torch.Tensor, T: int) -> torch.Tensor:
     return torch.cat([query_mask, query_mask.new_ones(query_mask.shape[0], T)], 1)
 
 
-def forward_logprobs(model, query_responses: torch.Tensor, attention_mask: torch.Tensor, P: int,
-                     temperature: float = 1.0, with_entropy: bool = False):
+def forward_logprobs(
+    model,
+    query_responses: torch.Tensor,
+    attention_mask: torch.Tensor,
+    P: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+):
     """Log-probs of the response tokens under `model`, logits divided by the sampling temperature.
 
     query_responses, attention_mask: (B, P+T). Returns logprobs (B, T) (and entropy (B, T))."""
     T = query_responses.shape[1] - P
     # logits_to_keep: project only the last T+1 positions onto the vocabulary (not the prompt's)
-    logits = model(input_ids=query_responses, attention_mask=attention_mask, logits_to_keep=T + 1,
-                   position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits
+    logits = model(
+        input_ids=query_responses,
+        attention_mask=attention_mask,
+        logits_to_keep=T + 1,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    ).logits
     logits = logits[:, :-1]  # (B, T, V): the logits that predicted each response token
     # the temperature divides inside the helpers, after their float32 cast (bf16 logits / T would round again)
     logprobs = selective_log_softmax(logits, query_responses[:, P:], temperature=temperature)  # (B, T)
@@ -232,6 +204,10 @@ def forward_logprobs(model, query_responses: torch.Tensor, attention_mask: torch
 
 def forward_values(critic, query_responses: torch.Tensor, attention_mask: torch.Tensor, P: int) -> torch.Tensor:
     """Critic values V(s_t) for each response position t (the state before emitting token t): (B, T)."""
-    out = critic(input_ids=query_responses, attention_mask=attention_mask,
-                 position_ids=position_ids_from_mask(attention_mask), use_cache=False)
-    return out.logits[:, P - 1:-1, 0].float()
+    out = critic(
+        input_ids=query_responses,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    return out.logits[:, P - 1 : -1, 0].float()

@@ -45,21 +45,31 @@ def parse_args(cls, argv: list[str] | None = None):
         for theirs, ours in FOREIGN_FLAGS.items():
             if a == theirs or a.startswith(theirs + "="):
                 user_error(f"{theirs}: not a cleanrlhf flag; {ours}")
-    doc = (sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n")[0]  # --help starts with the script's summary
+    doc = (
+        (sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n")[0]
+    )  # --help starts with the script's summary
     preset = []
     for i, a in enumerate(argv):
-        path = argv[i + 1] if a == "--config" and i + 1 < len(argv) else a.split("=", 1)[1] if a.startswith("--config=") else None
+        path = (
+            argv[i + 1]
+            if a == "--config" and i + 1 < len(argv)
+            else a.split("=", 1)[1]
+            if a.startswith("--config=")
+            else None
+        )
         if path:
             if not Path(path).is_file():
                 user_error(f"--config {path}: file not found")
             try:
                 cfg = yaml.safe_load(open(path)) or {}
             except yaml.YAMLError as e:
-                user_error(f"--config {path}: not valid YAML ({e})")
+                user_error(f"--config {path}: not valid YAML ({' '.join(str(e).split())})")
             if not isinstance(cfg, dict):
                 user_error(f"--config {path}: expected a mapping of field names to values")
             preset = _preset_flags(cls, cfg, path)
-            _tyro_cli(cls, preset, blame=f"--config {path}: ")  # the preset alone first, so a bad value is blamed on the file
+            _tyro_cli(
+                cls, preset, blame=f"--config {path}: "
+            )  # the preset alone first, so a bad value is blamed on the file
             break
     argv = _merge_repeated_list_flags(cls, argv)
     return _tyro_cli(cls, preset + argv, description=doc)  # later flags win: the CLI overrides the preset
@@ -90,7 +100,9 @@ def _tyro_cli(cls, args: list[str], description: str | None = None, blame: str =
                 sections.append(current)
                 current = []
         message = " ".join(sections[0]) if sections else text.strip()
-        hint = next((s[1].split()[0] for s in sections[1:] if s[0].startswith("Perhaps you meant") and len(s) > 1), None)
+        hint = next(
+            (s[1].split()[0] for s in sections[1:] if s[0].startswith("Perhaps you meant") and len(s) > 1), None
+        )
         user_error(f"error: {blame}{message}" + (f"; perhaps you meant {hint}" if hint else "") + " (see --help)")
 
 
@@ -112,7 +124,7 @@ def _merge_repeated_list_flags(cls, argv: list[str]) -> list[str]:
             j += 1
         if a in list_flags and a in first_end:  # a repeat: its values go after the first occurrence's
             pos = first_end[a]
-            out[pos:pos] = argv[i + 1:j]
+            out[pos:pos] = argv[i + 1 : j]
             for k in first_end:
                 first_end[k] += (j - i - 1) if first_end[k] >= pos and k != a else 0
             first_end[a] = pos + (j - i - 1)
@@ -128,10 +140,10 @@ def _merge_repeated_list_flags(cls, argv: list[str]) -> list[str]:
 # (Exact equivalents are aliases on the fields themselves: --num-generations, --beta, --max-completion-length.)
 FOREIGN_FLAGS = {
     "--per-device-train-batch-size": "batch flags here are global over processes: --micro-batch-size is the per-process "
-                                     "forward/backward size, --batch-size (PPO, DPO, SFT, RM) or --num-prompts (GRPO) the "
-                                     "samples per step over all processes",
+    "forward/backward size, --batch-size (PPO, DPO, SFT, RM) or --num-prompts (GRPO) the "
+    "samples per step over all processes",
     "--gradient-accumulation-steps": "accumulation follows from the sizes: --mini-batch-size (or --batch-size) over "
-                                     "--micro-batch-size x processes",
+    "--micro-batch-size x processes",
 }
 
 
@@ -147,20 +159,68 @@ class UserError(ValueError):
 
 
 # Range checks of the flags every script shares by name, made before anything loads.
-POSITIVE = ("batch_size", "mini_batch_size", "micro_batch_size", "total_steps", "max_new_tokens", "group_size",
-            "num_prompts", "ppo_epochs", "num_iterations", "log_every", "num_samples", "max_length", "max_prompt_length",
-            "max_completion_length", "learning_rate", "critic_learning_rate", "clip_eps", "clip_eps_low",
-            "clip_eps_high", "clip_eps_value", "beta_max", "policy_kl_target", "lora_alpha", "samples",
-            "train_size", "test_size")
-NON_NEGATIVE = ("save_every", "eval_every", "keep_last", "warmup_steps", "lora_r", "top_k", "num_eval_prompts",
-                "num_eval_pairs", "num_eval_examples", "num_samples_logged", "kl_coef", "ent_coef", "vf_coef",
-                "weight_decay", "critic_warmup_steps", "overlong_buffer", "max_resample_rounds", "missing_eos_penalty",
-                "tis_cap", "sft_coef", "label_smoothing", "save_every_minutes", "max_grad_norm", "beta_min", "reward_timeout",
-                "reward_workers", "n")
+POSITIVE = (
+    "batch_size",
+    "mini_batch_size",
+    "micro_batch_size",
+    "total_steps",
+    "max_new_tokens",
+    "group_size",
+    "num_prompts",
+    "ppo_epochs",
+    "num_iterations",
+    "log_every",
+    "num_samples",
+    "max_length",
+    "max_prompt_length",
+    "max_completion_length",
+    "learning_rate",
+    "critic_learning_rate",
+    "clip_eps",
+    "clip_eps_low",
+    "clip_eps_high",
+    "clip_eps_value",
+    "beta_max",
+    "policy_kl_target",
+    "lora_alpha",
+    "samples",
+    "train_size",
+    "test_size",
+)
+NON_NEGATIVE = (
+    "save_every",
+    "eval_every",
+    "keep_last",
+    "warmup_steps",
+    "lora_r",
+    "top_k",
+    "num_eval_prompts",
+    "num_eval_pairs",
+    "num_eval_examples",
+    "num_samples_logged",
+    "kl_coef",
+    "ent_coef",
+    "vf_coef",
+    "weight_decay",
+    "critic_warmup_steps",
+    "overlong_buffer",
+    "max_resample_rounds",
+    "missing_eos_penalty",
+    "tis_cap",
+    "sft_coef",
+    "label_smoothing",
+    "save_every_minutes",
+    "max_grad_norm",
+    "beta_min",
+    "reward_timeout",
+    "reward_workers",
+    "n",
+)
 
 
 def check_args(args) -> None:
     """One line naming the flag and the valid range for a value no run could use."""
+
     def flag(name):
         return "--" + name.replace("_", "-")
 
@@ -172,11 +232,15 @@ def check_args(args) -> None:
         v = getattr(args, name, None)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and not v >= 0:
             raise UserError(f"{flag(name)} {v}: must be >= 0")
-    greedy_at_zero = any(f.name == "temperature" and f.default == 0 for f in dataclasses.fields(args))  # evaluate: 0 = greedy
+    greedy_at_zero = any(
+        f.name == "temperature" and f.default == 0 for f in dataclasses.fields(args)
+    )  # evaluate: 0 = greedy
     if getattr(args, "temperature", 1.0) < 0 or (not greedy_at_zero and getattr(args, "temperature", 1.0) == 0):
         raise UserError(f"--temperature {args.temperature}: must be > 0 (sampling; evaluation is greedy already)")
     if getattr(args, "sample_temperature", 1.0) <= 0:
-        raise UserError(f"--sample-temperature {args.sample_temperature}: must be > 0 (greedy accuracy is always reported)")
+        raise UserError(
+            f"--sample-temperature {args.sample_temperature}: must be > 0 (greedy accuracy is always reported)"
+        )
     if not 0 < getattr(args, "top_p", 1.0) <= 1:
         raise UserError(f"--top-p {args.top_p}: must be in (0, 1]")
     for name in ("gamma", "lam"):
@@ -220,8 +284,11 @@ class StopSignal:
         if self.signum is not None:  # the second signal: stop now
             os._exit(128 + signum)
         self.signum = signum
-        print(f"\n[cleanrlhf] signal {signum}: finishing this step, then a checkpoint (send it again to stop now)",
-              file=sys.stderr, flush=True)
+        print(
+            f"\n[cleanrlhf] signal {signum}: finishing this step, then a checkpoint (send it again to stop now)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def requested(self) -> bool:
         flag = torch.tensor([float(self.signum or 0)], device=self.accelerator.device)
@@ -246,8 +313,10 @@ class StopSignal:
 
     def exit(self, run_dir: Path, step: int) -> None:
         """After the checkpoint: say how to resume, exit non-zero."""
-        self.accelerator.print(f"[cleanrlhf] stopped at step {step}; checkpoint written. Resume with:\n"
-                               f"    {' '.join([sys.executable, *sys.argv])} --resume {run_dir}")
+        self.accelerator.print(
+            f"[cleanrlhf] stopped at step {step}; checkpoint written. Resume with:\n"
+            f"    {' '.join([sys.executable, *sys.argv])} --resume {run_dir}"
+        )
         self.accelerator.wait_for_everyone()
         raise SystemExit(128 + self.signum)
 
@@ -274,7 +343,9 @@ def _preset_flags(cls, cfg: dict, path: str, prefix: str = "") -> list[str]:
             user_error(f"--config {path}: unknown key {prefix + str(key)!r}; valid keys: {valid}")
         flag = "--" + (prefix + name).replace("_", "-")
         f = fields[name]
-        if isinstance(value, dict) and dataclasses.is_dataclass(f.default_factory() if f.default_factory is not dataclasses.MISSING else None):
+        if isinstance(value, dict) and dataclasses.is_dataclass(
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        ):
             flags += _preset_flags(type(f.default_factory()), value, path, prefix=f"{prefix}{name}.")
         elif isinstance(value, bool) and f.type in (bool, "bool"):
             flags.append(flag if value else f"--{prefix}no-{name}".replace("_", "-"))  # tyro: --x / --no-x
@@ -285,6 +356,17 @@ def _preset_flags(cls, cfg: dict, path: str, prefix: str = "") -> list[str]:
         else:
             flags += [flag, str(value)]
     return flags
+
+
+def mix_seed(*parts: int) -> int:
+    """One seed from several integers, the one formula of the codebase: (run seed, step, sample id)
+    seeds a sample, so a response does not depend on its batch, the rank or a resume; (run seed,
+    step, rank) a minibatch shuffle; (run seed, epoch) the data order. Python's hash() would be
+    salted per process. s <- (s * 1_000_003 + part) mod (2^63 - 1), from s = 0."""
+    s = 0
+    for part in parts:
+        s = (s * 1_000_003 + part) % (2**63 - 1)
+    return s
 
 
 def seed_everything(seed: int) -> None:
@@ -340,16 +422,36 @@ def library_versions() -> dict:
 # Flags a resumed run may change: how long it runs and how it logs, evaluates and saves. Any other
 # difference (learning rate, batch sizes, model, data, ...) would change the optimizer or the stream
 # of samples under the restored state, so resuming with it is refused by name.
-RESUME_MAY_CHANGE = {"total_steps", "save_every", "save_every_minutes", "keep_last", "eval_every", "log_every",
-                     "num_samples_logged", "track", "wandb_project_name", "wandb_entity", "resume", "output_dir",
-                     "config", "save_merged", "save_best", "max_wall_minutes",
-                     "reward_timeout", "reward_workers"}
+RESUME_MAY_CHANGE = {
+    "total_steps",
+    "save_every",
+    "save_every_minutes",
+    "keep_last",
+    "eval_every",
+    "log_every",
+    "num_samples_logged",
+    "track",
+    "wandb_project_name",
+    "wandb_entity",
+    "resume",
+    "output_dir",
+    "config",
+    "save_merged",
+    "save_best",
+    "max_wall_minutes",
+    "reward_timeout",
+    "reward_workers",
+}
 
 
 def _json_args(args) -> dict:
     """The user-set fields of an Args (runtime fields left out), as plain JSON values."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
-    return json.loads(json.dumps({k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in values.items()}, default=str))
+    return json.loads(
+        json.dumps(
+            {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in values.items()}, default=str
+        )
+    )
 
 
 def resolve_resume(args, algo: str) -> Path | None:
@@ -363,7 +465,9 @@ def resolve_resume(args, algo: str) -> Path | None:
     if not args.resume:
         return None
     if args.resume == "auto":
-        runs = sorted(Path(args.output_dir).glob(f"{algo}__{args.exp_name}__{args.seed}__*"), key=lambda p: p.stat().st_mtime)
+        runs = sorted(
+            Path(args.output_dir).glob(f"{algo}__{args.exp_name}__{args.seed}__*"), key=lambda p: p.stat().st_mtime
+        )
         runs = [r for r in runs if list_checkpoints(r)]
         if not runs:
             return None
@@ -379,18 +483,24 @@ def resolve_resume(args, algo: str) -> Path | None:
         user_error(f"--resume {args.resume}: that is a {theirs} checkpoint; {algo} cannot continue it")
     step = _step_of(ckpt)
     if args.total_steps <= step:
-        user_error(f"--resume {args.resume}: the checkpoint is at step {step}; --total-steps {args.total_steps} "
-                         f"must be larger to continue")
+        user_error(
+            f"--resume {args.resume}: the checkpoint is at step {step}; --total-steps {args.total_steps} "
+            f"must be larger to continue"
+        )
     recorded = run_dir / "args.json"
     if recorded.exists():
         before = json.loads(recorded.read_text())
         now = _json_args(args)
-        changed = {k: (before[k], v) for k, v in now.items() if k in before and before[k] != v and k not in RESUME_MAY_CHANGE}
+        changed = {
+            k: (before[k], v) for k, v in now.items() if k in before and before[k] != v and k not in RESUME_MAY_CHANGE
+        }
         if changed:
             lines = "; ".join(f"--{k.replace('_', '-')} {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items()))
-            user_error(f"--resume {args.resume}: these flags differ from the run being resumed ({lines}). "
-                             f"Pass the run's own values (see {recorded}), or start a new run from "
-                             f"{ckpt}/<model> with --model-name-or-path")
+            user_error(
+                f"--resume {args.resume}: these flags differ from the run being resumed ({lines}). "
+                f"Pass the run's own values (see {recorded}), or start a new run from "
+                f"{ckpt}/<model> with --model-name-or-path"
+            )
     return ckpt
 
 
@@ -413,9 +523,16 @@ def make_run_dir(accelerator, algo: str, args, resume_from: Path | None = None) 
             record = json.loads((run_dir / "args.json").read_text()) if (run_dir / "args.json").exists() else {}
             now = _json_args(args)
             changed = {k: [record.get(k), v] for k, v in now.items() if record.get(k) != v and k != "resume"}
-            resumes = record.get("resumes", []) + [{"time": time.strftime("%Y-%m-%d %H:%M:%S"), "from_step": step,
-                                                    "world_size": accelerator.num_processes, "changed": changed,
-                                                    "git_commit": _git("rev-parse", "HEAD"), "argv": sys.argv}]
+            resumes = record.get("resumes", []) + [
+                {
+                    "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    "from_step": step,
+                    "world_size": accelerator.num_processes,
+                    "changed": changed,
+                    "git_commit": _git("rev-parse", "HEAD"),
+                    "argv": sys.argv,
+                }
+            ]
             record.update(now)
             record["resumes"] = resumes
             _write_atomic(run_dir / "args.json", json.dumps(record, indent=2, default=str))
@@ -437,11 +554,17 @@ def make_run_dir(accelerator, algo: str, args, resume_from: Path | None = None) 
         broadcast_object_list(name, from_process=0)
     run_dir = Path(args.output_dir) / name[0]
     if accelerator.is_main_process:
-        record = {**dataclasses.asdict(args), "algo": algo, "world_size": accelerator.num_processes,
-                  "distributed_type": str(accelerator.distributed_type).split(".")[-1],  # NO, MULTI_GPU, FSDP, DEEPSPEED...
-                  "zero_stage": getattr(accelerator.state.deepspeed_plugin, "zero_stage", None),
-                  "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain")),
-                  "versions": library_versions(), "argv": sys.argv}
+        record = {
+            **dataclasses.asdict(args),
+            "algo": algo,
+            "world_size": accelerator.num_processes,
+            "distributed_type": str(accelerator.distributed_type).split(".")[-1],  # NO, MULTI_GPU, FSDP, DEEPSPEED...
+            "zero_stage": getattr(accelerator.state.deepspeed_plugin, "zero_stage", None),
+            "git_commit": _git("rev-parse", "HEAD"),
+            "git_dirty": bool(_git("status", "--porcelain")),
+            "versions": library_versions(),
+            "argv": sys.argv,
+        }
         _write_atomic(run_dir / "args.json", json.dumps(record, indent=2, default=str))
     accelerator.wait_for_everyone()
     return run_dir
@@ -464,8 +587,19 @@ def _drop_rows_after(path: Path, step: int) -> None:
 class Tracker:
     """metrics.jsonl (always), samples.jsonl, W&B (--track), and a rich progress line. Main process only."""
 
-    SHOW = ("train/reward", "train/kl", "train/kl_coef", "eval/accuracy", "loss/policy", "loss/sft", "loss/rm",
-            "rm/accuracy", "rewards/accuracy", "eval/loss", "perf/step_s")
+    SHOW = (
+        "train/reward",
+        "train/kl",
+        "train/kl_coef",
+        "eval/accuracy",
+        "loss/policy",
+        "loss/sft",
+        "loss/rm",
+        "rm/accuracy",
+        "rewards/accuracy",
+        "eval/loss",
+        "perf/step_s",
+    )
 
     def __init__(self, accelerator, args, run_dir: Path, total_steps: int, start_step: int = 0):
         self.main = accelerator.is_main_process
@@ -480,18 +614,33 @@ class Tracker:
             tags = [t for t in os.environ.get("WANDB_TAGS", "").split(",") if t]
             commit = _git("rev-parse", "--short", "HEAD")
             # id from the folder: a resumed run continues the same W&B run
-            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_dir.name,
-                                    id="".join(c if c.isalnum() or c in "_-" else "-" for c in run_dir.name)[:128],
-                                    resume="allow", group=args.exp_name, config=dataclasses.asdict(args), dir=str(run_dir),
-                                    tags=tags + ([f"commit-{commit}"] if commit else []), save_code=True)
+            self.wandb = wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                name=run_dir.name,
+                id="".join(c if c.isalnum() or c in "_-" else "-" for c in run_dir.name)[:128],
+                resume="allow",
+                group=args.exp_name,
+                config=dataclasses.asdict(args),
+                dir=str(run_dir),
+                tags=tags + ([f"commit-{commit}"] if commit else []),
+                save_code=True,
+            )
             self.wandb.define_metric("train/step")
             self.wandb.define_metric("*", step_metric="train/step")
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"),
-                                 disable=not sys.stdout.isatty())
-        self.task = self.progress.add_task(run_dir.name.split("__")[0], total=total_steps, completed=start_step, metrics="")
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[metrics]}"),
+            disable=not sys.stdout.isatty(),
+        )
+        self.task = self.progress.add_task(
+            run_dir.name.split("__")[0], total=total_steps, completed=start_step, metrics=""
+        )
         self.progress.start()
 
     def log(self, step: int, metrics: dict) -> None:
@@ -517,8 +666,9 @@ class Tracker:
             import wandb
 
             cols = list(rows[0])
-            self.wandb.log({"samples": wandb.Table(columns=cols, data=[[r[c] for c in cols] for r in rows]),
-                            "train/step": step})
+            self.wandb.log(
+                {"samples": wandb.Table(columns=cols, data=[[r[c] for c in cols] for r in rows]), "train/step": step}
+            )
 
     def close(self) -> None:
         if self.progress is not None:
@@ -530,9 +680,24 @@ class Tracker:
 # ---------------------------------------------------------------------------------------------
 # Checkpoints
 # ---------------------------------------------------------------------------------------------
-def save_checkpoint(accelerator, run_dir: Path, step: int, models: dict, state: dict, keep_last: int = 0,
-                    tokenizer=None, args=None, save_merged: bool = False, label: str | None = None) -> Path:
+def save_checkpoint(
+    accelerator,
+    run_dir: Path,
+    step: int,
+    models: dict,
+    state: dict,
+    keep_last: int = 0,
+    tokenizer=None,
+    args=None,
+    save_merged: bool = False,
+    label: str | None = None,
+    optimizers: dict | None = None,
+) -> Path:
     """checkpoints/step_{step}/{name}/ (save_pretrained) for each model + trainer_state.pt.
+
+    trainer_state.pt holds `state` (an object's `state_dict()`, or a plain value) and each optimizer
+    of `optimizers` = {key: (model name, optimizer)} under its key; `restore_checkpoint` is the mirror
+    and takes the same three dicts, so a script writes its state keys once.
 
     Each model folder is a model: weights, config, generation config and `tokenizer`'s files (chat
     template included), so `AutoModel*.from_pretrained`, `AutoTokenizer.from_pretrained` and our own
@@ -545,14 +710,22 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, models: dict, state: 
     checkpoints untouched and no half checkpoint under a step_ name. `keep_last` > 0 deletes older ones."""
     from accelerate.utils import broadcast_object_list
 
-    from common.distributed import reshard, save_engine_states
+    from common.distributed import optimizer_state, reshard, save_engine_states
+
+    state = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in state.items()}
+    for key, (name, opt) in (optimizers or {}).items():
+        state[key] = optimizer_state(accelerator, models[name], opt)  # collective under FSDP2
 
     ckpt_root = run_dir / "checkpoints"
     final = ckpt_root / (label or f"step_{step}")
     for m in models.values():
         reshard(m)  # FSDP2: units left unsharded by a no_grad forward back to DTensor shards
-    state_dicts = {name: _drop_tied_copies(accelerator.unwrap_model(m), accelerator.get_state_dict(m))  # collective under FSDP/ZeRO-3
-                   for name, m in models.items()}
+    state_dicts = {
+        name: _drop_tied_copies(
+            accelerator.unwrap_model(m), accelerator.get_state_dict(m)
+        )  # collective under FSDP/ZeRO-3
+        for name, m in models.items()
+    }
     tmp = [None]
     if accelerator.is_main_process:
         ckpt_root.mkdir(parents=True, exist_ok=True)
@@ -573,7 +746,9 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, models: dict, state: 
 
                     cfg = unwrapped.peft_config["default"]
                     merged = merge_lora_state_dict(state_dicts[name], cfg.lora_alpha / cfg.r)
-                    unwrapped.get_base_model().save_pretrained(tmp / f"{name}_merged", state_dict=merged, safe_serialization=True)
+                    unwrapped.get_base_model().save_pretrained(
+                        tmp / f"{name}_merged", state_dict=merged, safe_serialization=True
+                    )
                     folders.append(tmp / f"{name}_merged")
                 for folder in folders if tokenizer is not None else []:
                     tokenizer.save_pretrained(folder)
@@ -584,8 +759,10 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, models: dict, state: 
             shutil.rmtree(tmp, ignore_errors=True)
             if e.errno == errno.ENOSPC:
                 intact = max(list_checkpoints(run_dir), key=_step_of, default=None)
-                raise UserError(f"no space left on {ckpt_root} while writing checkpoint {final.name}; "
-                                f"{intact.name + ' is intact' if intact else 'no earlier checkpoint exists'}") from e
+                raise UserError(
+                    f"no space left on {ckpt_root} while writing checkpoint {final.name}; "
+                    f"{intact.name + ' is intact' if intact else 'no earlier checkpoint exists'}"
+                ) from e
             raise
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the folder gets the user's usual permissions
         old = None
@@ -674,8 +851,11 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    return [p for p in root.iterdir() if p.name.startswith("step_") and p.name[5:].isdigit()
-            and (p / "trainer_state.pt").exists()]
+    return [
+        p
+        for p in root.iterdir()
+        if p.name.startswith("step_") and p.name[5:].isdigit() and (p / "trainer_state.pt").exists()
+    ]
 
 
 def resolve_checkpoint(path: str) -> Path:
@@ -697,8 +877,36 @@ def load_trainer_state(ckpt: Path) -> dict:
     try:
         return torch.load(ckpt / "trainer_state.pt", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise UserError(f"{ckpt / 'trainer_state.pt'}: holds objects other than tensors and plain values "
-                        f"({str(e).splitlines()[0][:160]}); refusing to load it") from None
+        raise UserError(
+            f"{ckpt / 'trainer_state.pt'}: holds objects other than tensors and plain values "
+            f"({str(e).splitlines()[0][:160]}); refusing to load it"
+        ) from None
+
+
+# Keys added to trainer_state.pt after the first checkpoints were written: an older checkpoint
+# without them resumes with the object's fresh state (which is what it had then).
+STATE_ADDED_LATER = {"best", "guard"}
+
+
+def restore_checkpoint(accelerator, ckpt: Path, models: dict, state: dict, optimizers: dict) -> int:
+    """The mirror of save_checkpoint, called after accelerator.prepare with the same dicts: each
+    optimizer's state, each object's load_state_dict under its key, the RNG streams. Returns the
+    step to continue after. (The weights are loaded before prepare, with load_weights.)"""
+    from common.distributed import load_optimizer_state
+
+    saved = load_trainer_state(ckpt)
+    for key, (name, opt) in optimizers.items():
+        load_optimizer_state(accelerator, models[name], opt, saved[key], ckpt / name)
+    for key, obj in state.items():
+        if key not in saved and key in STATE_ADDED_LATER:
+            continue
+        if key not in saved:
+            raise UserError(
+                f"{ckpt / 'trainer_state.pt'}: no {key!r} state (written by another version of this script?)"
+            )
+        obj.load_state_dict(saved[key])
+    set_rng_state(saved["rng"])
+    return saved["step"]
 
 
 def load_weights(model, folder: Path) -> None:
@@ -726,7 +934,9 @@ def load_weights(model, folder: Path) -> None:
     tied = set(getattr(model, "_tied_weights_keys", None) or []) | {"lm_head.weight"}
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
-        raise RuntimeError(f"{folder}: checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise RuntimeError(
+            f"{folder}: checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
 
 
 def peak_mem_gb(device) -> float:

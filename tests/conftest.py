@@ -38,8 +38,17 @@ def toy_prompts(tmp_path_factory):
     words = ["hi", "hello", "count", "go", "yes", "no", "up", "down"]
     with open(path, "w") as f:
         for i in range(32):
-            f.write(json.dumps({"prompt": [{"role": "user", "content": f"{words[i % 8]} {i}"}], "data_source": "toy",
-                                "reward_model": {"style": "rule", "ground_truth": ""}, "extra_info": {"index": i}}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "prompt": [{"role": "user", "content": f"{words[i % 8]} {i}"}],
+                        "data_source": "toy",
+                        "reward_model": {"style": "rule", "ground_truth": ""},
+                        "extra_info": {"index": i},
+                    }
+                )
+                + "\n"
+            )
     return str(path)
 
 

@@ -1,5 +1,5 @@
 """Run under torchrun (2 CPU processes, gloo): generation from an FSDP2-sharded model through
-common.rollout.unwrap_for_generation equals generation from the unsharded model, and the
+common.distributed.unwrap_for_generation equals generation from the unsharded model, and the
 parameters are sharded again afterwards. Used by tests/test_distributed.py."""
 
 import sys
@@ -13,7 +13,8 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from common import models as M  # noqa: E402
-from common.rollout import _reshard_setting, generate, tokenize_queries, unwrap_for_generation  # noqa: E402
+from common.distributed import _reshard_setting, unwrap_for_generation  # noqa: E402
+from common.rollout import generate, tokenize_queries  # noqa: E402
 
 dist.init_process_group("gloo")
 path = sys.argv[1]

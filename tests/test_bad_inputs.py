@@ -39,7 +39,11 @@ CASES = [
     ("dpo_llm.py", ["--chat-template-kwargs", "{bad json"], "not JSON"),
     ("sft_llm.py", ["--chat-template-kwargs", "[1, 2]"], "expected a JSON object"),
     # flag ranges, checked before anything loads
-    ("sft_llm.py", ["--batch-size", "6", "--micro-batch-size", "4"], "--batch-size per process over --micro-batch-size"),
+    (
+        "sft_llm.py",
+        ["--batch-size", "6", "--micro-batch-size", "4"],
+        "--batch-size per process over --micro-batch-size",
+    ),
     ("rm_llm.py", ["--batch-size", "0"], "--batch-size 0: must be > 0"),
     ("dpo_llm.py", ["--label-smoothing", "0.6"], "--label-smoothing 0.6: must be < 0.5"),
     ("ppo_llm.py", ["--temperature", "0"], "--temperature 0.0: must be > 0"),
@@ -95,6 +99,7 @@ def bad_files(tmp_path_factory):
 
 def make_bad_files(d):
     """The catalogue's bad data files in folder d (also used by benchmarks/bad_inputs.py)."""
+
     def jsonl(name, rows):
         (d / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         return str(d / name)
@@ -109,18 +114,24 @@ def make_bad_files(d):
         "zero_rows": str(d / "zero.jsonl"),
         "no_source": jsonl("no_source.jsonl", [{"prompt": "hi"}]),
         "unknown_source": jsonl("unknown_source.jsonl", [{**ok, "data_source": "nobody/knows"}]),
-        "null_response": jsonl("null_response.jsonl", [{"prompt": "q", "response": "a"}, {"prompt": "q", "response": None}]),
+        "null_response": jsonl(
+            "null_response.jsonl", [{"prompt": "q", "response": "a"}, {"prompt": "q", "response": None}]
+        ),
         "no_rejected": jsonl("no_rejected.jsonl", [{"prompt": "q", "chosen": "a"}]),
         "bad_messages": jsonl("bad_messages.jsonl", [{"prompt": {"text": "q"}, "chosen": "a", "rejected": "b"}]),
     }
 
 
 @pytest.mark.parametrize("script,flags,fragment", CASES, ids=[f"{c[0]}:{' '.join(c[1])[:40]}" for c in CASES])
-def test_user_error_is_one_line_exit_2_nothing_written(tiny, tmp_path, monkeypatch, capsys, bad_files, script, flags, fragment):
+def test_user_error_is_one_line_exit_2_nothing_written(
+    tiny, tmp_path, monkeypatch, capsys, bad_files, script, flags, fragment
+):
     """In-process, as `python algos/<script> ...` runs it (cli), so the table stays fast."""
     import importlib
 
-    flags = [f.format(**bad_files) if f.startswith("{") and f.endswith("}") and f[1:-1] in bad_files else f for f in flags]
+    flags = [
+        f.format(**bad_files) if f.startswith("{") and f.endswith("}") and f[1:-1] in bad_files else f for f in flags
+    ]
     from common.run import cli
 
     sys.path.insert(0, str(REPO / "algos"))
@@ -139,33 +150,89 @@ def test_user_error_is_one_line_exit_2_nothing_written(tiny, tmp_path, monkeypat
 
 def test_user_error_from_the_command_line(tiny, tmp_path):
     """The same as users see it, in a fresh process: one line on stderr, exit code 2, no traceback."""
-    proc = subprocess.run([sys.executable, str(REPO / "algos/ppo_llm.py"), "--model-name-or-path", tiny, "--kl-target", "0",
-                           "--output-dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
-    err = [line for line in proc.stderr.strip().splitlines() if "gemm_4bit" not in line and "real_accelerator" not in line]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "algos/ppo_llm.py"),
+            "--model-name-or-path",
+            tiny,
+            "--kl-target",
+            "0",
+            "--output-dir",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    err = [
+        line for line in proc.stderr.strip().splitlines() if "gemm_4bit" not in line and "real_accelerator" not in line
+    ]
     assert proc.returncode == 2 and len(err) == 1 and "--kl-target 0" in err[0] and "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
 
 
 def test_yaml_preset_errors_name_the_file(tmp_path):
-    for text, fragment in (("learning_rat: 1\n", "unknown key 'learning_rat'"), ("[1, 2]\n", "expected a mapping"),
-                           ("a: [\n", "not valid YAML")):
+    for text, fragment in (
+        ("learning_rat: 1\n", "unknown key 'learning_rat'"),
+        ("[1, 2]\n", "expected a mapping"),
+        ("a: [\n", "not valid YAML"),
+    ):
         (tmp_path / "p.yaml").write_text(text)
-        proc = subprocess.run([sys.executable, str(REPO / "algos/ppo_llm.py"), "--config", str(tmp_path / "p.yaml")],
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "algos/ppo_llm.py"), "--config", str(tmp_path / "p.yaml")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 2 and fragment in proc.stderr and "p.yaml" in proc.stderr, proc.stderr[-1000:]
 
 
 def test_debug_env_shows_the_traceback(tiny, tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "algos/ppo_llm.py"), "--model-name-or-path", tiny, "--kl-target", "0",
-                           "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "CLEANRLHF_DEBUG": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "algos/ppo_llm.py"),
+            "--model-name-or-path",
+            tiny,
+            "--kl-target",
+            "0",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "CLEANRLHF_DEBUG": "1"},
+    )
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "UserError" in proc.stderr
 
 
 def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tiny_peaky, toy_prompts, tmp_path):
-    flags = ["--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD,
-             "--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 2, "--max-new-tokens", 6,
-             "--eval-every", 0, "--learning-rate", 3e-3, "--total-steps", 8]
+    flags = [
+        "--model-name-or-path",
+        tiny_peaky,
+        "--train-files",
+        toy_prompts,
+        "--reward-fn",
+        TOY_REWARD,
+        "--num-prompts",
+        2,
+        "--group-size",
+        2,
+        "--mini-batch-size",
+        4,
+        "--micro-batch-size",
+        2,
+        "--max-new-tokens",
+        6,
+        "--eval-every",
+        0,
+        "--learning-rate",
+        3e-3,
+        "--total-steps",
+        8,
+    ]
     env = {"TOY_MODEL": tiny_peaky}
     run_script("grpo_llm.py", *flags, "--output-dir", tmp_path / "straight", env=env)
     cmd = [sys.executable, str(REPO / "algos/grpo_llm.py"), *map(str, flags), "--output-dir", str(tmp_path / "stopped")]
@@ -189,11 +256,34 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tiny_peaky, toy_pr
 def test_non_finite_updates_are_skipped_and_never_saved(tiny, toy_prompts, tmp_path):
     """A reward of +-3e38 overflows the loss: every update is skipped and counted, the health check
     fires, the checkpoint holds the untouched (finite) weights; 5 in a row stop the run with exit 2."""
-    (tmp_path / "huge.py").write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                                      "    return 3e38 if len(solution_str) % 2 else -3e38\n")
-    flags = ["--model-name-or-path", tiny, "--train-files", toy_prompts, "--reward-fn", f"{tmp_path}/huge.py:score",
-             "--num-prompts", 2, "--group-size", 4, "--mini-batch-size", 8, "--micro-batch-size", 4, "--max-new-tokens", 5,
-             "--eval-every", 0, "--scale-rewards", "none", "--loss-agg", "token-mean"]
+    (tmp_path / "huge.py").write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return 3e38 if len(solution_str) % 2 else -3e38\n"
+    )
+    flags = [
+        "--model-name-or-path",
+        tiny,
+        "--train-files",
+        toy_prompts,
+        "--reward-fn",
+        f"{tmp_path}/huge.py:score",
+        "--num-prompts",
+        2,
+        "--group-size",
+        4,
+        "--mini-batch-size",
+        8,
+        "--micro-batch-size",
+        4,
+        "--max-new-tokens",
+        5,
+        "--eval-every",
+        0,
+        "--scale-rewards",
+        "none",
+        "--loss-agg",
+        "token-mean",
+    ]
     proc = run_script("grpo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path / "a")
     run = only_run(tmp_path / "a")
     rows = read_metrics(run)
@@ -204,7 +294,9 @@ def test_non_finite_updates_are_skipped_and_never_saved(tiny, toy_prompts, tmp_p
 
     saved, base = load_file(run / "checkpoints/step_2/policy/model.safetensors"), load_file(f"{tiny}/model.safetensors")
     assert all(torch.isfinite(v).all() and torch.equal(v, base[k]) for k, v in saved.items())
-    proc = run_script("grpo_llm.py", *flags, "--total-steps", 8, "--save-every", 2, "--output-dir", tmp_path / "b", check=False)
+    proc = run_script(
+        "grpo_llm.py", *flags, "--total-steps", 8, "--save-every", 2, "--output-dir", tmp_path / "b", check=False
+    )
     assert proc.returncode == 2 and "non-finite policy gradient norm in 5 updates in a row" in proc.stderr
     assert (only_run(tmp_path / "b") / "checkpoints/step_4/policy").is_dir()  # the last checkpoint is intact
 
@@ -222,19 +314,47 @@ class _Payload:
 def test_planted_pickle_payloads_never_run(tiny, toy_prompts, tmp_path):
     import torch
 
-    flags = ["--model-name-or-path", tiny, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD, "--num-prompts", 2,
-             "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 2, "--max-new-tokens", 3, "--eval-every", 0]
+    flags = [
+        "--model-name-or-path",
+        tiny,
+        "--train-files",
+        toy_prompts,
+        "--reward-fn",
+        TOY_REWARD,
+        "--num-prompts",
+        2,
+        "--group-size",
+        2,
+        "--mini-batch-size",
+        4,
+        "--micro-batch-size",
+        2,
+        "--max-new-tokens",
+        3,
+        "--eval-every",
+        0,
+    ]
     run_script("grpo_llm.py", *flags, "--total-steps", 1, "--output-dir", tmp_path / "run", env={"TOY_MODEL": tiny})
     ckpt = only_run(tmp_path / "run") / "checkpoints/step_1"
     marker = tmp_path / "PWNED"
     torch.save({"step": 1, "x": _Payload(marker)}, ckpt / "trainer_state.pt")  # ours: weights_only=True
-    proc = run_script("grpo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path / "run", "--resume", ckpt,
-                      env={"TOY_MODEL": tiny}, check=False)
+    proc = run_script(
+        "grpo_llm.py",
+        *flags,
+        "--total-steps",
+        2,
+        "--output-dir",
+        tmp_path / "run",
+        "--resume",
+        ckpt,
+        env={"TOY_MODEL": tiny},
+        check=False,
+    )
     assert proc.returncode == 2 and "refusing to load it" in proc.stderr and not marker.exists(), proc.stderr[-1500:]
     # model weights are safetensors: a pickle in their place is a format error, never executed
     torch.save(_Payload(marker), ckpt / "policy" / "model.safetensors")
-    from common.run import load_weights
     from common import models as M
+    from common.run import load_weights
 
     with pytest.raises(Exception):
         load_weights(M.load_causal_lm(tiny), ckpt / "policy")
@@ -251,7 +371,10 @@ def test_deepspeed_engine_files_are_vetted_before_loading(tmp_path):
     folder.mkdir(parents=True)
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    torch.save({"optimizer_state_dict": {"zero_stage": ZeroStageEnum(2)}, "w": torch.ones(2)}, folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    torch.save(
+        {"optimizer_state_dict": {"zero_stage": ZeroStageEnum(2)}, "w": torch.ones(2)},
+        folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    )
     (tmp_path / "deepspeed" / "zero_to_fp32.py").write_text("print('never run')\n")
     check_deepspeed_files(tmp_path / "deepspeed")  # DeepSpeed's own classes pass
     marker = tmp_path / "PWNED"

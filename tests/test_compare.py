@@ -1,4 +1,4 @@
-"""common.compare on synthetic run folders."""
+"""tools.compare on synthetic run folders."""
 
 import json
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from common.compare import Args, load_run, main, smooth
+from tools.compare import Args, load_run, main, smooth
 
 
 def fake_run(root, name, exp, seed, values):
@@ -15,8 +15,12 @@ def fake_run(root, name, exp, seed, values):
     (d / "args.json").write_text(json.dumps({"exp_name": exp, "seed": seed}))
     with open(d / "metrics.jsonl", "w") as f:
         for i, v in enumerate(values, 1):
-            f.write(json.dumps({"step": i, "train/reward": v, "train/kl": 0.1 * i, "perf/step_s": 2.0,
-                                "train/episodes": 8 * i}) + "\n")
+            f.write(
+                json.dumps(
+                    {"step": i, "train/reward": v, "train/kl": 0.1 * i, "perf/step_s": 2.0, "train/episodes": 8 * i}
+                )
+                + "\n"
+            )
     return d
 
 
@@ -25,7 +29,9 @@ def test_compare_png_and_table(tmp_path):
     a2 = fake_run(tmp_path, "ppo_llm__a__2__1", "a", 2, [0.2, 0.3, 0.6])
     b = fake_run(tmp_path, "grpo_llm__b__1__1", "b", 1, [0.1, 0.9, 0.4])
     out = tmp_path / "c.png"
-    table = main(Args(runs=[str(a1), str(a2), str(b)], metrics=["train/reward", "train/kl", "eval/nothing"], out=str(out)))
+    table = main(
+        Args(runs=[str(a1), str(a2), str(b)], metrics=["train/reward", "train/kl", "eval/nothing"], out=str(out))
+    )
     assert out.exists() and out.stat().st_size > 1000
     rows = {(r["group"], r["metric"]): r for r in table}
     assert len(table) == 4  # 2 groups x 2 present metrics
@@ -45,8 +51,25 @@ def test_panels_and_cli(tmp_path):
 
     a = fake_run(tmp_path, "ppo_llm__a__1__1", "a", 1, [0.0, 0.5, 1.0])
     out = tmp_path / "p.png"
-    r = subprocess.run([sys.executable, "-m", "common.compare", str(a), "--metrics", "train/reward", "train/kl",
-                        "--x", "time", "--smooth", "2", "--out", str(out)], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.compare",
+            str(a),
+            "--metrics",
+            "train/reward",
+            "train/kl",
+            "--x",
+            "time",
+            "--smooth",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     assert "train/reward" in r.stdout and out.exists()
     h, w, _ = image.imread(out).shape
@@ -59,7 +82,7 @@ def test_panels_and_cli(tmp_path):
 def test_curves_align_by_x_not_by_row():
     import numpy as np
 
-    from common.compare import align
+    from tools.compare import align
 
     # seed 2 logged every 2 steps and crashed after step 4; seed 1 logged every step to 5
     a = (np.array([1.0, 2, 3, 4, 5]), np.array([10.0, 20, 30, 40, 50]))

@@ -36,10 +36,31 @@ TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
 def test_trained_rm_scores_identically_in_rl_and_in_rm_eval(tiny, tmp_path):
     rows = [{"prompt": f"Question {i}?", "chosen": "yes indeed", "rejected": "no way"} for i in range(16)]
     pd.DataFrame(rows).to_parquet(tmp_path / "pairs.parquet")
-    run_script("rm_llm.py", "--model-name-or-path", tiny, "--train-files", tmp_path / "pairs.parquet",
-               "--val-files", tmp_path / "pairs.parquet", "--output-dir", tmp_path / "rm", "--total-steps", 3,
-               "--batch-size", 4, "--micro-batch-size", 2, "--learning-rate", 1e-3, "--warmup-steps", 0,
-               "--eval-every", 0, "--num-norm-samples", 8)
+    run_script(
+        "rm_llm.py",
+        "--model-name-or-path",
+        tiny,
+        "--train-files",
+        tmp_path / "pairs.parquet",
+        "--val-files",
+        tmp_path / "pairs.parquet",
+        "--output-dir",
+        tmp_path / "rm",
+        "--total-steps",
+        3,
+        "--batch-size",
+        4,
+        "--micro-batch-size",
+        2,
+        "--learning-rate",
+        1e-3,
+        "--warmup-steps",
+        0,
+        "--eval-every",
+        0,
+        "--num-norm-samples",
+        8,
+    )
     rm_dir = only_run(tmp_path / "rm") / "reward_model"
     cfg = json.loads((rm_dir / "config.json").read_text())
     assert cfg["reward_max_length"] == 512
@@ -50,13 +71,18 @@ def test_trained_rm_scores_identically_in_rl_and_in_rm_eval(tiny, tmp_path):
         c, r = RM.scores_of(rm, tok, pairs, 512, "cpu")
     expected = torch.cat([c, r]) * cfg["reward_gain"] + cfg["reward_bias"]
     # the RL path: PromptRow from the same messages, decoded responses without special tokens, is_eos set
-    prow = [PromptRow(p["prompt"], "x", None, {}, i, [{"role": "user", "content": f"Question {i}?"}]) for i, p in enumerate(pairs)]
+    prow = [
+        PromptRow(p["prompt"], "x", None, {}, i, [{"role": "user", "content": f"Question {i}?"}])
+        for i, p in enumerate(pairs)
+    ]
     scores, _, _ = Reward("model:1.0", reward_model=rm, reward_tok=tok)(
-        prow * 2, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], torch.ones(8), is_eos=[True] * 8)
+        prow * 2, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], torch.ones(8), is_eos=[True] * 8
+    )
     assert torch.allclose(scores, expected, atol=1e-5), (scores, expected)
     # before: no EOS, so the head was read at the last content token, a position it never learned
     no_eos, _, _ = Reward("model:1.0", reward_model=rm, reward_tok=tok)(
-        prow * 2, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], torch.ones(8))
+        prow * 2, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], torch.ones(8)
+    )
     assert (no_eos - expected).abs().max() > 1e-3
 
 
@@ -68,12 +94,15 @@ def _other_tokenizer(folder):
     bpe = Tokenizer(models.BPE(unk_token="[UNK]"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["[UNK]", "[PAD]", "[EOS]"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["[UNK]", "[PAD]", "[EOS]"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     bpe.train_from_iterator(["What is 3 + 4? The answer is 7. yes no maybe user assistant"] * 20, trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
-    tok.chat_template = ("{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}<<assistant>> {% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<<assistant>> {% endif %}"
+    )
     tok.save_pretrained(folder)
     return tok
 
@@ -85,8 +114,17 @@ def test_rm_with_its_own_tokenizer_and_absolute_positions(tmp_path):
 
     rm_tok = _other_tokenizer(tmp_path)
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=len(rm_tok), n_embd=32, n_layer=2, n_head=2, n_positions=128, num_labels=1,
-                     pad_token_id=rm_tok.pad_token_id, eos_token_id=rm_tok.eos_token_id, resid_pdrop=0.3)
+    cfg = GPT2Config(
+        vocab_size=len(rm_tok),
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=128,
+        num_labels=1,
+        pad_token_id=rm_tok.pad_token_id,
+        eos_token_id=rm_tok.eos_token_id,
+        resid_pdrop=0.3,
+    )
     GPT2ForSequenceClassification(cfg).save_pretrained(tmp_path)
     tok = M.load_tokenizer(str(tmp_path))
     rm = M.load_reward_model(str(tmp_path), tok).eval()
@@ -96,7 +134,10 @@ def test_rm_with_its_own_tokenizer_and_absolute_positions(tmp_path):
     scores, _, _ = Reward("model:1.0", reward_model=rm, reward_tok=tok)(rows, responses, torch.ones(2), is_eos=eos)
     for i in range(2):
         text = rm_tok.apply_chat_template(messages[i], tokenize=False, add_generation_prompt=True)
-        ids = rm_tok(text, add_special_tokens=False)["input_ids"] + rm_tok(responses[i], add_special_tokens=False)["input_ids"]
+        ids = (
+            rm_tok(text, add_special_tokens=False)["input_ids"]
+            + rm_tok(responses[i], add_special_tokens=False)["input_ids"]
+        )
         ids += [rm_tok.eos_token_id] if eos[i] else []
         with torch.no_grad():
             direct = rm(input_ids=torch.tensor([ids])).logits[0, 0]
@@ -108,10 +149,14 @@ def test_encoder_truncation_and_eos_rules(tiny):
     eos, pad = tok.eos_token_id, tok.pad_token_id
     p_ids = tok("one two three four", add_special_tokens=False)["input_ids"]
     c_ids = tok(" five six", add_special_tokens=False)["input_ids"]
-    ids, attn, comp = encode_prompt_completion(tok, ["one two three four", "one"], [" five six", [7, 8]], eos=[True, True])
-    assert ids[0, :len(p_ids) + len(c_ids) + 1].tolist() == p_ids + c_ids + [eos]
+    ids, attn, comp = encode_prompt_completion(
+        tok, ["one two three four", "one"], [" five six", [7, 8]], eos=[True, True]
+    )
+    assert ids[0, : len(p_ids) + len(c_ids) + 1].tolist() == p_ids + c_ids + [eos]
     n1 = len(tok("one", add_special_tokens=False)["input_ids"])
-    assert ids[1, :n1 + 2].tolist()[-2:] == [7, 8] and (ids[1, n1 + 2:] == pad).all()  # ids kept as generated: no EOS added
+    assert (
+        ids[1, : n1 + 2].tolist()[-2:] == [7, 8] and (ids[1, n1 + 2 :] == pad).all()
+    )  # ids kept as generated: no EOS added
     assert comp[0].sum() == len(c_ids) + 1 and comp[1].sum() == 2 and attn[1].sum() == n1 + 2
     # past max_length the prompt's start goes first; a completion cut by max_completion_length loses its EOS
     ids, _, comp = encode_prompt_completion(tok, ["one two three four"], [" five six"], max_length=len(c_ids) + 2)
@@ -172,9 +217,28 @@ def test_temperature_divides_after_the_float32_cast():
 
 
 def test_grpo_pi_old_source_and_sampler_gap(tiny, toy_prompts, tmp_path):
-    common = ["--model-name-or-path", tiny, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD, "--total-steps", 1,
-              "--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 2,
-              "--max-new-tokens", 6, "--eval-every", 0]
+    common = [
+        "--model-name-or-path",
+        tiny,
+        "--train-files",
+        toy_prompts,
+        "--reward-fn",
+        TOY_REWARD,
+        "--total-steps",
+        1,
+        "--num-prompts",
+        2,
+        "--group-size",
+        2,
+        "--mini-batch-size",
+        4,
+        "--micro-batch-size",
+        2,
+        "--max-new-tokens",
+        6,
+        "--eval-every",
+        0,
+    ]
     env = {"TOY_MODEL": tiny}
     run_script("grpo_llm.py", *common, "--output-dir", tmp_path / "fp32", env=env)
     run = only_run(tmp_path / "fp32")
@@ -208,10 +272,34 @@ def test_update_beta_always_clamps():
 
 
 def test_dynamic_kl_beta_follows_the_kl_after_the_update(tiny_peaky, toy_prompts, tmp_path):
-    run_script("dynamic_kl_ppo.py", "--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD,
-               "--output-dir", tmp_path, "--total-steps", 3, "--batch-size", 4, "--mini-batch-size", 2,
-               "--micro-batch-size", 2, "--max-new-tokens", 6, "--eval-every", 0, "--learning-rate", 1e-3,
-               "--policy-kl-target", 0.01, env={"TOY_MODEL": tiny_peaky})
+    run_script(
+        "dynamic_kl_ppo.py",
+        "--model-name-or-path",
+        tiny_peaky,
+        "--train-files",
+        toy_prompts,
+        "--reward-fn",
+        TOY_REWARD,
+        "--output-dir",
+        tmp_path,
+        "--total-steps",
+        3,
+        "--batch-size",
+        4,
+        "--mini-batch-size",
+        2,
+        "--micro-batch-size",
+        2,
+        "--max-new-tokens",
+        6,
+        "--eval-every",
+        0,
+        "--learning-rate",
+        1e-3,
+        "--policy-kl-target",
+        0.01,
+        env={"TOY_MODEL": tiny_peaky},
+    )
     rows = read_metrics(only_run(tmp_path))
     beta = 0.5
     for r in rows:
@@ -248,7 +336,9 @@ def test_k3_is_clamped_so_one_token_cannot_dominate():
 # ---------------------------------------------------------------------------------------------
 def test_online_dpo_pairs_keep_generated_ids(tiny):
     tok = M.load_tokenizer(tiny)
-    ids, _, comp = DPO.encode_pairs(tok, [{"prompt": "hi", "chosen": [11, 12, 13], "rejected": [14, 15]}], 64, 64, "cpu")
+    ids, _, comp = DPO.encode_pairs(
+        tok, [{"prompt": "hi", "chosen": [11, 12, 13], "rejected": [14, 15]}], 64, 64, "cpu"
+    )
     chosen, rejected = ids[0][comp[0].bool()].tolist(), ids[1][comp[1].bool()].tolist()
     assert chosen == [11, 12, 13] and rejected == [14, 15]  # a truncated sample gains no EOS
 
@@ -257,8 +347,9 @@ def test_dropout_is_off_in_train_mode(tmp_path, tiny):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     tok = M.load_tokenizer(tiny)
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.5, embd_pdrop=0.5,
-                               attn_pdrop=0.5)).save_pretrained(tmp_path)
+    GPT2LMHeadModel(
+        GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)
+    ).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     model = M.load_causal_lm(str(tmp_path), tok, gradient_checkpointing=True)
     assert model.training
@@ -279,8 +370,17 @@ def test_gen_preferences_scores_real_lengths(tiny_peaky, toy_prompts, tmp_path, 
 
     monkeypatch.setattr(GP, "Reward", Recording)
     try:
-        GP.main(GP.Args(model=tiny_peaky, prompts=[toy_prompts], out=str(tmp_path / "p.jsonl"), k=2, num_prompts=4,
-                        max_new_tokens=8, reward="length:1.0"))
+        GP.main(
+            GP.Args(
+                model=tiny_peaky,
+                prompts=[toy_prompts],
+                out=str(tmp_path / "p.jsonl"),
+                k=2,
+                num_prompts=4,
+                max_new_tokens=8,
+                reward="length:1.0",
+            )
+        )
     except SystemExit:  # every sample of this random model runs to the limit: all tied, fine here
         pass
     assert len(seen) == 2
@@ -295,16 +395,37 @@ def test_builtin_splits_share_no_problem(tiny, tmp_path):
     import subprocess
 
     from common.data import overlap_report, problem_key, read_table
-    from common.prepare_data import reasoning_gym_rows
+    from common.tasks import reasoning_gym_rows
 
     assert problem_key("What is 3 + 5 =") == problem_key("What is 5 + 3 =") != problem_key("What is 3 + 6 =")
     out = tmp_path / "data"
-    subprocess.run([sys.executable, "-m", "common.prepare_data", "--out", str(out), "--tasks", "chain_sum_1d", "leg_counting",
-                    "--train-size", "300", "--test-size", "40"], check=True, cwd=REPO, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.prepare_data",
+            "--out",
+            str(out),
+            "--tasks",
+            "chain_sum_1d",
+            "leg_counting",
+            "--train-size",
+            "300",
+            "--test-size",
+            "40",
+        ],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
+    )
     for task in ("chain_sum_1d", "leg_counting"):
         train, test = read_table(str(out / task / "train.parquet")), read_table(str(out / task / "test.parquet"))
         rep = overlap_report(train, test)
-        assert rep["test_rows"] > 20 and rep["test_rows_with_problem_in_train"] == 0 and rep["test_rows_with_prompt_in_train"] == 0
+        assert (
+            rep["test_rows"] > 20
+            and rep["test_rows_with_problem_in_train"] == 0
+            and rep["test_rows_with_prompt_in_train"] == 0
+        )
         pairs = read_table(str(out / task / "pairs_test.parquet"))  # derived files inherit the split
         assert overlap_report(train, pairs)["test_rows_with_problem_in_train"] == 0
     # the old split (two seeds over the same space) shares every chain_sum_1d test question; inspect_data says so
@@ -312,10 +433,23 @@ def test_builtin_splits_share_no_problem(tiny, tmp_path):
 
     write_rows(reasoning_gym_rows("chain_sum_1d", 2000, 0, "train"), tmp_path / "old_train.parquet")
     write_rows(reasoning_gym_rows("chain_sum_1d", 40, 1_000_000, "test"), tmp_path / "old_test.parquet")
-    from common.inspect_data import report
+    from tools.inspect_data import report
 
     rep = report([str(tmp_path / "old_test.parquet")], tiny, against=[str(tmp_path / "old_train.parquet")])
     assert rep["overlap_with_train"]["test_rows_with_problem_in_train"] == 40
-    proc = subprocess.run([sys.executable, "-m", "common.inspect_data", str(tmp_path / "old_test.parquet"), "--against",
-                           str(tmp_path / "old_train.parquet"), "--model", tiny], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.inspect_data",
+            str(tmp_path / "old_test.parquet"),
+            "--against",
+            str(tmp_path / "old_train.parquet"),
+            "--model",
+            tiny,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0 and "overlap_with_train" in proc.stdout

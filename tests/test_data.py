@@ -9,8 +9,9 @@ import pytest
 
 from common import models as M
 from common.data import DataError, Sampler, load_preferences, load_prompts, load_sft, write_rows
-from common.prepare_data import gsm8k_rows, last_boxed, math_rows, preference_rows, reasoning_gym_rows
 from common.rewards import compute_score
+from common.tasks import reasoning_gym_rows
+from tools.prepare_data import gsm8k_rows, last_boxed, math_rows, preference_rows
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +21,10 @@ def tok(tiny):
 
 def verl_gsm8k_rows():
     """Rows exactly as verl's examples/data_preprocess/gsm8k.py writes them."""
-    raw = [{"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3+4=7\n#### 7"},
-           {"question": "What is 1,000 + 250?", "answer": "#### 1,250"}]
+    raw = [
+        {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3+4=7\n#### 7"},
+        {"question": "What is 1,000 + 250?", "answer": "#### 1,250"},
+    ]
     return gsm8k_rows(raw, "train")
 
 
@@ -31,9 +34,14 @@ def test_verl_gsm8k_parquet_scores(tmp_path, tok):
     rows = load_prompts([str(path)], tok)
     assert [r.data_source for r in rows] == ["openai/gsm8k"] * 2
     assert rows[1].ground_truth == "1250" and "<|im_start|>user" in rows[0].text
-    assert compute_score(rows[0].data_source, "so 3+4=7\n#### 7", rows[0].ground_truth, rows[0].extra_info) == {"score": 1.0, "acc": 1.0}
+    assert compute_score(rows[0].data_source, "so 3+4=7\n#### 7", rows[0].ground_truth, rows[0].extra_info) == {
+        "score": 1.0,
+        "acc": 1.0,
+    }
     assert compute_score(rows[1].data_source, "#### 1,250", rows[1].ground_truth)["score"] == 1.0
-    assert compute_score(rows[0].data_source, "the answer is 7", rows[0].ground_truth)["score"] == 0.0  # strict needs ####
+    assert (
+        compute_score(rows[0].data_source, "the answer is 7", rows[0].ground_truth)["score"] == 0.0
+    )  # strict needs ####
 
 
 def test_formats_and_merge(tmp_path, tok):
@@ -63,9 +71,13 @@ def test_prompt_key_renaming_and_length_filter(tmp_path, tok):
     path = tmp_path / "r.jsonl"
     write_rows([{"question": "short", "src": "match"}, {"question": "long " * 300, "src": "match"}], path)
     logs = []
-    rows = load_prompts([str(path)], tok, prompt_key="question", reward_fn_key="src", max_prompt_length=64, log=logs.append)
+    rows = load_prompts(
+        [str(path)], tok, prompt_key="question", reward_fn_key="src", max_prompt_length=64, log=logs.append
+    )
     assert len(rows) == 1 and "dropped 1 of 2" in logs[0]
-    cut = load_prompts([str(path)], tok, prompt_key="question", reward_fn_key="src", max_prompt_length=64, truncate=True)
+    cut = load_prompts(
+        [str(path)], tok, prompt_key="question", reward_fn_key="src", max_prompt_length=64, truncate=True
+    )
     assert len(cut) == 2 and len(tok(cut[1].text, add_special_tokens=False)["input_ids"]) <= 66
 
 
@@ -76,7 +88,9 @@ def test_bad_inputs_have_clear_messages(tmp_path, tok):
     with pytest.raises(DataError, match="empty"):
         load_prompts([str(tmp_path / "empty.jsonl")], tok)
     write_rows([{"text": "x", "data_source": "match"}], tmp_path / "nocol.jsonl")
-    with pytest.raises(DataError, match=r"column\(s\) \['prompt'\] missing; columns present: \['data_source', 'text'\]"):
+    with pytest.raises(
+        DataError, match=r"column\(s\) \['prompt'\] missing; columns present: \['data_source', 'text'\]"
+    ):
         load_prompts([str(tmp_path / "nocol.jsonl")], tok)
     write_rows([{"prompt": 5, "data_source": "match"}], tmp_path / "badprompt.jsonl")
     with pytest.raises(DataError, match="badprompt.jsonl row 0 column 'prompt': expected a string or a list"):
@@ -91,17 +105,33 @@ def test_bad_inputs_have_clear_messages(tmp_path, tok):
 
 
 def test_preferences_and_sft(tmp_path, tok):
-    write_rows([{"prompt": "q1", "chosen": "good", "rejected": "bad"}, {"prompt": "q2", "chosen": "same", "rejected": "same"},
-                {"prompt": [{"role": "user", "content": "q3"}], "chosen": [{"role": "assistant", "content": "c"}],
-                 "rejected": [{"role": "assistant", "content": "r"}]}], tmp_path / "p.jsonl")
+    write_rows(
+        [
+            {"prompt": "q1", "chosen": "good", "rejected": "bad"},
+            {"prompt": "q2", "chosen": "same", "rejected": "same"},
+            {
+                "prompt": [{"role": "user", "content": "q3"}],
+                "chosen": [{"role": "assistant", "content": "c"}],
+                "rejected": [{"role": "assistant", "content": "r"}],
+            },
+        ],
+        tmp_path / "p.jsonl",
+    )
     logs = []
     rows = load_preferences([str(tmp_path / "p.jsonl")], tok, log=logs.append)
     assert len(rows) == 2 and "chosen == rejected" in logs[0]
     assert rows[1]["chosen"] == "c" and rows[1]["prompt"].endswith("assistant\n")
     # TRL's implicit-prompt conversational format
     conv = [{"role": "user", "content": "q"}]
-    write_rows([{"chosen": conv + [{"role": "assistant", "content": "y"}], "rejected": conv + [{"role": "assistant", "content": "n"}]}],
-               tmp_path / "implicit.jsonl")
+    write_rows(
+        [
+            {
+                "chosen": conv + [{"role": "assistant", "content": "y"}],
+                "rejected": conv + [{"role": "assistant", "content": "n"}],
+            }
+        ],
+        tmp_path / "implicit.jsonl",
+    )
     r = load_preferences([str(tmp_path / "implicit.jsonl")], tok)[0]
     assert (r["chosen"], r["rejected"]) == ("y", "n") and "q<|im_end|>" in r["prompt"]
     write_rows([{"messages": conv + [{"role": "assistant", "content": "a"}]}], tmp_path / "sft.jsonl")
@@ -127,7 +157,9 @@ def test_converters():
     assert last_boxed(r"so \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
     m = math_rows([{"problem": "1/2?", "solution": r"\boxed{\frac12}", "level": "Level 1", "type": "x"}], "test")
     assert m[0]["reward_model"]["ground_truth"] == r"\frac12"
-    p = preference_rows([{"chosen": "\n\nHuman: hi\n\nAssistant: hello", "rejected": "\n\nHuman: hi\n\nAssistant: go away"}])
+    p = preference_rows(
+        [{"chosen": "\n\nHuman: hi\n\nAssistant: hello", "rejected": "\n\nHuman: hi\n\nAssistant: go away"}]
+    )
     assert p[0] == {"prompt": "Human: hi\n\nAssistant:", "chosen": "hello", "rejected": "go away"}
     with pytest.raises(ValueError, match="no '#### N'"):
         gsm8k_rows([{"question": "q", "answer": "7"}], "train")
@@ -135,16 +167,24 @@ def test_converters():
 
 def test_prepare_and_inspect_cli(tmp_path, tiny):
     out = tmp_path / "data"
-    r = subprocess.run([sys.executable, "-m", "common.prepare_data", "--out", str(out), "--train-size", "20", "--test-size", "5"],
-                       capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "tools.prepare_data", "--out", str(out), "--train-size", "20", "--test-size", "5"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     for task in ("chain_sum_1d", "chain_sum", "basic_arithmetic", "countdown", "leg_counting", "letter_counting"):
         df = pd.read_parquet(out / task / "train.parquet")
         assert len(df) == 20 and df["data_source"].iloc[0] == f"reasoning_gym/{task.replace('_1d', '')}"
         assert "<answer>" in df["prompt"].iloc[0][0]["content"]
-    r = subprocess.run([sys.executable, "-m", "common.inspect_data", str(out / "chain_sum" / "train.parquet"), "--model", tiny],
-                       capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "tools.inspect_data", str(out / "chain_sum" / "train.parquet"), "--model", tiny],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "reasoning_gym/chain_sum" in r.stdout and "prompt_tokens" in r.stdout and "duplicate_prompts" in r.stdout
-    from common.inspect_data import report
+    from tools.inspect_data import report
 
     rep = report([str(out / "chain_sum" / "train.parquet"), str(out / "chain_sum" / "test.parquet")], tiny)
     assert rep["rows"] == 25 and rep["data_source"] == {"reasoning_gym/chain_sum": 25}

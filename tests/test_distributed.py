@@ -21,8 +21,15 @@ RUN_ALL_SCRIPTS = ("DDP", "FSDP", "ZERO3")  # every script under these; ZeRO-2 i
 
 
 def launch(script, *flags, env=None, config="cpu_2proc"):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / f"configs/accelerate/{config}.yaml"),
-           str(REPO / "algos" / script), *map(str, flags)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / f"configs/accelerate/{config}.yaml"),
+        str(REPO / "algos" / script),
+        *map(str, flags),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
@@ -46,13 +53,37 @@ ONLINE_SIZES = {
 
 
 # ppo_llm.py under FSDP2 and ZeRO-3 runs (longer) in the parity tests below, so not here again
-@pytest.mark.parametrize("script,sizes,kind", [(s, sizes, k) for s, sizes in ONLINE_SIZES.items() for k in RUN_ALL_SCRIPTS
-                                              if s != "ppo_llm.py" or k == "DDP"])
+@pytest.mark.parametrize(
+    "script,sizes,kind",
+    [(s, sizes, k) for s, sizes in ONLINE_SIZES.items() for k in RUN_ALL_SCRIPTS if s != "ppo_llm.py" or k == "DDP"],
+)
 def test_two_processes(script, sizes, kind, tiny_peaky, toy_prompts, tmp_path):
-    launch(script, "--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--val-files", toy_prompts,
-           "--reward-fn", TOY_REWARD, "--output-dir", tmp_path, "--total-steps", 2, "--eval-every", 2,
-           "--num-eval-prompts", 4, "--max-new-tokens", 6, "--learning-rate", 1e-3, *sizes, env={"TOY_MODEL": tiny_peaky},
-           config=CONFIGS[kind])
+    launch(
+        script,
+        "--model-name-or-path",
+        tiny_peaky,
+        "--train-files",
+        toy_prompts,
+        "--val-files",
+        toy_prompts,
+        "--reward-fn",
+        TOY_REWARD,
+        "--output-dir",
+        tmp_path,
+        "--total-steps",
+        2,
+        "--eval-every",
+        2,
+        "--num-eval-prompts",
+        4,
+        "--max-new-tokens",
+        6,
+        "--learning-rate",
+        1e-3,
+        *sizes,
+        env={"TOY_MODEL": tiny_peaky},
+        config=CONFIGS[kind],
+    )
     run = only_run(tmp_path)  # one run folder, written by the main process only
     assert_ran(run, kind)
     rows = read_metrics(run)
@@ -61,15 +92,57 @@ def test_two_processes(script, sizes, kind, tiny_peaky, toy_prompts, tmp_path):
 
 
 @pytest.mark.parametrize("kind", RUN_ALL_SCRIPTS)
-@pytest.mark.parametrize("script,flags", [
-    ("dpo_llm.py", ["--batch-size", 4, "--micro-batch-size", 2, "--num-eval-pairs", 4, "--num-eval-prompts", 4, "--max-new-tokens", 4]),
-    ("sft_llm.py", ["--batch-size", 4, "--micro-batch-size", 2, "--num-eval-examples", 4, "--num-eval-prompts", 4, "--max-new-tokens", 4]),
-    ("rm_llm.py", ["--batch-size", 4, "--micro-batch-size", 2, "--num-eval-pairs", 4, "--num-norm-samples", 8]),
-])
+@pytest.mark.parametrize(
+    "script,flags",
+    [
+        (
+            "dpo_llm.py",
+            [
+                "--batch-size",
+                4,
+                "--micro-batch-size",
+                2,
+                "--num-eval-pairs",
+                4,
+                "--num-eval-prompts",
+                4,
+                "--max-new-tokens",
+                4,
+            ],
+        ),
+        (
+            "sft_llm.py",
+            [
+                "--batch-size",
+                4,
+                "--micro-batch-size",
+                2,
+                "--num-eval-examples",
+                4,
+                "--num-eval-prompts",
+                4,
+                "--max-new-tokens",
+                4,
+            ],
+        ),
+        ("rm_llm.py", ["--batch-size", 4, "--micro-batch-size", 2, "--num-eval-pairs", 4, "--num-norm-samples", 8]),
+    ],
+)
 def test_two_processes_offline_scripts(script, flags, kind, tiny, tmp_path):
     """DPO, SFT and RM on their built-in data under 2 processes."""
-    launch(script, "--model-name-or-path", tiny, "--output-dir", tmp_path, "--total-steps", 2, "--eval-every", 2, *flags,
-           config=CONFIGS[kind])
+    launch(
+        script,
+        "--model-name-or-path",
+        tiny,
+        "--output-dir",
+        tmp_path,
+        "--total-steps",
+        2,
+        "--eval-every",
+        2,
+        *flags,
+        config=CONFIGS[kind],
+    )
     run = only_run(tmp_path)
     assert_ran(run, kind)
     rows = read_metrics(run)
@@ -77,9 +150,24 @@ def test_two_processes_offline_scripts(script, flags, kind, tiny, tmp_path):
 
 
 def test_batch_not_divisible_by_processes_names_the_flag(tiny, tmp_path):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs/accelerate/cpu_2proc.yaml"),
-           str(REPO / "algos/ppo_llm.py"), "--model-name-or-path", tiny, "--output-dir", str(tmp_path),
-           "--batch-size", "3", "--mini-batch-size", "3", "--micro-batch-size", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs/accelerate/cpu_2proc.yaml"),
+        str(REPO / "algos/ppo_llm.py"),
+        "--model-name-or-path",
+        tiny,
+        "--output-dir",
+        str(tmp_path),
+        "--batch-size",
+        "3",
+        "--mini-batch-size",
+        "3",
+        "--micro-batch-size",
+        "1",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "--batch-size over the number of processes: 3 is not divisible by 2" in proc.stderr
 
@@ -127,9 +215,30 @@ def test_grpo_ddp_update_equals_single_process_update(tiny_peaky, tmp_path):
     gloo) end with the parameters of 1 process."""
     from conftest import run_script
 
-    flags = ["--model-name-or-path", tiny_peaky, "--train-files", equal_length_prompts(tmp_path), "--reward-fn", TOY_REWARD,
-             "--total-steps", 1, "--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 1,
-             "--max-new-tokens", 6, "--learning-rate", 1e-3, "--eval-every", 0]
+    flags = [
+        "--model-name-or-path",
+        tiny_peaky,
+        "--train-files",
+        equal_length_prompts(tmp_path),
+        "--reward-fn",
+        TOY_REWARD,
+        "--total-steps",
+        1,
+        "--num-prompts",
+        2,
+        "--group-size",
+        2,
+        "--mini-batch-size",
+        4,
+        "--micro-batch-size",
+        1,
+        "--max-new-tokens",
+        6,
+        "--learning-rate",
+        1e-3,
+        "--eval-every",
+        0,
+    ]
     env = {"TOY_MODEL": tiny_peaky}
     run_script("grpo_llm.py", *flags, "--output-dir", tmp_path / "one", env=env)
     launch("grpo_llm.py", *flags, "--output-dir", tmp_path / "two", env=env)
@@ -145,9 +254,31 @@ def test_ppo_ddp_update_equals_single_process_update(tiny_peaky, tmp_path):
     whitening (each rank's own mean and std) this fails."""
     from conftest import run_script
 
-    flags = ["--model-name-or-path", tiny_peaky, "--train-files", equal_length_prompts(tmp_path), "--reward-fn", TOY_REWARD,
-             "--total-steps", 1, "--batch-size", 4, "--mini-batch-size", 4, "--micro-batch-size", 1, "--whiten-rewards",
-             "--max-new-tokens", 6, "--learning-rate", 1e-3, "--critic-learning-rate", 1e-3, "--eval-every", 0]
+    flags = [
+        "--model-name-or-path",
+        tiny_peaky,
+        "--train-files",
+        equal_length_prompts(tmp_path),
+        "--reward-fn",
+        TOY_REWARD,
+        "--total-steps",
+        1,
+        "--batch-size",
+        4,
+        "--mini-batch-size",
+        4,
+        "--micro-batch-size",
+        1,
+        "--whiten-rewards",
+        "--max-new-tokens",
+        6,
+        "--learning-rate",
+        1e-3,
+        "--critic-learning-rate",
+        1e-3,
+        "--eval-every",
+        0,
+    ]
     env = {"TOY_MODEL": tiny_peaky}
     run_script("ppo_llm.py", *flags, "--output-dir", tmp_path / "one", env=env)
     launch("ppo_llm.py", *flags, "--output-dir", tmp_path / "two", env=env)
@@ -157,24 +288,62 @@ def test_ppo_ddp_update_equals_single_process_update(tiny_peaky, tmp_path):
     for key in ("train/reward", "train/kl", "train/value_mean", "loss/policy", "loss/value", "train/entropy"):
         assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
     assert_same_update(one / "checkpoints/step_1/policy", two / "checkpoints/step_1/policy", base_weights(tiny_peaky))
-    assert_same_update(one / "checkpoints/step_1/critic", two / "checkpoints/step_1/critic", base_weights(tiny_peaky, value=True))
+    assert_same_update(
+        one / "checkpoints/step_1/critic", two / "checkpoints/step_1/critic", base_weights(tiny_peaky, value=True)
+    )
 
 
 def test_fsdp2_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
     """PPO (policy, critic, reference) for 2 iterations under FSDP2 (fully_shard, DTensor parameters and
     optimizer states) ends with the parameters of the DDP run; and FSDP2 1 iteration + resume + 1
     equals FSDP2 2 straight (optimizer states gathered to a full checkpoint and re-sharded)."""
-    flags = ["--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD,
-             "--batch-size", 4, "--mini-batch-size", 2, "--micro-batch-size", 1, "--ppo-epochs", 2,
-             "--max-new-tokens", 6, "--learning-rate", 1e-3, "--critic-learning-rate", 1e-3, "--eval-every", 0,
-             "--kl-coef", 0.1]
+    flags = [
+        "--model-name-or-path",
+        tiny_peaky,
+        "--train-files",
+        toy_prompts,
+        "--reward-fn",
+        TOY_REWARD,
+        "--batch-size",
+        4,
+        "--mini-batch-size",
+        2,
+        "--micro-batch-size",
+        1,
+        "--ppo-epochs",
+        2,
+        "--max-new-tokens",
+        6,
+        "--learning-rate",
+        1e-3,
+        "--critic-learning-rate",
+        1e-3,
+        "--eval-every",
+        0,
+        "--kl-coef",
+        0.1,
+    ]
     env = {"TOY_MODEL": tiny_peaky}
     launch("ppo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path / "ddp", env=env)
-    launch("ppo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path / "fsdp", env=env, config="cpu_2proc_fsdp2")
-    launch("ppo_llm.py", *flags, "--total-steps", 1, "--output-dir", tmp_path / "half", env=env, config="cpu_2proc_fsdp2")
+    launch(
+        "ppo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path / "fsdp", env=env, config="cpu_2proc_fsdp2"
+    )
+    launch(
+        "ppo_llm.py", *flags, "--total-steps", 1, "--output-dir", tmp_path / "half", env=env, config="cpu_2proc_fsdp2"
+    )
     half = only_run(tmp_path / "half")
-    launch("ppo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path / "resumed", "--resume", half, env=env,
-           config="cpu_2proc_fsdp2")
+    launch(
+        "ppo_llm.py",
+        *flags,
+        "--total-steps",
+        2,
+        "--output-dir",
+        tmp_path / "resumed",
+        "--resume",
+        half,
+        env=env,
+        config="cpu_2proc_fsdp2",
+    )
     ddp, fsdp = (only_run(tmp_path / n) for n in ("ddp", "fsdp"))
     resumed = half  # a resume continues its own run folder
     assert_ran(ddp, "DDP"), assert_ran(fsdp, "FSDP"), assert_ran(resumed, "FSDP")
@@ -194,7 +363,15 @@ def test_fsdp2_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
 def test_distributed_statistics():
     """masked mean/var/whiten and batch-scaled group advantages with distributed=True over 2 gloo ranks
     holding uneven slices equal numpy over the whole batch."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(REPO / "tests" / "dist_ops_check.py")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(REPO / "tests" / "dist_ops_check.py"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count("distributed stats OK") == 2
@@ -209,15 +386,27 @@ def test_accelerate_configs_are_consistent():
         assert cfg["num_processes"] % cfg["num_machines"] == 0, path
         pc = cfg.get("parallelism_config")
         if pc:
-            prod = pc["parallelism_config_dp_replicate_size"] * pc["parallelism_config_dp_shard_size"] * \
-                pc["parallelism_config_tp_size"] * pc["parallelism_config_cp_size"]
+            prod = (
+                pc["parallelism_config_dp_replicate_size"]
+                * pc["parallelism_config_dp_shard_size"]
+                * pc["parallelism_config_tp_size"]
+                * pc["parallelism_config_cp_size"]
+            )
             assert prod == cfg["num_processes"], path
 
 
 def test_generation_from_fsdp2_sharded_model(tiny):
     """torch's fully_shard (what Accelerate's FSDP2 uses on GPUs) over gloo: unshard once, generate, reshard."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(REPO / "tests" / "fsdp2_generate_check.py"), tiny]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(REPO / "tests" / "fsdp2_generate_check.py"),
+        tiny,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count("FSDP2 generation OK") == 2
@@ -228,16 +417,49 @@ def test_deepspeed_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
     micro-batches under ZeRO-2 and ZeRO-3 ends with the parameters and metrics of the DDP run (the
     engines step at the minibatch boundary, with the scripts' loss scaling); ZeRO-3 1 iteration +
     resume + 1 equals 2 straight; a DeepSpeed checkpoint resumed under DDP stops with a clear message."""
-    flags = ["--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD,
-             "--batch-size", 4, "--mini-batch-size", 2, "--micro-batch-size", 1, "--max-new-tokens", 6,
-             "--learning-rate", 1e-3, "--critic-learning-rate", 1e-3, "--eval-every", 0, "--kl-coef", 0.1]
+    flags = [
+        "--model-name-or-path",
+        tiny_peaky,
+        "--train-files",
+        toy_prompts,
+        "--reward-fn",
+        TOY_REWARD,
+        "--batch-size",
+        4,
+        "--mini-batch-size",
+        2,
+        "--micro-batch-size",
+        1,
+        "--max-new-tokens",
+        6,
+        "--learning-rate",
+        1e-3,
+        "--critic-learning-rate",
+        1e-3,
+        "--eval-every",
+        0,
+        "--kl-coef",
+        0.1,
+    ]
     env = {"TOY_MODEL": tiny_peaky}
     for kind in ("DDP", "ZERO2", "ZERO3"):
         launch("ppo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path / kind, env=env, config=CONFIGS[kind])
-    launch("ppo_llm.py", *flags, "--total-steps", 1, "--output-dir", tmp_path / "half", env=env, config=CONFIGS["ZERO3"])
+    launch(
+        "ppo_llm.py", *flags, "--total-steps", 1, "--output-dir", tmp_path / "half", env=env, config=CONFIGS["ZERO3"]
+    )
     half = only_run(tmp_path / "half")
-    launch("ppo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path / "resumed", "--resume", half, env=env,
-           config=CONFIGS["ZERO3"])
+    launch(
+        "ppo_llm.py",
+        *flags,
+        "--total-steps",
+        2,
+        "--output-dir",
+        tmp_path / "resumed",
+        "--resume",
+        half,
+        env=env,
+        config=CONFIGS["ZERO3"],
+    )
     runs = {kind: only_run(tmp_path / kind) for kind in ("DDP", "ZERO2", "ZERO3")}
     for kind, run in runs.items():
         assert_ran(run, kind)
@@ -254,11 +476,27 @@ def test_deepspeed_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
     for name, value in (("policy", False), ("critic", True)):
         base = base_weights(tiny_peaky, value)
         for kind in ("ZERO2", "ZERO3"):
-            assert_same_update(runs["DDP"] / f"checkpoints/step_2/{name}", runs[kind] / f"checkpoints/step_2/{name}", base)
-        assert_same_update(runs["ZERO3"] / f"checkpoints/step_2/{name}", resumed / f"checkpoints/step_2/{name}", base, rel=1e-6)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs/accelerate/cpu_2proc.yaml"),
-           str(REPO / "algos/ppo_llm.py"), *map(str, flags), "--total-steps", "3", "--output-dir", str(tmp_path / "wrong"),
-           "--resume", str(half)]
+            assert_same_update(
+                runs["DDP"] / f"checkpoints/step_2/{name}", runs[kind] / f"checkpoints/step_2/{name}", base
+            )
+        assert_same_update(
+            runs["ZERO3"] / f"checkpoints/step_2/{name}", resumed / f"checkpoints/step_2/{name}", base, rel=1e-6
+        )
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs/accelerate/cpu_2proc.yaml"),
+        str(REPO / "algos/ppo_llm.py"),
+        *map(str, flags),
+        "--total-steps",
+        "3",
+        "--output-dir",
+        str(tmp_path / "wrong"),
+        "--resume",
+        str(half),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
     assert proc.returncode != 0 and "written under DeepSpeed" in proc.stderr
     # a pickle payload planted in a DeepSpeed engine file (DeepSpeed loads them with weights_only=False) never runs
@@ -269,10 +507,23 @@ def test_deepspeed_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
     state = torch.load(engine_file, weights_only=False)
     state["planted"] = Payload(str(marker))
     torch.save(state, engine_file)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / f"configs/accelerate/{CONFIGS['ZERO3']}.yaml"),
-           str(REPO / "algos/ppo_llm.py"), *map(str, flags), "--total-steps", "3", "--resume", str(half)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / f"configs/accelerate/{CONFIGS['ZERO3']}.yaml"),
+        str(REPO / "algos/ppo_llm.py"),
+        *map(str, flags),
+        "--total-steps",
+        "3",
+        "--resume",
+        str(half),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
-    assert proc.returncode != 0 and "which loading would execute" in proc.stderr and not marker.exists(), proc.stderr[-2000:]
+    assert proc.returncode != 0 and "which loading would execute" in proc.stderr and not marker.exists(), proc.stderr[
+        -2000:
+    ]
 
 
 class Payload:
@@ -287,9 +538,33 @@ def test_online_dpo_two_processes_with_uneven_pairs(tiny_peaky, toy_prompts, tmp
     """--online skips tied groups, so the 2 ranks hold different numbers of pairs (0 to 2 each): every
     rank still runs the same number of backward passes (a weight-0 filler), so DDP does not hang, and
     both ranks step together."""
-    launch("dpo_llm.py", "--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--online", "--reward-fn", TOY_REWARD,
-           "--output-dir", tmp_path, "--total-steps", 4, "--batch-size", 4, "--micro-batch-size", 1, "--num-samples", 2,
-           "--max-new-tokens", 5, "--eval-every", 0, "--learning-rate", 1e-3, env={"TOY_MODEL": tiny_peaky})
+    launch(
+        "dpo_llm.py",
+        "--model-name-or-path",
+        tiny_peaky,
+        "--train-files",
+        toy_prompts,
+        "--online",
+        "--reward-fn",
+        TOY_REWARD,
+        "--output-dir",
+        tmp_path,
+        "--total-steps",
+        4,
+        "--batch-size",
+        4,
+        "--micro-batch-size",
+        1,
+        "--num-samples",
+        2,
+        "--max-new-tokens",
+        5,
+        "--eval-every",
+        0,
+        "--learning-rate",
+        1e-3,
+        env={"TOY_MODEL": tiny_peaky},
+    )
     run = only_run(tmp_path)
     assert_ran(run, "DDP")
     rows = read_metrics(run)
@@ -301,8 +576,13 @@ def test_online_dpo_two_processes_with_uneven_pairs(tiny_peaky, toy_prompts, tmp
 def test_tensor_parallel_config_is_refused_with_a_clear_message(tiny, tmp_path):
     """tp_size > 1 (what `accelerate launch` sets from a parallelism_config) stops at start-up, before any
     run folder is written, instead of training every TP rank on a different batch."""
-    proc = subprocess.run([sys.executable, str(REPO / "algos/grpo_llm.py"), "--model-name-or-path", tiny, "--output-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "PARALLELISM_CONFIG_TP_SIZE": "2"})
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "algos/grpo_llm.py"), "--model-name-or-path", tiny, "--output-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PARALLELISM_CONFIG_TP_SIZE": "2"},
+    )
     assert proc.returncode != 0 and "tensor parallelism is not supported" in proc.stderr
     assert not any(tmp_path.iterdir())
 
@@ -313,11 +593,38 @@ def test_lora_under_fsdp2_and_zero3_equals_ddp(tiny_peaky, toy_prompts, tmp_path
     FSDP root; unwrap_for_generation initialises FSDP from the root first.)"""
     from safetensors.torch import load_file
 
-    flags = ["--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD, "--total-steps", 2,
-             "--eval-every", 0, "--max-new-tokens", 6, "--learning-rate", 1e-2, "--lora-r", 4, "--kl-coef", 0.05,
-             "--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 2, "--micro-batch-size", 1]
+    flags = [
+        "--model-name-or-path",
+        tiny_peaky,
+        "--train-files",
+        toy_prompts,
+        "--reward-fn",
+        TOY_REWARD,
+        "--total-steps",
+        2,
+        "--eval-every",
+        0,
+        "--max-new-tokens",
+        6,
+        "--learning-rate",
+        1e-2,
+        "--lora-r",
+        4,
+        "--kl-coef",
+        0.05,
+        "--num-prompts",
+        2,
+        "--group-size",
+        2,
+        "--mini-batch-size",
+        2,
+        "--micro-batch-size",
+        1,
+    ]
     for kind in ("DDP", "FSDP", "ZERO3"):
-        launch("grpo_llm.py", *flags, "--output-dir", tmp_path / kind, env={"TOY_MODEL": tiny_peaky}, config=CONFIGS[kind])
+        launch(
+            "grpo_llm.py", *flags, "--output-dir", tmp_path / kind, env={"TOY_MODEL": tiny_peaky}, config=CONFIGS[kind]
+        )
     runs = {kind: only_run(tmp_path / kind) for kind in ("DDP", "FSDP", "ZERO3")}
     adapters = {k: load_file(r / "checkpoints/step_2/policy/adapter_model.safetensors") for k, r in runs.items()}
     ddp = adapters["DDP"]
@@ -336,11 +643,31 @@ def test_lora_reward_model_export_under_sharding(tiny, tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    flags = ["--model-name-or-path", tiny, "--total-steps", 2, "--eval-every", 2, "--batch-size", 4, "--micro-batch-size", 2,
-             "--num-eval-pairs", 4, "--num-norm-samples", 8, "--lora-r", 4, "--learning-rate", 1e-2]
+    flags = [
+        "--model-name-or-path",
+        tiny,
+        "--total-steps",
+        2,
+        "--eval-every",
+        2,
+        "--batch-size",
+        4,
+        "--micro-batch-size",
+        2,
+        "--num-eval-pairs",
+        4,
+        "--num-norm-samples",
+        8,
+        "--lora-r",
+        4,
+        "--learning-rate",
+        1e-2,
+    ]
     for kind in ("DDP", "FSDP", "ZERO3"):
         launch("rm_llm.py", *flags, "--output-dir", tmp_path / kind, config=CONFIGS[kind])
-    exports = {k: load_file(only_run(tmp_path / k) / "reward_model/model.safetensors") for k in ("DDP", "FSDP", "ZERO3")}
+    exports = {
+        k: load_file(only_run(tmp_path / k) / "reward_model/model.safetensors") for k in ("DDP", "FSDP", "ZERO3")
+    }
     ddp = exports["DDP"]
     assert ddp["model.embed_tokens.weight"].shape[0] > 0 and not any("lora" in k for k in ddp)
     for kind in ("FSDP", "ZERO3"):

@@ -1,5 +1,5 @@
 """algos/dpo_llm.py: losses by hand, offline and online end to end, learning a toy preference, resume;
-common.gen_preferences."""
+tools.gen_preferences."""
 
 import math
 import subprocess
@@ -33,19 +33,23 @@ def test_losses_at_chosen_values():
     sig = lambda v: 1 / (1 + math.exp(-v))
     assert D.dpo_loss(pc, pr, rc, rr, "sigmoid", beta).item() == pytest.approx(-math.log(sig(1.0)))
     assert D.dpo_loss(pc, pr, rc, rr, "sigmoid", beta, eps).item() == pytest.approx(
-        -(1 - eps) * math.log(sig(1.0)) - eps * math.log(sig(-1.0)))
+        -(1 - eps) * math.log(sig(1.0)) - eps * math.log(sig(-1.0))
+    )
     assert D.dpo_loss(pc, pr, rc, rr, "ipo", beta).item() == pytest.approx((2 - 1) ** 2)
     assert D.dpo_loss(pc, pr, rc, rr, "hinge", beta).item() == pytest.approx(0.0)  # 1 - 0.5*2 = 0
     assert D.dpo_loss(pc, pr, rc, rr, "hinge", 0.25).item() == pytest.approx(0.5)
     assert D.dpo_loss(pc, pr, rc, rr, "robust", beta, eps).item() == pytest.approx(
-        (-(1 - eps) * math.log(sig(1.0)) + eps * math.log(sig(-1.0))) / (1 - 2 * eps))
+        (-(1 - eps) * math.log(sig(1.0)) + eps * math.log(sig(-1.0))) / (1 - 2 * eps)
+    )
 
 
 def test_encode_pairs_masks_completions(tiny):
     from common.models import load_tokenizer
 
     tok = load_tokenizer(tiny)
-    ids, attn, comp = D.encode_pairs(tok, [{"prompt": "Q: hi", "chosen": " yes", "rejected": " no no no"}], 64, 64, "cpu")
+    ids, attn, comp = D.encode_pairs(
+        tok, [{"prompt": "Q: hi", "chosen": " yes", "rejected": " no no no"}], 64, 64, "cpu"
+    )
     assert ids.shape[0] == 2 and comp.shape == ids.shape
     n_prompt = len(tok("Q: hi", add_special_tokens=False)["input_ids"])
     assert comp[:, :n_prompt].sum() == 0  # prompt tokens never scored
@@ -64,13 +68,44 @@ def toy_pairs(tmp_path_factory):
 
 
 def test_offline_end_to_end_and_learns_toy_preference(tiny, toy_pairs, tmp_path):
-    run_script("dpo_llm.py", "--model-name-or-path", tiny, "--train-files", toy_pairs[0], "--val-files", toy_pairs[1],
-               "--output-dir", tmp_path, "--total-steps", 10, "--batch-size", 8, "--micro-batch-size", 4,
-               "--learning-rate", 1e-3, "--beta", 0.5, "--eval-every", 10, "--precompute-ref", "--sft-coef", 0.1)
+    run_script(
+        "dpo_llm.py",
+        "--model-name-or-path",
+        tiny,
+        "--train-files",
+        toy_pairs[0],
+        "--val-files",
+        toy_pairs[1],
+        "--output-dir",
+        tmp_path,
+        "--total-steps",
+        10,
+        "--batch-size",
+        8,
+        "--micro-batch-size",
+        4,
+        "--learning-rate",
+        1e-3,
+        "--beta",
+        0.5,
+        "--eval-every",
+        10,
+        "--precompute-ref",
+        "--sft-coef",
+        0.1,
+    )
     run = only_run(tmp_path)
     rows = read_metrics(run)
-    for key in ("loss/policy", "rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin",
-                "train/logps_chosen", "train/logps_rejected", "perf/step_s"):
+    for key in (
+        "loss/policy",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracy",
+        "rewards/margin",
+        "train/logps_chosen",
+        "train/logps_rejected",
+        "perf/step_s",
+    ):
         assert key in rows[1], key
     assert rows[1]["loss/policy"] == pytest.approx(math.log(2), abs=1e-4)  # step 1: policy == reference
     assert rows[0]["eval/rewards_accuracy"] == 0.0  # margins are exactly 0 before training
@@ -79,10 +114,33 @@ def test_offline_end_to_end_and_learns_toy_preference(tiny, toy_pairs, tmp_path)
 
 
 def test_online_end_to_end(tiny_peaky, toy_prompts, tmp_path):
-    run_script("dpo_llm.py", "--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--online",
-               "--reward-fn", TOY_REWARD, "--output-dir", tmp_path, "--total-steps", 2, "--batch-size", 2,
-               "--micro-batch-size", 1, "--num-samples", 3, "--max-new-tokens", 6, "--eval-every", 0, "--lora-r", 4,
-               env={"TOY_MODEL": tiny_peaky})
+    run_script(
+        "dpo_llm.py",
+        "--model-name-or-path",
+        tiny_peaky,
+        "--train-files",
+        toy_prompts,
+        "--online",
+        "--reward-fn",
+        TOY_REWARD,
+        "--output-dir",
+        tmp_path,
+        "--total-steps",
+        2,
+        "--batch-size",
+        2,
+        "--micro-batch-size",
+        1,
+        "--num-samples",
+        3,
+        "--max-new-tokens",
+        6,
+        "--eval-every",
+        0,
+        "--lora-r",
+        4,
+        env={"TOY_MODEL": tiny_peaky},
+    )
     rows = read_metrics(only_run(tmp_path))
     assert all("train/skipped_ties" in r and "train/reward" in r for r in rows)
     assert sum(r["train/pairs"] for r in rows) + sum(r["train/skipped_ties"] for r in rows) == 4
@@ -90,9 +148,28 @@ def test_online_end_to_end(tiny_peaky, toy_prompts, tmp_path):
 
 
 def test_resume_gives_identical_metrics(tiny, toy_pairs, tmp_path):
-    flags = lambda out, n: ["--model-name-or-path", tiny, "--train-files", toy_pairs[0], "--val-files", toy_pairs[1],
-                            "--output-dir", out, "--total-steps", n, "--batch-size", 4, "--micro-batch-size", 2,
-                            "--learning-rate", 1e-3, "--eval-every", 2, "--num-eval-pairs", 4]
+    flags = lambda out, n: [
+        "--model-name-or-path",
+        tiny,
+        "--train-files",
+        toy_pairs[0],
+        "--val-files",
+        toy_pairs[1],
+        "--output-dir",
+        out,
+        "--total-steps",
+        n,
+        "--batch-size",
+        4,
+        "--micro-batch-size",
+        2,
+        "--learning-rate",
+        1e-3,
+        "--eval-every",
+        2,
+        "--num-eval-pairs",
+        4,
+    ]
     run_script("dpo_llm.py", *flags(tmp_path / "a", 4))
     run_script("dpo_llm.py", *flags(tmp_path / "b", 2))
     first = only_run(tmp_path / "b")
@@ -106,8 +183,25 @@ def test_gen_preferences_writes_pairs_and_reports_ties(tiny_peaky, toy_prompts, 
     out = tmp_path / "pairs.parquet"
     import os
 
-    cmd = [sys.executable, "-m", "common.gen_preferences", "--prompts", toy_prompts, "--model", tiny_peaky, "--k", "3",
-           "--max-new-tokens", "6", "--num-prompts", "8", "--reward-fn", TOY_REWARD, "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tools.gen_preferences",
+        "--prompts",
+        toy_prompts,
+        "--model",
+        tiny_peaky,
+        "--k",
+        "3",
+        "--max-new-tokens",
+        "6",
+        "--num-prompts",
+        "8",
+        "--reward-fn",
+        TOY_REWARD,
+        "--out",
+        str(out),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "TOY_MODEL": tiny_peaky})
     assert r.returncode == 0, r.stderr[-3000:]
     df = pd.read_parquet(out)

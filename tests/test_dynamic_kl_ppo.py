@@ -30,9 +30,35 @@ def test_beta_rule_band_and_bounds():
 
 
 def _flags(model, prompts, out, steps, *extra):
-    return ["--model-name-or-path", model, "--train-files", prompts, "--val-files", prompts, "--reward-fn", TOY_REWARD,
-            "--output-dir", out, "--total-steps", steps, "--batch-size", 4, "--mini-batch-size", 2, "--micro-batch-size", 1,
-            "--max-new-tokens", 6, "--num-eval-prompts", 4, "--eval-every", 2, "--learning-rate", 3e-3, *extra]
+    return [
+        "--model-name-or-path",
+        model,
+        "--train-files",
+        prompts,
+        "--val-files",
+        prompts,
+        "--reward-fn",
+        TOY_REWARD,
+        "--output-dir",
+        out,
+        "--total-steps",
+        steps,
+        "--batch-size",
+        4,
+        "--mini-batch-size",
+        2,
+        "--micro-batch-size",
+        1,
+        "--max-new-tokens",
+        6,
+        "--num-eval-prompts",
+        4,
+        "--eval-every",
+        2,
+        "--learning-rate",
+        3e-3,
+        *extra,
+    ]
 
 
 def test_end_to_end_logs_beta_and_resumes_exactly(tiny_peaky, toy_prompts, tmp_path):
@@ -54,7 +80,8 @@ def test_end_to_end_logs_beta_and_resumes_exactly(tiny_peaky, toy_prompts, tmp_p
 
 
 def test_diff_against_ppo_stays_small():
-    out = subprocess.run(["diff", str(REPO / "algos/ppo_llm.py"), str(REPO / "algos/dynamic_kl_ppo.py")],
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["diff", str(REPO / "algos/ppo_llm.py"), str(REPO / "algos/dynamic_kl_ppo.py")], capture_output=True, text=True
+    ).stdout
     changed = [l for l in out.splitlines() if l[:1] in "<>"]
     assert 0 < len(changed) <= 80, len(changed)

@@ -1,4 +1,4 @@
-"""common.evaluate: pass@k against brute force, maj@k, --n end to end; per-source eval accuracy in training."""
+"""tools.evaluate: pass@k against brute force, maj@k, --n end to end; per-source eval accuracy in training."""
 
 import itertools
 import json
@@ -7,9 +7,8 @@ import sys
 
 import pytest
 
+from common.eval import majority_correct, pass_at_k
 from conftest import REPO
-
-from common.evaluate import majority_correct, pass_at_k
 
 
 @pytest.mark.parametrize("n,c", [(4, 0), (4, 1), (5, 2), (6, 6), (7, 3)])
@@ -29,12 +28,36 @@ def test_majority_vote_uses_extracted_answers():
 
 
 def test_evaluate_n_samples_reports_pass_and_maj(tiny, tmp_path):
-    rows = [{"prompt": f"What is {i} + 1?", "data_source": "match" if i % 2 else "gsm8k",
-             "reward_model": {"ground_truth": "x"}} for i in range(4)]
+    rows = [
+        {
+            "prompt": f"What is {i} + 1?",
+            "data_source": "match" if i % 2 else "gsm8k",
+            "reward_model": {"ground_truth": "x"},
+        }
+        for i in range(4)
+    ]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = subprocess.run([sys.executable, "-m", "common.evaluate", "--models", tiny, "--data", str(tmp_path / "p.jsonl"),
-                           "--n", "3", "--max-new-tokens", "3", "--json-out", str(tmp_path / "r.json")],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.evaluate",
+            "--models",
+            tiny,
+            "--data",
+            str(tmp_path / "p.jsonl"),
+            "--n",
+            "3",
+            "--max-new-tokens",
+            "3",
+            "--json-out",
+            str(tmp_path / "r.json"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads((tmp_path / "r.json").read_text())[tiny]
     for src in ("all", "match", "gsm8k"):
@@ -49,10 +72,36 @@ def test_training_eval_per_source_and_save_best(tiny, toy_prompts, tmp_path):
     for i, r in enumerate(rows):
         r["data_source"] = "toy" if i % 2 else "toy2"
     (tmp_path / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run_script("grpo_llm.py", "--model-name-or-path", tiny, "--train-files", toy_prompts, "--val-files", tmp_path / "val.jsonl",
-               "--reward-fn", f"{REPO}/tests/toy_reward.py:compute_score", "--num-prompts", 2, "--group-size", 2,
-               "--mini-batch-size", 4, "--micro-batch-size", 2, "--max-new-tokens", 4, "--total-steps", 2, "--eval-every", 1,
-               "--save-best", "eval/reward", "--output-dir", tmp_path / "run", env={"TOY_MODEL": tiny})
+    run_script(
+        "grpo_llm.py",
+        "--model-name-or-path",
+        tiny,
+        "--train-files",
+        toy_prompts,
+        "--val-files",
+        tmp_path / "val.jsonl",
+        "--reward-fn",
+        f"{REPO}/tests/toy_reward.py:compute_score",
+        "--num-prompts",
+        2,
+        "--group-size",
+        2,
+        "--mini-batch-size",
+        4,
+        "--micro-batch-size",
+        2,
+        "--max-new-tokens",
+        4,
+        "--total-steps",
+        2,
+        "--eval-every",
+        1,
+        "--save-best",
+        "eval/reward",
+        "--output-dir",
+        tmp_path / "run",
+        env={"TOY_MODEL": tiny},
+    )
     run = only_run(tmp_path / "run")
     last = read_metrics(run)[-1]
     assert {"eval/accuracy/toy", "eval/accuracy/toy2"} <= set(last)
@@ -61,4 +110,8 @@ def test_training_eval_per_source_and_save_best(tiny, toy_prompts, tmp_path):
 
     state = torch.load(run / "checkpoints/best/trainer_state.pt", weights_only=True)
     evals = [r["eval/reward"] for r in read_metrics(run) if r["step"] > 0]
-    assert state["best"]["best"] == max(evals) and state["algo"] == "grpo_llm" and state["args"]["save_best"] == "eval/reward"
+    assert (
+        state["best"]["best"] == max(evals)
+        and state["algo"] == "grpo_llm"
+        and state["args"]["save_best"] == "eval/reward"
+    )

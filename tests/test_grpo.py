@@ -21,14 +21,20 @@ def test_advantages_variants_by_hand():
     a = G.compute_advantages(s, 4, "group-mean", "group")
     want = [1.5, -0.5, -0.5, -0.5] + [x / (2 / 3**0.5) for x in (1.0, -1.0, -1.0, 1.0)]
     assert a.tolist() == pytest.approx(want, abs=1e-4)
-    assert G.compute_advantages(s, 4, "group-mean", "none").tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25, 1, -1, -1, 1])
+    assert G.compute_advantages(s, 4, "group-mean", "none").tolist() == pytest.approx(
+        [0.75, -0.25, -0.25, -0.25, 1, -1, -1, 1]
+    )
     batch_std = torch.tensor(s.tolist()).std().item()
     assert G.compute_advantages(s, 4, "group-mean", "batch").tolist() == pytest.approx(
-        [x / batch_std for x in (0.75, -0.25, -0.25, -0.25, 1, -1, -1, 1)], abs=1e-5)
+        [x / batch_std for x in (0.75, -0.25, -0.25, -0.25, 1, -1, -1, 1)], abs=1e-5
+    )
     # rloo: score - mean of the other three
     assert G.compute_advantages(s, 4, "rloo", "none").tolist() == pytest.approx(
-        [1, -1 / 3, -1 / 3, -1 / 3, 3 - 5 / 3, 1 - 7 / 3, 1 - 7 / 3, 3 - 5 / 3], abs=1e-5)
+        [1, -1 / 3, -1 / 3, -1 / 3, 3 - 5 / 3, 1 - 7 / 3, 1 - 7 / 3, 3 - 5 / 3], abs=1e-5
+    )
     assert G.compute_advantages(torch.ones(4), 4, "rloo", "group").eq(0).all()
+    equal = G.compute_advantages(torch.tensor([2.0, 2, 2, 2]), 4, "group-mean", "group")
+    assert equal.eq(0).all() and not torch.isnan(equal).any()  # identical rewards: zeros, not NaN
 
 
 def test_loss_aggregation_two_responses_of_different_length():
@@ -37,10 +43,14 @@ def test_loss_aggregation_two_responses_of_different_length():
     mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
     n_tok, n_seq = mask.sum(), 2
     assert G.aggregate(loss, mask, "token-mean", n_tok, n_seq, 8).item() == pytest.approx((4 + 3) / 4)  # 1.75
-    assert G.aggregate(loss, mask, "seq-mean-token-mean", n_tok, n_seq, 8).item() == pytest.approx((4 / 1 + 3 / 3) / 2)  # 2.5
-    assert G.aggregate(loss, mask, "seq-mean-token-sum-norm", n_tok, n_seq, 8).item() == pytest.approx((4 + 3) / (2 * 8))
+    assert G.aggregate(loss, mask, "seq-mean-token-mean", n_tok, n_seq, 8).item() == pytest.approx(
+        (4 / 1 + 3 / 3) / 2
+    )  # 2.5
+    assert G.aggregate(loss, mask, "seq-mean-token-sum-norm", n_tok, n_seq, 8).item() == pytest.approx(
+        (4 + 3) / (2 * 8)
+    )
     # micro-batch shares add up to the minibatch value
-    parts = sum(G.aggregate(loss[i:i + 1], mask[i:i + 1], "seq-mean-token-mean", n_tok, n_seq, 8) for i in range(2))
+    parts = sum(G.aggregate(loss[i : i + 1], mask[i : i + 1], "seq-mean-token-mean", n_tok, n_seq, 8) for i in range(2))
     assert parts.item() == pytest.approx(2.5)
 
 
@@ -60,9 +70,16 @@ def test_clip_higher_and_overlong_penalty():
 def test_take_informative_groups_fills_fixed_size():
     def part(scores, width):
         n = len(scores)
-        return {"rows": list(range(n)), "scores": torch.tensor(scores), "queries": torch.ones(n, width, dtype=torch.long),
-                "query_mask": torch.ones(n, width), "responses": torch.ones(n, width + 1, dtype=torch.long),
-                "mask": torch.ones(n, width + 1), "truncated": torch.zeros(n, dtype=torch.bool)}
+        return {
+            "rows": list(range(n)),
+            "scores": torch.tensor(scores),
+            "queries": torch.ones(n, width, dtype=torch.long),
+            "query_mask": torch.ones(n, width),
+            "responses": torch.ones(n, width + 1, dtype=torch.long),
+            "mask": torch.ones(n, width + 1),
+            "truncated": torch.zeros(n, dtype=torch.bool),
+        }
+
     a = part([1.0, 1.0, 1.0, 1.0], 2)  # both groups equal
     b = part([0.0, 2.0, 2.0, 2.0], 3)  # group 0 informative
     out, filled = G.take_informative_groups([a, b], 2, 2, pad_id=0)
@@ -72,20 +89,68 @@ def test_take_informative_groups_fills_fixed_size():
 
 
 def _tiny_flags(model, prompts, out, *extra):
-    return ["--model-name-or-path", model, "--train-files", prompts, "--val-files", prompts, "--reward-fn", TOY_REWARD,
-            "--output-dir", out, "--num-prompts", 2, "--group-size", 4, "--mini-batch-size", 4, "--micro-batch-size", 2,
-            "--max-new-tokens", 6, "--num-eval-prompts", 4, *extra]
+    return [
+        "--model-name-or-path",
+        model,
+        "--train-files",
+        prompts,
+        "--val-files",
+        prompts,
+        "--reward-fn",
+        TOY_REWARD,
+        "--output-dir",
+        out,
+        "--num-prompts",
+        2,
+        "--group-size",
+        4,
+        "--mini-batch-size",
+        4,
+        "--micro-batch-size",
+        2,
+        "--max-new-tokens",
+        6,
+        "--num-eval-prompts",
+        4,
+        *extra,
+    ]
 
 
 def test_two_iterations_end_to_end(tiny_peaky, toy_prompts, tmp_path):
-    run_script("grpo_llm.py", *_tiny_flags(tiny_peaky, toy_prompts, tmp_path, "--total-steps", 2, "--eval-every", 1,
-                                            "--kl-coef", 0.05, "--num-iterations", 2, "--learning-rate", 1e-3),
-               env={"TOY_MODEL": tiny_peaky})
+    run_script(
+        "grpo_llm.py",
+        *_tiny_flags(
+            tiny_peaky,
+            toy_prompts,
+            tmp_path,
+            "--total-steps",
+            2,
+            "--eval-every",
+            1,
+            "--kl-coef",
+            0.05,
+            "--num-iterations",
+            2,
+            "--learning-rate",
+            1e-3,
+        ),
+        env={"TOY_MODEL": tiny_peaky},
+    )
     run = only_run(tmp_path)
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    for key in ("train/reward", "train/zero_std_groups", "train/solve_all", "train/solve_none", "train/kl",
-                "train/entropy", "train/clip_frac", "loss/policy", "eval/accuracy", "perf/tokens_per_s"):
+    for key in (
+        "train/reward",
+        "train/zero_std_groups",
+        "train/solve_all",
+        "train/solve_none",
+        "train/kl",
+        "train/entropy",
+        "train/clip_frac",
+        "loss/policy",
+        "eval/accuracy",
+        "perf/tokens_per_s",
+    ):
         assert key in rows[-1], key
     assert rows[-1]["train/kl"] > 0
     base = load_file(Path(tiny_peaky) / "model.safetensors")
@@ -95,31 +160,112 @@ def test_two_iterations_end_to_end(tiny_peaky, toy_prompts, tmp_path):
 
 def test_dapo_and_dr_grpo_flags_run(tiny, tmp_path):
     """Built-in task (rewards mostly 0 for a random model): dynamic sampling must resample and fill."""
-    run_script("grpo_llm.py", "--model-name-or-path", tiny, "--output-dir", tmp_path / "dapo", "--total-steps", 1,
-               "--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 2, "--max-new-tokens", 4,
-               "--dynamic-sampling", "--max-resample-rounds", 2, "--clip-eps-high", 0.28, "--loss-agg", "token-mean",
-               "--overlong-buffer", 2, "--mask-truncated", "--eval-every", 0, "--lora-r", 4, "--gradient-checkpointing")
+    run_script(
+        "grpo_llm.py",
+        "--model-name-or-path",
+        tiny,
+        "--output-dir",
+        tmp_path / "dapo",
+        "--total-steps",
+        1,
+        "--num-prompts",
+        2,
+        "--group-size",
+        2,
+        "--mini-batch-size",
+        4,
+        "--micro-batch-size",
+        2,
+        "--max-new-tokens",
+        4,
+        "--dynamic-sampling",
+        "--max-resample-rounds",
+        2,
+        "--clip-eps-high",
+        0.28,
+        "--loss-agg",
+        "token-mean",
+        "--overlong-buffer",
+        2,
+        "--mask-truncated",
+        "--eval-every",
+        0,
+        "--lora-r",
+        4,
+        "--gradient-checkpointing",
+    )
     row = read_metrics(only_run(tmp_path / "dapo"))[-1]
     assert row["train/resample_rounds"] == 2 and row["train/filled_zero_std_groups"] == 2
-    run_script("grpo_llm.py", "--model-name-or-path", tiny, "--output-dir", tmp_path / "dr", "--total-steps", 1,
-               "--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 2, "--max-new-tokens", 4,
-               "--scale-rewards", "none", "--loss-agg", "seq-mean-token-sum-norm", "--baseline", "rloo", "--eval-every", 0)
+    run_script(
+        "grpo_llm.py",
+        "--model-name-or-path",
+        tiny,
+        "--output-dir",
+        tmp_path / "dr",
+        "--total-steps",
+        1,
+        "--num-prompts",
+        2,
+        "--group-size",
+        2,
+        "--mini-batch-size",
+        4,
+        "--micro-batch-size",
+        2,
+        "--max-new-tokens",
+        4,
+        "--scale-rewards",
+        "none",
+        "--loss-agg",
+        "seq-mean-token-sum-norm",
+        "--baseline",
+        "rloo",
+        "--eval-every",
+        0,
+    )
     assert read_metrics(only_run(tmp_path / "dr"))[-1]["step"] == 1
 
 
 def test_learns_toy_task(tiny_peaky, toy_prompts, tmp_path):
-    run_script("grpo_llm.py", "--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD,
-               "--output-dir", tmp_path, "--total-steps", 15, "--num-prompts", 8, "--group-size", 4, "--mini-batch-size", 16,
-               "--micro-batch-size", 16, "--max-new-tokens", 6, "--learning-rate", 3e-3, "--num-iterations", 2,
-               "--eval-every", 0, env={"TOY_MODEL": tiny_peaky})
+    run_script(
+        "grpo_llm.py",
+        "--model-name-or-path",
+        tiny_peaky,
+        "--train-files",
+        toy_prompts,
+        "--reward-fn",
+        TOY_REWARD,
+        "--output-dir",
+        tmp_path,
+        "--total-steps",
+        15,
+        "--num-prompts",
+        8,
+        "--group-size",
+        4,
+        "--mini-batch-size",
+        16,
+        "--micro-batch-size",
+        16,
+        "--max-new-tokens",
+        6,
+        "--learning-rate",
+        3e-3,
+        "--num-iterations",
+        2,
+        "--eval-every",
+        0,
+        env={"TOY_MODEL": tiny_peaky},
+    )
     rewards = [r["train/reward"] for r in read_metrics(only_run(tmp_path))]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.1, rewards
 
 
 def test_resume_gives_identical_metrics(tiny_peaky, toy_prompts, tmp_path):
-    flags = lambda out, n: _tiny_flags(tiny_peaky, toy_prompts, out, "--total-steps", n, "--eval-every", 2,
-                                       "--learning-rate", 3e-3, "--kl-coef", 0.05)
+    flags = lambda out, n: _tiny_flags(
+        tiny_peaky, toy_prompts, out, "--total-steps", n, "--eval-every", 2, "--learning-rate", 3e-3, "--kl-coef", 0.05
+    )
     env = {"TOY_MODEL": tiny_peaky}
     run_script("grpo_llm.py", *flags(tmp_path / "a", 4), env=env)
     run_script("grpo_llm.py", *flags(tmp_path / "b", 2), env=env)

@@ -6,8 +6,14 @@ from common.health import ADVICE, HealthConfig, HealthMonitor
 
 
 def healthy(step):
-    return {"train/reward": 0.1 + 0.01 * step, "train/kl": 0.05, "train/entropy": 2.0 - 0.01 * step,
-            "train/response_len": 30 + (step % 3), "train/clip_frac": 0.05, "train/truncated": 0.1}
+    return {
+        "train/reward": 0.1 + 0.01 * step,
+        "train/kl": 0.05,
+        "train/entropy": 2.0 - 0.01 * step,
+        "train/response_len": 30 + (step % 3),
+        "train/clip_frac": 0.05,
+        "train/truncated": 0.1,
+    }
 
 
 def run(stream, **cfg):
@@ -24,13 +30,16 @@ def test_healthy_stream_is_silent():
     assert not any(fired) and not msgs
 
 
-@pytest.mark.parametrize("name,mutate", [
-    ("kl", lambda m, s: m.update({"train/kl": 2.0}) if s >= 5 else None),
-    ("entropy_collapse", lambda m, s: m.update({"train/entropy": 0.05}) if s >= 5 else None),
-    ("length_drift", lambda m, s: m.update({"train/response_len": 100}) if s >= 5 else None),
-    ("clip_frac", lambda m, s: m.update({"train/clip_frac": 0.6}) if s >= 5 else None),
-    ("truncated", lambda m, s: m.update({"train/truncated": 0.9}) if s >= 5 else None),
-])
+@pytest.mark.parametrize(
+    "name,mutate",
+    [
+        ("kl", lambda m, s: m.update({"train/kl": 2.0}) if s >= 5 else None),
+        ("entropy_collapse", lambda m, s: m.update({"train/entropy": 0.05}) if s >= 5 else None),
+        ("length_drift", lambda m, s: m.update({"train/response_len": 100}) if s >= 5 else None),
+        ("clip_frac", lambda m, s: m.update({"train/clip_frac": 0.6}) if s >= 5 else None),
+        ("truncated", lambda m, s: m.update({"train/truncated": 0.9}) if s >= 5 else None),
+    ],
+)
 def test_each_warning_fires(name, mutate):
     stream = []
     for s in range(12):

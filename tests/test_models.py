@@ -107,15 +107,23 @@ def test_default_alias_loads_offline_and_answers(tmp_path, monkeypatch):
     assert path.endswith("SmolLM2-135M-Instruct") and cached < first
     enc = tok(M.apply_chat(tok, "What is 2+3?"), return_tensors="pt", add_special_tokens=False)
     out = model.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
-    assert "5" in tok.decode(out[0, enc["input_ids"].shape[1]:])
+    assert "5" in tok.decode(out[0, enc["input_ids"].shape[1] :])
 
 
 def test_merge_lora_state_dict_equals_peft_merge_and_unload(tiny):
     """The tensor-level merge (used on gathered state dicts of sharded models) gives the weights peft's
     own merge_and_unload gives, for a reward model with LoRA on every linear layer and a trained score head."""
     tok = M.load_tokenizer(tiny)
-    model = M.load_reward_model(tiny, tok, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target="all-linear",
-                                gradient_checkpointing=False, load_in_4bit=False)
+    model = M.load_reward_model(
+        tiny,
+        tok,
+        lora_r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        lora_target="all-linear",
+        gradient_checkpointing=False,
+        load_in_4bit=False,
+    )
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -1,15 +1,28 @@
 """algos/ppo_llm.py end to end: run folder, parameters change, learning, exact resume, adaptive KL, LoRA."""
 
 import json
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, only_run, read_metrics, run_script
 
 TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
-TINY = ["--batch-size", 4, "--mini-batch-size", 2, "--micro-batch-size", 1, "--max-new-tokens", 6, "--num-eval-prompts", 4]
+TINY = [
+    "--batch-size",
+    4,
+    "--mini-batch-size",
+    2,
+    "--micro-batch-size",
+    1,
+    "--max-new-tokens",
+    6,
+    "--num-eval-prompts",
+    4,
+]
 
 
 def toy(model, prompts, out, *extra):
@@ -17,16 +30,64 @@ def toy(model, prompts, out, *extra):
     return flags + (["--output-dir", out] if out is not None else []) + list(extra)
 
 
+@pytest.mark.parametrize("script", ["ppo_llm", "dynamic_kl_ppo"])
+def test_kl_controllers(script):
+    """Ziegler et al.'s rule by hand: e = clip(KL / target - 1, +-0.2), beta *= 1 + e * n / horizon."""
+    import importlib
+
+    sys.path.insert(0, str(REPO / "algos"))
+    KLController = importlib.import_module(script).KLController
+    c = KLController(0.1, target=0.1, horizon=10000)
+    c.update(0.2, 512)  # e = 0.2 (clipped from 1.0)
+    assert c.value == pytest.approx(0.1 * (1 + 0.2 * 512 / 10000))
+    c2 = KLController(0.1, target=0.1, horizon=10000)
+    c2.update(0.05, 512)  # e = -0.5 clipped to -0.2: beta goes down
+    assert c2.value == pytest.approx(0.1 * (1 - 0.2 * 512 / 10000))
+    f = KLController(0.3)  # no target: fixed
+    f.update(5.0, 512)
+    assert f.value == 0.3
+    c3 = KLController(1.0, 0.1, 100)
+    c3.load_state_dict(c.state_dict())
+    assert c3.value == c.value
+
+
 def test_two_iterations_write_run_folder_and_change_params(tiny, toy_prompts, tmp_path):
-    run_script("ppo_llm.py", *toy(tiny, toy_prompts, tmp_path, "--total-steps", 2, "--eval-every", 1,
-                                  "--learning-rate", 1e-3, "--critic-learning-rate", 1e-3, *TINY), env={"TOY_MODEL": tiny})
+    run_script(
+        "ppo_llm.py",
+        *toy(
+            tiny,
+            toy_prompts,
+            tmp_path,
+            "--total-steps",
+            2,
+            "--eval-every",
+            1,
+            "--learning-rate",
+            1e-3,
+            "--critic-learning-rate",
+            1e-3,
+            *TINY,
+        ),
+        env={"TOY_MODEL": tiny},
+    )
     run = only_run(tmp_path)
     args = json.loads((run / "args.json").read_text())
     assert args["world_size"] == 1 and args["total_steps"] == 2 and "git_commit" in args
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    for key in ("train/reward", "train/kl", "train/kl_coef", "train/entropy", "train/clip_frac", "train/approx_kl",
-                "loss/policy", "loss/value", "perf/tokens_per_s", "perf/peak_mem_gb", "eval/accuracy"):
+    for key in (
+        "train/reward",
+        "train/kl",
+        "train/kl_coef",
+        "train/entropy",
+        "train/clip_frac",
+        "train/approx_kl",
+        "loss/policy",
+        "loss/value",
+        "perf/tokens_per_s",
+        "perf/peak_mem_gb",
+        "eval/accuracy",
+    ):
         assert key in rows[-1], key
     assert (run / "samples.jsonl").read_text().count('"split": "train"') >= 2
     ckpt = run / "checkpoints" / "step_2"
@@ -45,8 +106,21 @@ def test_two_iterations_write_run_folder_and_change_params(tiny, toy_prompts, tm
 def test_default_task_and_lora(tiny, tmp_path):
     """No --train-files: the built-in reasoning-gym task; LoRA policy + critic, reference = adapter off;
     gradient checkpointing on (generation still uses the KV cache: the model is switched to eval mode)."""
-    run_script("ppo_llm.py", "--model-name-or-path", tiny, "--output-dir", tmp_path, "--total-steps", 1, "--lora-r", 4,
-               "--eval-every", 1, "--gradient-checkpointing", *TINY)
+    run_script(
+        "ppo_llm.py",
+        "--model-name-or-path",
+        tiny,
+        "--output-dir",
+        tmp_path,
+        "--total-steps",
+        1,
+        "--lora-r",
+        4,
+        "--eval-every",
+        1,
+        "--gradient-checkpointing",
+        *TINY,
+    )
     run = only_run(tmp_path)
     rows = read_metrics(run)
     assert "eval/accuracy" in rows[0] and rows[-1]["step"] == 1
@@ -54,10 +128,37 @@ def test_default_task_and_lora(tiny, tmp_path):
 
 
 def test_learns_toy_task(tiny_peaky, toy_prompts, tmp_path):
-    run_script("ppo_llm.py", *toy(tiny_peaky, toy_prompts, tmp_path, "--total-steps", 12, "--batch-size", 32,
-                                  "--mini-batch-size", 16, "--micro-batch-size", 16, "--max-new-tokens", 6,
-                                  "--learning-rate", 3e-3, "--critic-learning-rate", 3e-3, "--kl-coef", 0,
-                                  "--ppo-epochs", 4, "--lam", 1.0, "--eval-every", 0), env={"TOY_MODEL": tiny_peaky})
+    run_script(
+        "ppo_llm.py",
+        *toy(
+            tiny_peaky,
+            toy_prompts,
+            tmp_path,
+            "--total-steps",
+            12,
+            "--batch-size",
+            32,
+            "--mini-batch-size",
+            16,
+            "--micro-batch-size",
+            16,
+            "--max-new-tokens",
+            6,
+            "--learning-rate",
+            3e-3,
+            "--critic-learning-rate",
+            3e-3,
+            "--kl-coef",
+            0,
+            "--ppo-epochs",
+            4,
+            "--lam",
+            1.0,
+            "--eval-every",
+            0,
+        ),
+        env={"TOY_MODEL": tiny_peaky},
+    )
     rewards = [r["train/reward"] for r in read_metrics(only_run(tmp_path))]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.1, rewards
@@ -68,8 +169,20 @@ def _no_perf(rows):
 
 
 def test_resume_gives_identical_metrics(tiny_peaky, toy_prompts, tmp_path):
-    common = toy(tiny_peaky, toy_prompts, None, "--eval-every", 2, "--kl-target", 0.05, "--learning-rate", 3e-3,
-                 "--critic-learning-rate", 3e-3, *TINY)
+    common = toy(
+        tiny_peaky,
+        toy_prompts,
+        None,
+        "--eval-every",
+        2,
+        "--kl-target",
+        0.05,
+        "--learning-rate",
+        3e-3,
+        "--critic-learning-rate",
+        3e-3,
+        *TINY,
+    )
     env = {"TOY_MODEL": tiny_peaky}
     run_script("ppo_llm.py", *common, "--output-dir", tmp_path / "a", "--total-steps", 4, env=env)
     run_script("ppo_llm.py", *common, "--output-dir", tmp_path / "b", "--total-steps", 2, env=env)
@@ -85,9 +198,28 @@ def test_resume_gives_identical_metrics(tiny_peaky, toy_prompts, tmp_path):
 def test_adaptive_kl_moves_beta_toward_target(tiny_peaky, toy_prompts, tmp_path):
     env = {"TOY_MODEL": tiny_peaky}
     for name, target in (("low", 1e-6), ("high", 100.0)):
-        run_script("ppo_llm.py", *toy(tiny_peaky, toy_prompts, tmp_path / name, "--total-steps", 3, "--kl-coef", 0.1,
-                                      "--kl-target", target, "--kl-horizon", 100, "--learning-rate", 3e-3,
-                                      "--eval-every", 0, *TINY), env=env)
+        run_script(
+            "ppo_llm.py",
+            *toy(
+                tiny_peaky,
+                toy_prompts,
+                tmp_path / name,
+                "--total-steps",
+                3,
+                "--kl-coef",
+                0.1,
+                "--kl-target",
+                target,
+                "--kl-horizon",
+                100,
+                "--learning-rate",
+                3e-3,
+                "--eval-every",
+                0,
+                *TINY,
+            ),
+            env=env,
+        )
         rows = read_metrics(only_run(tmp_path / name))
         assert rows[-1]["train/kl"] > 0
         # train/kl_coef is the beta used at that step; the KL measured then moves it for the next step
@@ -101,8 +233,18 @@ def test_adaptive_kl_moves_beta_toward_target(tiny_peaky, toy_prompts, tmp_path)
 
 
 def test_bad_batch_sizes_name_the_flag(tiny, tmp_path):
-    proc = run_script("ppo_llm.py", "--model-name-or-path", tiny, "--output-dir", tmp_path, "--batch-size", 6,
-                      "--mini-batch-size", 4, check=False)
+    proc = run_script(
+        "ppo_llm.py",
+        "--model-name-or-path",
+        tiny,
+        "--output-dir",
+        tmp_path,
+        "--batch-size",
+        6,
+        "--mini-batch-size",
+        4,
+        check=False,
+    )
     assert proc.returncode != 0 and "--batch-size over --mini-batch-size: 6 is not divisible by 4" in proc.stderr
     assert not any(tmp_path.iterdir())  # nothing written
 
@@ -112,6 +254,7 @@ def test_config_preset_loads_and_cli_overrides():
 
     sys.path.insert(0, str(REPO / "algos"))
     import ppo_llm
+
     from common.run import parse_args
 
     preset = str(REPO / "configs" / "ppo_smollm2_cpu.yaml")

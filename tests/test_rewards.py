@@ -9,9 +9,16 @@ import pytest
 import torch
 
 from common.data import PromptRow
-from common.prepare_data import reasoning_gym_rows
-from common.rewards import (Reward, RewardError, check_data_sources, compute_score, extract_tag_answer, load_reward_fn,
-                            parse_mix)
+from common.rewards import (
+    Reward,
+    RewardError,
+    check_data_sources,
+    compute_score,
+    extract_tag_answer,
+    load_reward_fn,
+    parse_mix,
+)
+from common.tasks import reasoning_gym_rows
 
 
 def rg_row(task="chain_sum", i=0):
@@ -22,7 +29,10 @@ def rg_row(task="chain_sum", i=0):
 def test_reasoning_gym_scorer_exact_and_partial():
     row = rg_row()
     gt = row.ground_truth
-    assert compute_score(row.data_source, f"think... <answer>{gt}</answer>", gt, row.extra_info) == {"score": 1.0, "acc": 1.0}
+    assert compute_score(row.data_source, f"think... <answer>{gt}</answer>", gt, row.extra_info) == {
+        "score": 1.0,
+        "acc": 1.0,
+    }
     # no tags: the last number counts (small models rarely keep the format); no number: 0
     assert compute_score(row.data_source, f"it is 5, so {gt}.", gt, row.extra_info)["acc"] == 1.0
     assert compute_score(row.data_source, f"{gt} is not it, 99999 is", gt, row.extra_info)["acc"] == 0.0
@@ -34,7 +44,10 @@ def test_reasoning_gym_scorer_exact_and_partial():
     assert compute_score(lc.data_source, "I cannot tell", lc.ground_truth, lc.extra_info)["score"] == 0.0
     cd = rg_row("countdown")
     entry = json.loads(cd.extra_info["entry"])
-    assert compute_score(cd.data_source, f"<answer>{entry['answer']}</answer>", cd.ground_truth, cd.extra_info)["acc"] == 1.0
+    assert (
+        compute_score(cd.data_source, f"<answer>{entry['answer']}</answer>", cd.ground_truth, cd.extra_info)["acc"]
+        == 1.0
+    )
 
 
 def test_gsm8k_modes_and_math():
@@ -55,8 +68,10 @@ def test_unknown_data_source_lists_known():
 
 def test_custom_reward_fn(tmp_path):
     f = tmp_path / "my_reward.py"
-    f.write_text("def fn(data_source, solution_str, ground_truth, extra_info=None):\n    return len(solution_str) / 10\n"
-                 "def bad(data_source, solution_str, ground_truth, extra_info=None):\n    return float('nan')\n")
+    f.write_text(
+        "def fn(data_source, solution_str, ground_truth, extra_info=None):\n    return len(solution_str) / 10\n"
+        "def bad(data_source, solution_str, ground_truth, extra_info=None):\n    return float('nan')\n"
+    )
     assert load_reward_fn(f"{f}:fn")("x", "abcde", None, {}) == 0.5
     with pytest.raises(ValueError, match="not found"):
         load_reward_fn(f"{tmp_path}/missing.py:fn")
@@ -106,12 +121,20 @@ def test_reward_model_scores_batched(tiny):
 
 
 def test_several_reward_functions_with_weights_and_length_bonus(tmp_path):
-    (tmp_path / "a.py").write_text("def has_yes(data_source, solution_str, ground_truth, extra_info=None):\n"
-                                   "    return float('yes' in solution_str)\n")
-    (tmp_path / "b.py").write_text("def keyword_penalty(data_source, solution_str, ground_truth, extra_info=None):\n"
-                                   "    return {'score': -float('bad' in solution_str), 'note': 'text fields are fine'}\n")
-    r = Reward("rule:1.0,length_bonus:0.5", [f"{tmp_path}/a.py:has_yes", f"{tmp_path}/b.py:keyword_penalty"],
-               max_new_tokens=10, reward_weights=[0.6, 0.4])
+    (tmp_path / "a.py").write_text(
+        "def has_yes(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float('yes' in solution_str)\n"
+    )
+    (tmp_path / "b.py").write_text(
+        "def keyword_penalty(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': -float('bad' in solution_str), 'note': 'text fields are fine'}\n"
+    )
+    r = Reward(
+        "rule:1.0,length_bonus:0.5",
+        [f"{tmp_path}/a.py:has_yes", f"{tmp_path}/b.py:keyword_penalty"],
+        max_new_tokens=10,
+        reward_weights=[0.6, 0.4],
+    )
     rows = [PromptRow("p", "x", None, {}, i) for i in range(3)]
     scores, comps, extras = r(rows, ["yes", "yes bad", "no"], torch.tensor([5, 20, 2]))
     assert comps["rule"].tolist() == pytest.approx([0.6, 0.6 - 0.4, 0.0])
@@ -124,8 +147,10 @@ def test_several_reward_functions_with_weights_and_length_bonus(tmp_path):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_stuck_reward_function_times_out_with_the_row(tmp_path, workers):
-    (tmp_path / "slow.py").write_text("import time\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                                      "    if 'stuck' in solution_str:\n        time.sleep(30)\n    return 1.0\n")
+    (tmp_path / "slow.py").write_text(
+        "import time\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if 'stuck' in solution_str:\n        time.sleep(30)\n    return 1.0\n"
+    )
     rows = [PromptRow("p", "x", None, {}, i) for i in range(2)]
     r = Reward("rule:1.0", f"{tmp_path}/slow.py:score", timeout=0.3, workers=workers)
     with pytest.raises(RewardError, match=r"row 1.*no result after 0.3 s"):
@@ -138,10 +163,13 @@ def test_a_stuck_reward_function_times_out_with_the_row(tmp_path, workers):
 def test_the_pool_scores_as_the_trainer_does(tmp_path):
     """Several functions with extras and weights: the pool's scores equal in-process scoring; the
     workers are other processes, started once and reused."""
-    (tmp_path / "a.py").write_text("import os\ndef has_yes(data_source, solution_str, ground_truth, extra_info=None):\n"
-                                   "    return {'score': float('yes' in solution_str) + len(ground_truth or ''), 'pid': os.getpid()}\n")
-    (tmp_path / "b.py").write_text("def pen(data_source, solution_str, ground_truth, extra_info=None):\n"
-                                   "    return -0.5 * extra_info.get('w', 1)\n")
+    (tmp_path / "a.py").write_text(
+        "import os\ndef has_yes(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': float('yes' in solution_str) + len(ground_truth or ''), 'pid': os.getpid()}\n"
+    )
+    (tmp_path / "b.py").write_text(
+        "def pen(data_source, solution_str, ground_truth, extra_info=None):\n    return -0.5 * extra_info.get('w', 1)\n"
+    )
     specs = [f"{tmp_path}/a.py:has_yes", f"{tmp_path}/b.py:pen"]
     rows = [PromptRow("p", "x", "ab"[: i % 3], {"w": i}, i) for i in range(7)]
     responses = ["yes", "no", "yes yes", "", "maybe", "yes", "n"]
@@ -163,7 +191,8 @@ def test_a_crashing_or_unresponsive_reward_function_costs_a_row_not_the_run(tmp_
         "import os, signal, time\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    if solution_str == 'crash':\n        os._exit(3)\n"
         "    if solution_str == 'deaf':\n        signal.signal(signal.SIGALRM, signal.SIG_IGN)\n        time.sleep(60)\n"
-        "    return 1.0\n")
+        "    return 1.0\n"
+    )
     rows = [PromptRow("p", "x", None, {}, i) for i in range(3)]
     r = Reward("rule:1.0", f"{tmp_path}/bad.py:score", workers=2)
     with pytest.raises(RewardError, match=r"row 1.*worker process died"):

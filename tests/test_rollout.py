@@ -3,8 +3,8 @@
 import torch
 
 from common import models as M
-from common.rollout import (forward_logprobs, generate, response_masks, sample_seed, sequence_attention_mask,
-                            tokenize_queries)
+from common.rollout import forward_logprobs, generate, response_masks, sequence_attention_mask, tokenize_queries
+from common.run import mix_seed
 
 
 def _setup(tiny):
@@ -17,7 +17,7 @@ def _setup(tiny):
 
 def test_sampling_is_reproducible_per_sample(tiny):
     tok, model, q, qm = _setup(tiny)
-    seeds = [sample_seed(1, 5, i) for i in range(3)]
+    seeds = [mix_seed(1, 5, i) for i in range(3)]
     a = generate(model, tok, q, qm, 12, temperature=0.9, seeds=seeds)
     b = generate(model, tok, q, qm, 12, temperature=0.9, seeds=seeds)
     assert torch.equal(a.responses, b.responses)
@@ -65,8 +65,8 @@ def test_generate_masks_and_truncation(tiny):
     assert ro.query_responses.shape[1] == q.shape[1] + ro.responses.shape[1]
     n = ro.response_mask.sum(1)
     for i in range(3):
-        assert ro.response_mask[i, : int(n[i])].eq(1).all() and ro.response_mask[i, int(n[i]):].eq(0).all()
-        assert ro.logprobs[i, int(n[i]):].eq(0).all()
+        assert ro.response_mask[i, : int(n[i])].eq(1).all() and ro.response_mask[i, int(n[i]) :].eq(0).all()
+        assert ro.logprobs[i, int(n[i]) :].eq(0).all()
     assert ro.truncated.tolist() == [(int(x) == 8 and not e) for x, e in zip(n, ro.is_eos)]
 
 
@@ -84,7 +84,7 @@ def test_stop_strings_end_responses(tiny_peaky):
 
 
 def test_generation_mode_is_restored(tiny):
-    from common.rollout import unwrap_for_generation
+    from common.distributed import unwrap_for_generation
 
     tok = M.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok, gradient_checkpointing=True)

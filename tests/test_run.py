@@ -60,7 +60,9 @@ def test_run_dir_and_args_json(tmp_path):
     assert d.name.startswith("toyalgo__toy__1__")
     rec = json.loads((d / "args.json").read_text())
     assert rec["lr"] == 0.1 and rec["world_size"] == 1 and "git_commit" in rec and "git_dirty" in rec
-    assert rec["versions"]["torch"] == torch.__version__.split("+")[0] or rec["versions"]["torch"].startswith(torch.__version__[:4])
+    assert rec["versions"]["torch"] == torch.__version__.split("+")[0] or rec["versions"]["torch"].startswith(
+        torch.__version__[:4]
+    )
 
 
 def test_rng_state_round_trip(tmp_path):

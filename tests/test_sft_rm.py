@@ -17,12 +17,13 @@ def test_prompt_tokens_are_masked(tiny):
     from common.models import load_tokenizer
 
     tok = load_tokenizer(tiny)
-    ids, attn, mask = S.encode_examples(tok, [{"prompt": "Q: one two three", "response": " four"},
-                                              {"prompt": "Q:", "response": " a b c d"}], 64, "cpu")
+    ids, attn, mask = S.encode_examples(
+        tok, [{"prompt": "Q: one two three", "response": " four"}, {"prompt": "Q:", "response": " a b c d"}], 64, "cpu"
+    )
     for i, (p, r) in enumerate([("Q: one two three", " four"), ("Q:", " a b c d")]):
         n_p = len(tok(p, add_special_tokens=False)["input_ids"])
         n_r = len(tok(r, add_special_tokens=False)["input_ids"]) + 1  # + EOS
-        assert mask[i, :n_p].sum() == 0 and mask[i, n_p:n_p + n_r].eq(1).all() and mask[i, n_p + n_r:].sum() == 0
+        assert mask[i, :n_p].sum() == 0 and mask[i, n_p : n_p + n_r].eq(1).all() and mask[i, n_p + n_r :].sum() == 0
         assert ids[i, n_p + n_r - 1] == tok.eos_token_id
     # the loss only counts response tokens: changing the prompt's targets does not change the count
     model = __import__("common.models", fromlist=["x"]).load_causal_lm(tiny, tok)
@@ -36,17 +37,45 @@ def test_prompt_tokens_are_masked(tiny):
 @pytest.fixture(scope="module")
 def toy_sft(tmp_path_factory):
     d = tmp_path_factory.mktemp("sft")
-    rows = [{"messages": [{"role": "user", "content": f"Say the magic word ({i})"}, {"role": "assistant", "content": "banana"}]}
-            for i in range(40)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"Say the magic word ({i})"},
+                {"role": "assistant", "content": "banana"},
+            ]
+        }
+        for i in range(40)
+    ]
     pd.DataFrame(rows[:32]).to_json(d / "train.jsonl", orient="records", lines=True)
     pd.DataFrame(rows[32:]).to_json(d / "test.jsonl", orient="records", lines=True)
     return str(d / "train.jsonl"), str(d / "test.jsonl")
 
 
 def test_sft_learns_and_resumes(tiny, toy_sft, tmp_path):
-    flags = lambda out, n: ["--model-name-or-path", tiny, "--train-files", toy_sft[0], "--val-files", toy_sft[1],
-                            "--output-dir", out, "--total-steps", n, "--batch-size", 8, "--micro-batch-size", 4,
-                            "--learning-rate", 3e-3, "--warmup-steps", 0, "--lr-scheduler", "constant", "--eval-every", 4]
+    flags = lambda out, n: [
+        "--model-name-or-path",
+        tiny,
+        "--train-files",
+        toy_sft[0],
+        "--val-files",
+        toy_sft[1],
+        "--output-dir",
+        out,
+        "--total-steps",
+        n,
+        "--batch-size",
+        8,
+        "--micro-batch-size",
+        4,
+        "--learning-rate",
+        3e-3,
+        "--warmup-steps",
+        0,
+        "--lr-scheduler",
+        "constant",
+        "--eval-every",
+        4,
+    ]
     run_script("sft_llm.py", *flags(tmp_path / "a", 8))
     rows = read_metrics(only_run(tmp_path / "a"))
     assert rows[-1]["eval/loss"] < 0.75 * rows[0]["eval/loss"], rows  # learning the response (10.8 -> 7.5 here)
@@ -58,9 +87,29 @@ def test_sft_learns_and_resumes(tiny, toy_sft, tmp_path):
 
 
 def test_sft_default_task_with_lora(tiny, tmp_path):
-    run_script("sft_llm.py", "--model-name-or-path", tiny, "--output-dir", tmp_path, "--total-steps", 2, "--batch-size", 4,
-               "--micro-batch-size", 2, "--lora-r", 4, "--eval-every", 2, "--num-eval-prompts", 4, "--num-eval-examples", 4,
-               "--max-new-tokens", 4)
+    run_script(
+        "sft_llm.py",
+        "--model-name-or-path",
+        tiny,
+        "--output-dir",
+        tmp_path,
+        "--total-steps",
+        2,
+        "--batch-size",
+        4,
+        "--micro-batch-size",
+        2,
+        "--lora-r",
+        4,
+        "--eval-every",
+        2,
+        "--num-eval-prompts",
+        4,
+        "--num-eval-examples",
+        4,
+        "--max-new-tokens",
+        4,
+    )
     rows = read_metrics(only_run(tmp_path))
     assert "eval/accuracy" in rows[-1] and "eval/loss" in rows[-1]
 
@@ -75,9 +124,31 @@ def toy_pairs(tmp_path_factory):
 
 
 def test_rm_learns_normalises_and_feeds_ppo(tiny, toy_pairs, toy_prompts, tmp_path):
-    run_script("rm_llm.py", "--model-name-or-path", tiny, "--train-files", toy_pairs[0], "--val-files", toy_pairs[1],
-               "--output-dir", tmp_path / "rm", "--total-steps", 10, "--batch-size", 8, "--micro-batch-size", 4,
-               "--learning-rate", 1e-3, "--warmup-steps", 0, "--eval-every", 10, "--num-norm-samples", 32)
+    run_script(
+        "rm_llm.py",
+        "--model-name-or-path",
+        tiny,
+        "--train-files",
+        toy_pairs[0],
+        "--val-files",
+        toy_pairs[1],
+        "--output-dir",
+        tmp_path / "rm",
+        "--total-steps",
+        10,
+        "--batch-size",
+        8,
+        "--micro-batch-size",
+        4,
+        "--learning-rate",
+        1e-3,
+        "--warmup-steps",
+        0,
+        "--eval-every",
+        10,
+        "--num-norm-samples",
+        32,
+    )
     run = only_run(tmp_path / "rm")
     rows = read_metrics(run)
     assert rows[0]["eval/rm_accuracy"] <= 0.5 + 1e-9 or rows[0]["eval/rm_accuracy"] < rows[-2]["eval/rm_accuracy"]
@@ -86,10 +157,9 @@ def test_rm_learns_normalises_and_feeds_ppo(tiny, toy_pairs, toy_prompts, tmp_pa
     norm = rows[-1]
     assert abs(norm["rm/norm_mean"]) < 1e-4 and norm["rm/norm_std"] == pytest.approx(1.0, abs=1e-4)
     # the saved folder, loaded as users do, reproduces the normalised scores
-    from common.data import load_preferences
+    from common.data import PromptRow, load_preferences
     from common.models import load_reward_model, load_tokenizer
     from common.rewards import Reward
-    from common.data import PromptRow
 
     rm_dir = run / "reward_model"
     tok = load_tokenizer(str(rm_dir))
@@ -99,26 +169,75 @@ def test_rm_learns_normalises_and_feeds_ppo(tiny, toy_pairs, toy_prompts, tmp_pa
     pairs = load_preferences([toy_pairs[0]], tok)[:32]
     rw = Reward("model:1.0", reward_model=rm, reward_tok=tok)
     rows_ = [PromptRow(p["prompt"], "x", None, {}, i) for i, p in enumerate(pairs)] * 2
-    s, _, _ = rw(rows_, [p["chosen"] + tok.eos_token for p in pairs] + [p["rejected"] + tok.eos_token for p in pairs],
-                 torch.ones(64))
+    s, _, _ = rw(
+        rows_,
+        [p["chosen"] + tok.eos_token for p in pairs] + [p["rejected"] + tok.eos_token for p in pairs],
+        torch.ones(64),
+    )
     assert abs(s.mean().item()) < 1e-3 and s.std().item() == pytest.approx(1.0, abs=1e-3)
     # PPO accepts it as --reward-model
-    run_script("ppo_llm.py", "--model-name-or-path", tiny, "--train-files", toy_prompts, "--reward-model", rm_dir,
-               "--reward", "model:1.0", "--output-dir", tmp_path / "ppo", "--total-steps", 1, "--batch-size", 2,
-               "--mini-batch-size", 2, "--micro-batch-size", 1, "--max-new-tokens", 4, "--eval-every", 0)
+    run_script(
+        "ppo_llm.py",
+        "--model-name-or-path",
+        tiny,
+        "--train-files",
+        toy_prompts,
+        "--reward-model",
+        rm_dir,
+        "--reward",
+        "model:1.0",
+        "--output-dir",
+        tmp_path / "ppo",
+        "--total-steps",
+        1,
+        "--batch-size",
+        2,
+        "--mini-batch-size",
+        2,
+        "--micro-batch-size",
+        1,
+        "--max-new-tokens",
+        4,
+        "--eval-every",
+        0,
+    )
     assert "reward/model" in read_metrics(only_run(tmp_path / "ppo"))[-1]
 
 
 def test_rm_resume_gives_identical_metrics(tiny, toy_pairs, tmp_path):
-    flags = lambda out, n: ["--model-name-or-path", tiny, "--train-files", toy_pairs[0], "--val-files", toy_pairs[1],
-                            "--output-dir", out, "--total-steps", n, "--batch-size", 4, "--micro-batch-size", 2,
-                            "--learning-rate", 1e-3, "--warmup-steps", 0, "--lr-scheduler", "constant",
-                            "--eval-every", 2, "--num-norm-samples", 8]
+    flags = lambda out, n: [
+        "--model-name-or-path",
+        tiny,
+        "--train-files",
+        toy_pairs[0],
+        "--val-files",
+        toy_pairs[1],
+        "--output-dir",
+        out,
+        "--total-steps",
+        n,
+        "--batch-size",
+        4,
+        "--micro-batch-size",
+        2,
+        "--learning-rate",
+        1e-3,
+        "--warmup-steps",
+        0,
+        "--lr-scheduler",
+        "constant",
+        "--eval-every",
+        2,
+        "--num-norm-samples",
+        8,
+    ]
     run_script("rm_llm.py", *flags(tmp_path / "a", 4))
     run_script("rm_llm.py", *flags(tmp_path / "b", 2))
     first = only_run(tmp_path / "b")
     run_script("rm_llm.py", *flags(tmp_path / "c", 4), "--resume", first)
-    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rs if "rm/norm_gain" not in r]
+    strip = lambda rs: [
+        {k: v for k, v in r.items() if not k.startswith("perf/")} for r in rs if "rm/norm_gain" not in r
+    ]
     straight = strip(read_metrics(only_run(tmp_path / "a")))
     assert straight[-1]["rm/margin"] != 0
     assert straight == strip(read_metrics(first))

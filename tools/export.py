@@ -1,9 +1,9 @@
 """Turn a checkpoint into a clean model folder: weights (LoRA merged), config, generation config,
 tokenizer and chat template, and a model card (README.md) listing the run's args and final metrics.
 
-    python -m common.export runs/ppo_llm__.../checkpoints/step_100/policy --out exported/ppo-step100
-    python -m common.export runs/ppo_llm__...  --out exported/ppo-last          # a run folder: latest checkpoint's policy
-    python -m common.export CKPT --out DIR --push-to-hub user/my-model           # then upload (needs internet)
+    python -m tools.export runs/ppo_llm__.../checkpoints/step_100/policy --out exported/ppo-step100
+    python -m tools.export runs/ppo_llm__...  --out exported/ppo-last          # a run folder: latest checkpoint's policy
+    python -m tools.export CKPT --out DIR --push-to-hub user/my-model           # then upload (needs internet)
 
 The folder loads with `AutoModelForCausalLM.from_pretrained(DIR)` / `AutoTokenizer.from_pretrained(DIR)`,
 vLLM and TGI, no peft needed. `--push-to-hub` uploads it with huggingface_hub (a hub token in the
@@ -48,7 +48,9 @@ def find_model_folder(path: str, model: str = "policy") -> Path:
     else:
         ckpts = list_checkpoints(p)
         if not ckpts:
-            raise UserError(f"{path}: not a model folder, a checkpoint (checkpoints/step_N) or a run folder with checkpoints")
+            raise UserError(
+                f"{path}: not a model folder, a checkpoint (checkpoints/step_N) or a run folder with checkpoints"
+            )
         step_dir = max(ckpts, key=lambda c: int(c.name.split("_")[1]))
     if not (step_dir / model).is_dir():
         have = sorted(d.name for d in step_dir.iterdir() if d.is_dir())
@@ -57,12 +59,22 @@ def find_model_folder(path: str, model: str = "policy") -> Path:
 
 
 def model_card(folder: Path, run_dir: Path | None) -> str:
-    lines = [f"# {run_dir.name if run_dir else folder.name}", "",
-             "Trained with cleanrlhf (one PyTorch script per RL post-training algorithm).", ""]
+    lines = [
+        f"# {run_dir.name if run_dir else folder.name}",
+        "",
+        "Trained with cleanrlhf (one PyTorch script per RL post-training algorithm).",
+        "",
+    ]
     if run_dir is not None and (run_dir / "args.json").exists():
         args = json.loads((run_dir / "args.json").read_text())
-        lines += [f"Run folder: `{run_dir.name}`, checkpoint `{folder.parent.name}`.", "", "## Arguments", "",
-                  "| flag | value |", "|---|---|"]
+        lines += [
+            f"Run folder: `{run_dir.name}`, checkpoint `{folder.parent.name}`.",
+            "",
+            "## Arguments",
+            "",
+            "| flag | value |",
+            "|---|---|",
+        ]
         for k, v in args.items():
             if k not in ("versions", "argv", "resumes"):
                 lines.append(f"| `{k}` | `{json.dumps(v, default=str)}` |")
@@ -74,9 +86,18 @@ def model_card(folder: Path, run_dir: Path | None) -> str:
             final = {}
             for r in rows:  # the last value of each metric up to this checkpoint
                 final.update({k: (r["step"], v) for k, v in r.items() if k != "step"})
-            lines += ["", "## Metrics (last value up to this checkpoint)", "", "| metric | step | value |", "|---|---|---|"]
-            lines += [f"| `{k}` | {s} | {v:.4g} |" if isinstance(v, float) else f"| `{k}` | {s} | {v} |"
-                      for k, (s, v) in sorted(final.items()) if not k.startswith("perf/")]
+            lines += [
+                "",
+                "## Metrics (last value up to this checkpoint)",
+                "",
+                "| metric | step | value |",
+                "|---|---|---|",
+            ]
+            lines += [
+                f"| `{k}` | {s} | {v:.4g} |" if isinstance(v, float) else f"| `{k}` | {s} | {v} |"
+                for k, (s, v) in sorted(final.items())
+                if not k.startswith("perf/")
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -96,8 +117,10 @@ def main(args: Args) -> Path:
             if f.is_file() and f.name != "merged_from.json":
                 shutil.copy2(f, tmp / f.name)
         if not (tmp / "tokenizer_config.json").exists():
-            raise UserError(f"{folder}: no tokenizer files (a checkpoint from before tokenizers were saved); "
-                             f"copy them from the base model with AutoTokenizer.save_pretrained")
+            raise UserError(
+                f"{folder}: no tokenizer files (a checkpoint from before tokenizers were saved); "
+                f"copy them from the base model with AutoTokenizer.save_pretrained"
+            )
         (tmp / "README.md").write_text(model_card(folder, run_dir))
         if out.exists():
             out.rmdir()
@@ -107,7 +130,9 @@ def main(args: Args) -> Path:
     print(f"exported {folder} -> {out}")
     if args.push_to_hub:
         if os.environ.get("HF_HUB_OFFLINE") == "1":
-            raise UserError(f"--push-to-hub {args.push_to_hub}: HF_HUB_OFFLINE=1, not uploading; the folder {out} is ready")
+            raise UserError(
+                f"--push-to-hub {args.push_to_hub}: HF_HUB_OFFLINE=1, not uploading; the folder {out} is ready"
+            )
         from huggingface_hub import HfApi
 
         api = HfApi()

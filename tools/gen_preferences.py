@@ -1,7 +1,7 @@
 """Sample K responses per prompt from any model or checkpoint, score them with the reward registry,
 and write best-vs-worst pairs (with both scores) as a preference file for algos/dpo_llm.py.
 
-    python -m common.gen_preferences --model smollm2-135m-instruct --prompts data/chain_sum_1d/train.parquet \\
+    python -m tools.gen_preferences --model smollm2-135m-instruct --prompts data/chain_sum_1d/train.parquet \\
         --k 4 --temperature 1.0 --out data/pairs/train.parquet
 
 With a PPO or GRPO checkpoint (`runs/.../checkpoints/step_N/policy`) this is the "PPO, then
@@ -17,7 +17,7 @@ import torch
 
 from common import models as M
 from common.data import load_prompts, read_table, write_rows
-from common.evaluate import answer, load_any
+from common.eval import answer, load_any
 from common.rewards import Reward
 from common.run import UserError
 
@@ -57,26 +57,43 @@ def main(args: Args) -> dict:
     rows = load_prompts(args.prompts, tok, max_prompt_length=10_000)
     raw = [r for f in args.prompts for r in read_table(f)]
     if args.num_prompts is not None:
-        rows, raw = rows[:args.num_prompts], raw[:args.num_prompts]
+        rows, raw = rows[: args.num_prompts], raw[: args.num_prompts]
     reward = Reward(args.reward, args.reward_fn, max_new_tokens=args.max_new_tokens, reward_weights=args.reward_weights)
     reward.check({r.data_source for r in rows})
     model = load_any(M.resolve_model_path(args.model), tok).eval()
-    responses, lengths, is_eos = answer(model, tok, rows, args.max_new_tokens, args.batch_size, args.k, args.temperature,
-                                        args.seed, with_lengths=True)
+    responses, lengths, is_eos = answer(
+        model, tok, rows, args.max_new_tokens, args.batch_size, args.k, args.temperature, args.seed, with_lengths=True
+    )
     # real response lengths (the `length` term) and EOS flags (the `model` term), per sample
-    scores = torch.stack([reward(rows, [r[k] for r in responses], torch.tensor([n[k] for n in lengths]),
-                                 is_eos=[e[k] for e in is_eos])[0] for k in range(args.k)], 1)  # (N, K)
+    scores = torch.stack(
+        [
+            reward(
+                rows, [r[k] for r in responses], torch.tensor([n[k] for n in lengths]), is_eos=[e[k] for e in is_eos]
+            )[0]
+            for k in range(args.k)
+        ],
+        1,
+    )  # (N, K)
     pairs, ties = [], 0
     for i, (row, src) in enumerate(zip(rows, raw)):
         best, worst = scores[i].argmax().item(), scores[i].argmin().item()
         if scores[i, best] == scores[i, worst]:
             ties += 1
             continue
-        pairs.append({"prompt": src["prompt"], "chosen": responses[i][best], "rejected": responses[i][worst],
-                      "chosen_score": scores[i, best].item(), "rejected_score": scores[i, worst].item(),
-                      "data_source": row.data_source})
+        pairs.append(
+            {
+                "prompt": src["prompt"],
+                "chosen": responses[i][best],
+                "rejected": responses[i][worst],
+                "chosen_score": scores[i, best].item(),
+                "rejected_score": scores[i, worst].item(),
+                "data_source": row.data_source,
+            }
+        )
     if not pairs:
-        raise UserError(f"all {len(rows)} prompts tied: no pair written (raise --k or --temperature, or use a partial-credit reward)")
+        raise UserError(
+            f"all {len(rows)} prompts tied: no pair written (raise --k or --temperature, or use a partial-credit reward)"
+        )
     write_rows(pairs, args.out)
     report = {"prompts": len(rows), "pairs": len(pairs), "tied": ties, "mean_score": scores.mean().item()}
     print(f"wrote {args.out}: {report}")

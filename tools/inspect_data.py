@@ -1,7 +1,7 @@
 """The checklist to read before training on a dataset.
 
-    python -m common.inspect_data data/chain_sum/train.parquet [more files] [--model smollm2-135m-instruct]
-    python -m common.inspect_data data/chain_sum/test.parquet --against data/chain_sum/train.parquet
+    python -m tools.inspect_data data/chain_sum/train.parquet [more files] [--model smollm2-135m-instruct]
+    python -m tools.inspect_data data/chain_sum/test.parquet --against data/chain_sum/train.parquet
 
 Prints: rows per file, columns, empty or missing fields, data_source counts, prompt token-length
 percentiles (after the chat template), duplicate prompts, and for preference / scored data the
@@ -28,7 +28,9 @@ def _empty(v) -> bool:
     return v is None or (isinstance(v, (str, list, dict)) and len(v) == 0)
 
 
-def report(files: list[str], model: str = DEFAULT_MODEL, prompt_key: str = "prompt", against: list[str] | None = None) -> dict:
+def report(
+    files: list[str], model: str = DEFAULT_MODEL, prompt_key: str = "prompt", against: list[str] | None = None
+) -> dict:
     tok = load_tokenizer(model)
     rows = []
     per_file = {}
@@ -38,7 +40,12 @@ def report(files: list[str], model: str = DEFAULT_MODEL, prompt_key: str = "prom
         rows += t
     cols = sorted({k for r in rows for k in r})
     empty = {c: sum(_empty(r.get(c)) for r in rows) for c in cols}
-    out = {"files": per_file, "rows": len(rows), "columns": cols, "empty_or_missing": {c: n for c, n in empty.items() if n}}
+    out = {
+        "files": per_file,
+        "rows": len(rows),
+        "columns": cols,
+        "empty_or_missing": {c: n for c, n in empty.items() if n},
+    }
     if any("data_source" in r for r in rows):
         out["data_source"] = dict(Counter(str(r.get("data_source")) for r in rows).most_common())
     if any(prompt_key in r for r in rows):
@@ -64,8 +71,13 @@ def main() -> None:
     p.add_argument("files", nargs="+")
     p.add_argument("--model", default=DEFAULT_MODEL, help="tokenizer used for prompt lengths")
     p.add_argument("--prompt-key", default="prompt")
-    p.add_argument("--against", nargs="+", default=None, metavar="TRAIN",
-                   help="training files: report test rows whose prompt or problem also occurs there")
+    p.add_argument(
+        "--against",
+        nargs="+",
+        default=None,
+        metavar="TRAIN",
+        help="training files: report test rows whose prompt or problem also occurs there",
+    )
     a = p.parse_args()
     from rich.console import Console
     from rich.table import Table

@@ -1,6 +1,6 @@
 """Compare runs without W&B: one PNG, a panel per metric, a line per run (or mean +- std over seeds).
 
-    python -m common.compare runs/ppo_llm__a__1__* runs/dynamic_kl_ppo__b__1__* \\
+    python -m tools.compare runs/ppo_llm__a__1__* runs/dynamic_kl_ppo__b__1__* \\
         --metrics train/reward train/kl eval/accuracy --smooth 5 --x step --out compare.png
 
 Runs with the same exp_name (from args.json) and different seeds are drawn as one mean line with
@@ -35,8 +35,14 @@ def load_run(run_dir: str | Path) -> dict:
         by_step.setdefault(r["step"], {}).update(r)
     rows = [by_step[k] for k in sorted(by_step)]
     args = json.loads((run_dir / "args.json").read_text()) if (run_dir / "args.json").exists() else {}
-    return {"dir": run_dir, "name": run_dir.name, "exp_name": args.get("exp_name", run_dir.name),
-            "algo": run_dir.name.split("__")[0], "seed": args.get("seed"), "rows": rows}
+    return {
+        "dir": run_dir,
+        "name": run_dir.name,
+        "exp_name": args.get("exp_name", run_dir.name),
+        "algo": run_dir.name.split("__")[0],
+        "seed": args.get("seed"),
+        "rows": rows,
+    }
 
 
 def series(run: dict, metric: str, x: str) -> tuple[np.ndarray, np.ndarray]:
@@ -61,7 +67,9 @@ def align(curves: list[tuple[np.ndarray, np.ndarray]], x: str) -> tuple[np.ndarr
     if x != "time":
         common = sorted(set.intersection(*(set(xs.tolist()) for xs, _ in curves)))
         xs = np.array(common, dtype=float)
-        return xs, np.stack([ys[np.searchsorted(cx, xs)] for cx, ys in curves]) if len(xs) else np.zeros((len(curves), 0))
+        return xs, np.stack([ys[np.searchsorted(cx, xs)] for cx, ys in curves]) if len(xs) else np.zeros(
+            (len(curves), 0)
+        )
     lo, hi = max(c[0].min() for c in curves), min(c[0].max() for c in curves)
     xs = np.unique(np.concatenate([c[0] for c in curves]))
     xs = xs[(xs >= lo) & (xs <= hi)]
@@ -99,10 +107,17 @@ def summary(groups: dict[str, list[dict]], metrics: list[str]) -> list[dict]:
                     finals.append(y[-1])
                     bests.append(y.min() if m.startswith(LOWER_IS_BETTER) else y.max())
             if finals:
-                out.append({"group": g, "metric": m, "seeds": len(finals), "final": float(np.mean(finals)),
-                            "best": float(np.mean(bests)),
-                            "steps": max(r["rows"][-1]["step"] for r in runs),
-                            "seconds": float(np.mean([sum(x.get("perf/step_s", 0) for x in r["rows"]) for r in runs]))})
+                out.append(
+                    {
+                        "group": g,
+                        "metric": m,
+                        "seeds": len(finals),
+                        "final": float(np.mean(finals)),
+                        "best": float(np.mean(bests)),
+                        "steps": max(r["rows"][-1]["step"] for r in runs),
+                        "seconds": float(np.mean([sum(x.get("perf/step_s", 0) for x in r["rows"]) for r in runs])),
+                    }
+                )
     return out
 
 
@@ -127,14 +142,14 @@ def plot(groups: dict[str, list[dict]], metrics: list[str], x: str, window: int,
             if not len(xs):
                 continue
             mean = ys.mean(0)
-            line, = ax.plot(xs, mean, label=f"{g} (n={len(curves)})", color=f"C{gi}")
+            (line,) = ax.plot(xs, mean, label=f"{g} (n={len(curves)})", color=f"C{gi}")
             if len(curves) > 1:
                 std = ys.std(0)
                 ax.fill_between(xs, mean - std, mean + std, alpha=0.2, color=line.get_color())
         ax.set_title(m)
         ax.set_xlabel({"step": "step", "samples": "samples", "time": "seconds"}[x])
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(metrics):]:
+    for ax in list(axes.flat)[len(metrics) :]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
@@ -177,7 +192,15 @@ def main(args: Args) -> list[dict]:
     for c in ("group", "metric", "seeds", "final", "best", "steps", "seconds"):
         t.add_column(c)
     for r in table:
-        t.add_row(r["group"], r["metric"], str(r["seeds"]), f"{r['final']:.4g}", f"{r['best']:.4g}", str(r["steps"]), f"{r['seconds']:.0f}")
+        t.add_row(
+            r["group"],
+            r["metric"],
+            str(r["seeds"]),
+            f"{r['final']:.4g}",
+            f"{r['best']:.4g}",
+            str(r["steps"]),
+            f"{r['seconds']:.0f}",
+        )
     Console(width=140).print(t)
     return table
 

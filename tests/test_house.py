@@ -1,0 +1,82 @@
+"""The house rules, checked: copied code stays identical (TRL's rule), the library stays apart from
+the tools, and the algorithm (losses, advantages, KL controllers) lives in the scripts."""
+
+import ast
+import collections
+import re
+
+from conftest import REPO
+
+SCRIPTS = sorted((REPO / "algos").glob("*.py"))
+# functions that share a name but differ on purpose: what each script evaluates is its own
+DIFFER_ON_PURPOSE = {"Args", "main", "main.evaluate"}
+# lines every script has, word for word (the resume, run-folder and logging boilerplate)
+EVERY_SCRIPT = [
+    "start_step = restore_checkpoint(accelerator, ckpt, models, state, optimizers) if ckpt else 0",
+    'log(f"resumed from {ckpt} at step {start_step}")',
+    "run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued",
+    "tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)",
+    "stop = StopSignal(accelerator)",
+    "if step % args.log_every == 0 or step == args.total_steps or evaluating:  # an evaluation step is always logged",
+    "stopping = stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit",
+]
+
+
+def definitions(path):
+    """{name: source} of top-level functions/classes and of the functions nested in main (as main.X)."""
+    src = path.read_text()
+    tree = ast.parse(src)
+    out = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            out[node.name] = ast.get_source_segment(src, node)
+            if node.name == "main":
+                for inner in ast.walk(node):
+                    if isinstance(inner, ast.FunctionDef) and inner is not node:
+                        out[f"main.{inner.name}"] = ast.get_source_segment(src, inner)
+    return out
+
+
+def test_copied_code_stays_identical():
+    """A function or class defined in several scripts is the same text in each (else rename it)."""
+    by_name = collections.defaultdict(dict)
+    for path in SCRIPTS:
+        for name, src in definitions(path).items():
+            by_name[name][path.name] = src
+    shared = {n: d for n, d in by_name.items() if len(d) > 1 and n not in DIFFER_ON_PURPOSE}
+    assert {"KLController", "policy_loss", "value_loss", "main.checkpoint"} <= set(shared)
+    drifted = {n: sorted(d) for n, d in shared.items() if len(set(d.values())) > 1}
+    assert not drifted, f"copies that drifted apart: {drifted}"
+
+
+def test_every_script_has_the_shared_lines():
+    for path in SCRIPTS:
+        lines = {line.strip() for line in path.read_text().splitlines()}
+        missing = [want for want in EVERY_SCRIPT if want not in lines]
+        assert not missing, f"{path.name} lacks {missing}"
+
+
+def test_library_apart_from_tools_and_scripts():
+    """Scripts import the library (common/) only: never a tool, never another script; the library
+    never imports a tool."""
+    script_names = {p.stem for p in SCRIPTS}
+    for path in SCRIPTS + sorted((REPO / "common").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            mods = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            for mod in mods:
+                assert not mod.startswith("tools"), f"{path.relative_to(REPO)} imports {mod}"
+                assert mod.split(".")[0] not in script_names, f"{path.relative_to(REPO)} imports the script {mod}"
+
+
+def test_no_algorithm_in_common():
+    """Advantage estimators other than GAE, losses and KL controllers belong to the scripts."""
+    for path in sorted((REPO / "common").glob("*.py")):
+        names = [n.name for n in ast.parse(path.read_text()).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        bad = [n for n in names if re.search(r"advantages|_loss$|KLController", n)]
+        assert not bad, f"{path.name} defines {bad}"

@@ -1,0 +1,124 @@
+"""Side-by-side evaluation of several models or checkpoints on the same prompts.
+
+    python -m tools.evaluate --models smollm2-135m-instruct runs/ppo_llm__.../checkpoints/step_100/policy \\
+        --data data/chain_sum/test.parquet --out eval.md
+
+Greedy answers by default (`--samples k --temperature t` for sampled answers). Prints reward and
+exact-match accuracy per model and per data_source, and writes a markdown file showing each
+prompt with every model's answer. `--n K` adds K sampled answers per prompt and reports pass@1,
+pass@k (unbiased estimator) and maj@K (majority vote over the extracted answers) next to the greedy
+accuracy. Any checkpoint folder is a model (a LoRA adapter is merged onto its base).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from common import models as M
+from common.data import load_prompts
+from common.eval import answer, load_any, sampled_metrics, score
+from common.rewards import Reward
+
+
+@dataclass
+class Args:
+    models: list[str] = field(default_factory=lambda: [M.DEFAULT_MODEL])
+    """models or checkpoint folders to compare"""
+    data: list[str] = field(default_factory=list)
+    """prompt files (verl schema); default: the built-in task's test split"""
+    num_prompts: int = 64
+    """prompts evaluated (the first N)"""
+    max_new_tokens: int = 64
+    """answer length limit"""
+    samples: int = 1
+    """answers per prompt"""
+    temperature: float = 0.0
+    """0: greedy"""
+    n: int = 0
+    """K > 1: also sample K answers per prompt at --sample-temperature and report pass@k (unbiased) and maj@K"""
+    sample_temperature: float = 1.0
+    """temperature of the --n samples"""
+    reward: str = "rule:1.0"
+    """reward sources (as in the training scripts)"""
+    reward_fn: Optional[list[str]] = None
+    """path/to/file.py:fn replacing the data_source registry for every row; repeat for several (summed with --reward-weights)"""
+    reward_weights: Optional[list[float]] = None
+    """weights of the --reward-fn functions, in order (default: 1 each); each is logged as reward/<fn>"""
+    batch_size: int = 16
+    """prompts per generate call"""
+    out: Optional[str] = None
+    """markdown file with every model's answer per prompt"""
+    json_out: Optional[str] = None
+    """write the scores as JSON here"""
+
+
+def main(args: Args) -> dict:
+    from common.tasks import default_task_files
+
+    tok = M.load_tokenizer(args.models[0])
+    data = args.data or [default_task_files()[1]]
+    rows = load_prompts(data, tok, max_prompt_length=10_000)[: args.num_prompts]
+    reward = Reward(args.reward, args.reward_fn, max_new_tokens=args.max_new_tokens, reward_weights=args.reward_weights)
+    reward.check({r.data_source for r in rows})
+    results, answers = {}, {}
+    for name in args.models:
+        model = load_any(
+            M.resolve_model_path(name),
+            M.load_tokenizer(name) if Path(M.resolve_model_path(name), "tokenizer_config.json").exists() else tok,
+        ).eval()
+        answers[name], lengths, is_eos = answer(
+            model, tok, rows, args.max_new_tokens, args.batch_size, args.samples, args.temperature, with_lengths=True
+        )
+        results[name] = score(rows, answers[name], reward, lengths, is_eos)
+        if args.n > 1:
+            sampled, s_lengths, s_eos = answer(
+                model,
+                tok,
+                rows,
+                args.max_new_tokens,
+                args.batch_size,
+                args.n,
+                args.sample_temperature,
+                seed=1,
+                with_lengths=True,
+            )
+            for src, d in sampled_metrics(rows, sampled, reward, s_lengths, s_eos).items():
+                results[name][src].update(d)
+        del model
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{len(rows)} prompts from {', '.join(data)}")
+    extra_cols = [k for k in next(iter(results.values()))["all"] if k.startswith(("pass@", "maj@"))]
+    for col in ("model", "data_source", "reward", "accuracy", *extra_cols, "n"):
+        table.add_column(col)
+    for name, res in results.items():
+        for src, d in res.items():
+            table.add_row(
+                name,
+                src,
+                f"{d['reward']:.3f}",
+                f"{d['accuracy']:.3f}",
+                *(f"{d[c]:.3f}" for c in extra_cols),
+                str(d["n"]),
+            )
+    Console().print(table)
+    if args.out:
+        lines = [f"# Side by side: {len(rows)} prompts\n"]
+        for i, row in enumerate(rows):
+            lines.append(f"## Prompt {i} ({row.data_source}, answer: {row.ground_truth})\n\n```\n{row.text}\n```\n")
+            for name in args.models:
+                lines.append(f"**{name}**\n\n```\n{answers[name][i][0]}\n```\n")
+        Path(args.out).write_text("\n".join(lines))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    from common.run import cli
+
+    cli(main, Args)  # flags checked, user errors as one line (exit 2)
