@@ -8,7 +8,7 @@ Guo et al. 2024 and Xiong et al. 2024 (online / iterative DPO).
 DPO needs no reward model and no sampling: with z = [log pi(y_c) - log ref(y_c)] - [log pi(y_r) - log ref(y_r)]
 (log-probs summed over completion tokens), the sigmoid loss is -log sigmoid(beta * z). It reduces to
 logistic regression on preference pairs, with the policy's log-ratio to the reference as the logit.
-With `--online`, each step samples `--num-samples` responses per prompt from the current policy,
+With `--online`, each step samples `--group-size` responses per prompt from the current policy,
 scores them with the reward registry, and trains on best vs worst (ties skipped).
 
     python algos/dpo_llm.py                                     # SmolLM2-135M-Instruct, built-in chain_sum_1d pairs
@@ -24,12 +24,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` imports from a plain `python algos/...`
 
 import torch
 import torch.nn.functional as F
+import tyro
 
 from common import models as M
 from common.data import Sampler, encode_prompt_completion, load_preferences, load_prompts
@@ -144,8 +145,8 @@ class Args:
     # --- online
     online: bool = False
     """sample pairs from the current policy each step (best vs worst by the reward)"""
-    num_samples: int = 4
-    """responses sampled per prompt when --online (>= 2)"""
+    group_size: Annotated[int, tyro.conf.arg(aliases=("--num-samples",))] = 4
+    """G: responses sampled per prompt when --online (>= 2), as in grpo_llm.py"""
     temperature: float = 1.0
     """sampling temperature when --online"""
     max_new_tokens: int = 64
@@ -251,8 +252,8 @@ def main(args: Args):
     args.world_size = accelerator.num_processes
     args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")
     exact_div(args.local_batch_size, args.micro_batch_size, "--batch-size per process over --micro-batch-size")
-    if args.online and args.num_samples < 2:
-        raise UserError("--online needs --num-samples >= 2 to form a pair")
+    if args.online and args.group_size < 2:
+        raise UserError("--online needs --group-size >= 2 to form a pair")
     # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
     configure_deepspeed(
         accelerator, args.micro_batch_size, args.local_batch_size // args.micro_batch_size, args.max_grad_norm
@@ -295,7 +296,7 @@ def main(args: Args):
     if args.online:
         # the reward model's own tokenizer and chat template (it may differ from the policy's)
         rm_tok = M.load_tokenizer(args.reward_model, args.trust_remote_code) if args.reward_model else None
-        rm = (
+        reward_model = (
             prepare_frozen(accelerator, M.load_reward_model(args.reward_model, rm_tok, args.dtype))
             if args.reward_model
             else None
@@ -303,7 +304,7 @@ def main(args: Args):
         reward = Reward(
             args.reward,
             args.reward_fn,
-            rm,
+            reward_model,
             rm_tok,
             args.max_new_tokens,
             args.reward_fallback,
@@ -368,9 +369,11 @@ def main(args: Args):
         t0 = time.time()
         for i in range(0, len(train_rows), args.micro_batch_size):
             chunk = train_rows[i : i + args.micro_batch_size]
-            s, m = ref_logps(*encode_pairs(tok, chunk, args.max_prompt_length, args.max_completion_length, device))
+            ref_sums, ref_means = ref_logps(
+                *encode_pairs(tok, chunk, args.max_prompt_length, args.max_completion_length, device)
+            )
             for j in range(len(chunk)):
-                ref_cache[i + j] = (s[j], s[len(chunk) + j], m[j], m[len(chunk) + j])
+                ref_cache[i + j] = (ref_sums[j], ref_sums[len(chunk) + j], ref_means[j], ref_means[len(chunk) + j])
         log(f"reference log-probs of {len(train_rows)} pairs precomputed in {time.time() - t0:.1f}s")
 
     def pair_stats(pairs, ids_for_cache=None):
@@ -380,15 +383,15 @@ def main(args: Args):
         b = len(pairs)
         if ids_for_cache is not None and ref_cache:
             ref = torch.stack([torch.stack(ref_cache[i]) for i in ids_for_cache])  # (b, 4)
-            rs_c, rs_r, rm_c, rm_r = ref.unbind(1)
+            ref_sum_c, ref_sum_r, ref_mean_c, ref_mean_r = ref.unbind(1)
         else:
-            rs, rm = ref_logps(ids, attn, comp)
-            rs_c, rs_r, rm_c, rm_r = rs[:b], rs[b:], rm[:b], rm[b:]
+            ref_sums, ref_means = ref_logps(ids, attn, comp)
+            ref_sum_c, ref_sum_r, ref_mean_c, ref_mean_r = ref_sums[:b], ref_sums[b:], ref_means[:b], ref_means[b:]
         if args.loss_type == "ipo":  # IPO on length-normalised (per-token mean) log-ratios, as TRL does
-            losses = dpo_loss(means[:b], means[b:], rm_c, rm_r, "ipo", args.beta)
+            losses = dpo_loss(means[:b], means[b:], ref_mean_c, ref_mean_r, "ipo", args.beta)
         else:
-            losses = dpo_loss(sums[:b], sums[b:], rs_c, rs_r, args.loss_type, args.beta, args.label_smoothing)
-        chosen_r, rejected_r = args.beta * (sums[:b] - rs_c).detach(), args.beta * (sums[b:] - rs_r).detach()
+            losses = dpo_loss(sums[:b], sums[b:], ref_sum_c, ref_sum_r, args.loss_type, args.beta, args.label_smoothing)
+        chosen_r, rejected_r = args.beta * (sums[:b] - ref_sum_c).detach(), args.beta * (sums[b:] - ref_sum_r).detach()
         nll = -means[:b]  # per-token NLL of chosen (RPO's SFT term)
         return losses, nll, chosen_r, rejected_r, sums[:b].detach(), sums[b:].detach()
 
@@ -440,18 +443,20 @@ def main(args: Args):
         # ------------------------------------------------------------------ 1. pairs (offline, or sampled + ranked)
         if args.online:
             t_gen = time.time()
-            rows = [train_rows[i] for i in ids for _ in range(args.num_samples)]  # (B*K,) a prompt's samples adjacent
+            rows = [train_rows[i] for i in ids for _ in range(args.group_size)]  # (B*K,) a prompt's samples adjacent
             q, qm = tokenize_queries(tok, [x.text for x in rows], device)
             seeds = [
-                mix_seed(args.seed, step, (r * args.local_batch_size) * args.num_samples + j) for j in range(len(rows))
+                mix_seed(args.seed, step, (r * args.local_batch_size) * args.group_size + j) for j in range(len(rows))
             ]
             with unwrap_for_generation(accelerator, policy) as gen_model:
-                ro = generate(gen_model, tok, q, qm, args.max_new_tokens, args.temperature, seeds=seeds)
-            texts = tok.batch_decode(ro.responses, skip_special_tokens=True)
+                rollout = generate(gen_model, tok, q, qm, args.max_new_tokens, args.temperature, seeds=seeds)
+            texts = tok.batch_decode(rollout.responses, skip_special_tokens=True)
             # the pairs train on the generated ids (EOS only where the policy emitted it), not on re-tokenised text
-            response_ids = [resp[:n].tolist() for resp, n in zip(ro.responses, ro.response_mask.sum(1).long())]
-            scores, _, _ = reward(rows, texts, ro.response_mask.sum(1), device, ro.is_eos)
-            scores = scores.view(-1, args.num_samples)  # (B, K)
+            response_ids = [
+                resp[:n].tolist() for resp, n in zip(rollout.responses, rollout.response_mask.sum(1).long())
+            ]
+            scores, _, _ = reward(rows, texts, rollout.response_mask.sum(1), device, rollout.is_eos)
+            scores = scores.view(-1, args.group_size)  # (B, K)
             pairs, pair_ids = [], []
             for k, i in enumerate(ids):
                 best_i, worst_i = scores[k].argmax().item(), scores[k].argmin().item()
@@ -461,8 +466,8 @@ def main(args: Args):
                 pairs.append(
                     {
                         "prompt": train_rows[i].text,
-                        "chosen": response_ids[k * args.num_samples + best_i],
-                        "rejected": response_ids[k * args.num_samples + worst_i],
+                        "chosen": response_ids[k * args.group_size + best_i],
+                        "rejected": response_ids[k * args.group_size + worst_i],
                     }
                 )
             pair_ids = None

@@ -6,7 +6,7 @@ R1-Zero-Like Training" (Dr. GRPO); Yu et al. 2025 "DAPO"; Ahmadian et al. 2024 "
 
 Each iteration samples `num_prompts` prompts and G = `group_size` responses per prompt. A
 response's advantage is its reward relative to the others of its group (no critic, no GAE), the
-same for every token of the response. `num_iterations` (mu) passes of a clipped surrogate follow;
+same for every token of the response. `update_epochs` (mu) passes of a clipped surrogate follow;
 an optional KL term to a frozen reference sits in the loss (not in the reward, unlike PPO).
 In one line, it reduces to: REINFORCE with a per-prompt baseline, PPO's clipping, and token-level
 or sequence-level averaging (the `--loss-agg` flag), which is where most variants differ.
@@ -45,7 +45,7 @@ from common.distributed import (
 )
 from common.eval import evaluate_policy
 from common.health import HealthConfig, HealthMonitor
-from common.ops import all_sum, exact_div, global_mean_divisor, kl_estimate, masked_var
+from common.ops import all_sum, exact_div, global_mean_divisor, kl_estimate, masked_mean, masked_var
 from common.rewards import Reward
 from common.rollout import forward_logprobs, generate, sequence_attention_mask, tokenize_queries
 from common.run import (
@@ -177,8 +177,8 @@ class Args:
     """sequences per optimizer step, over all processes"""
     micro_batch_size: int = 8
     """sequences per forward/backward on one process"""
-    num_iterations: int = 1
-    """mu: optimisation passes over each batch (1: on-policy, old log-probs = sampling log-probs)"""
+    update_epochs: Annotated[int, tyro.conf.arg(aliases=("--num-iterations",))] = 1
+    """mu: optimisation passes over each batch (1: on-policy, old log-probs = sampling log-probs); TRL's --num-iterations"""
     learning_rate: float = 5e-6
     """learning rate"""
     lr_scheduler: str = "constant_with_warmup"
@@ -344,25 +344,9 @@ def main(args: Args):
     )
     tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     M.set_prompt_format(tok, args.apply_chat_template, args.chat_template_kwargs, args.system_prompt)
-    policy = M.load_causal_lm(
-        args.model_name_or_path,
-        tok,
-        lora_r=args.lora_r,
-        lora_alpha=args.lora_alpha,
-        gradient_checkpointing=args.gradient_checkpointing,
-        load_in_4bit=args.load_in_4bit,
-        dtype=args.dtype,
-        trust_remote_code=args.trust_remote_code,
-    )
-    ref_policy = None  # kl_coef 0: no reference at all; with LoRA: the adapter disabled
-    if args.kl_coef > 0 and args.lora_r == 0:
-        ref_policy = prepare_frozen(
-            accelerator,
-            M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype, trust_remote_code=args.trust_remote_code),
-        )
     # the reward model's own tokenizer and chat template (it may differ from the policy's)
     rm_tok = M.load_tokenizer(args.reward_model, args.trust_remote_code) if args.reward_model else None
-    rm = (
+    reward_model = (
         prepare_frozen(accelerator, M.load_reward_model(args.reward_model, rm_tok, args.dtype))
         if args.reward_model
         else None
@@ -370,7 +354,7 @@ def main(args: Args):
     reward = Reward(
         args.reward,
         args.reward_fn,
-        rm,
+        reward_model,
         rm_tok,
         args.max_new_tokens,
         args.reward_fallback,
@@ -397,7 +381,25 @@ def main(args: Args):
     log(f"[prompt] the first training prompt as the model sees it:\n{train_rows[0].text}")
     sampler = Sampler(len(train_rows), args.seed)
 
-    n_updates = args.total_steps * args.num_iterations * (args.num_prompts * G // args.mini_batch_size)
+    # ALGO LOGIC: GRPO's models and optimizer: the policy and, when --kl-coef > 0, a frozen reference;
+    # no critic (the group's other samples are the baseline)
+    policy = M.load_causal_lm(
+        args.model_name_or_path,
+        tok,
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        gradient_checkpointing=args.gradient_checkpointing,
+        load_in_4bit=args.load_in_4bit,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+    )
+    ref_policy = None  # kl_coef 0: no reference at all; with LoRA: the adapter disabled
+    if args.kl_coef > 0 and args.lora_r == 0:
+        ref_policy = prepare_frozen(
+            accelerator,
+            M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype, trust_remote_code=args.trust_remote_code),
+        )
+    n_updates = args.total_steps * args.update_epochs * (args.num_prompts * G // args.mini_batch_size)
     from transformers import get_scheduler
 
     opt = torch.optim.AdamW(
@@ -405,6 +407,7 @@ def main(args: Args):
     )
     sched = get_scheduler(args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=n_updates)
 
+    # ------------------------------------------------------- checkpoint state, run folder  # TRY NOT TO MODIFY
     health = HealthMonitor(args.health, log)
     best = BestKeeper(args.save_best)  # --save-best
     guard = UpdateGuard(accelerator)  # non-finite gradients: step skipped, never NaN weights
@@ -421,9 +424,7 @@ def main(args: Args):
     # pass (mu = 1), float32 weights without autocast (bf16 KV-cache decoding differs from the batched
     # forward by up to 0.24 nats on SmolLM2), and no importance correction asked for; else recompute
     same_numerics = next(policy.parameters()).dtype == torch.float32 and accelerator.mixed_precision == "no"
-    args.old_logprobs_from = (
-        "sampler" if args.num_iterations == 1 and same_numerics and args.tis_cap == 0 else "trainer"
-    )
+    args.old_logprobs_from = "sampler" if args.update_epochs == 1 and same_numerics and args.tis_cap == 0 else "trainer"
     run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
     tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
     stop = StopSignal(accelerator)
@@ -445,7 +446,7 @@ def main(args: Args):
         uid0 = (round_ * args.num_prompts + r * args.local_num_prompts) * G
         seeds = [mix_seed(args.seed, step, uid0 + j) for j in range(len(rows))]
         with unwrap_for_generation(accelerator, policy) as gen_model:
-            ro = generate(
+            rollout = generate(
                 gen_model,
                 tok,
                 queries,
@@ -456,17 +457,17 @@ def main(args: Args):
                 args.top_p,
                 seeds,
             )
-        texts = tok.batch_decode(ro.responses, skip_special_tokens=True)
-        scores, components, extras = reward(rows, texts, ro.response_mask.sum(1), device, ro.is_eos)  # (B,)
+        texts = tok.batch_decode(rollout.responses, skip_special_tokens=True)
+        scores, components, extras = reward(rows, texts, rollout.response_mask.sum(1), device, rollout.is_eos)  # (B,)
         return dict(
             rows=rows,
             texts=texts,
             queries=queries,
             query_mask=query_mask,
-            responses=ro.responses,
-            mask=ro.response_mask,
-            logprobs=ro.logprobs,
-            truncated=ro.truncated,
+            responses=rollout.responses,
+            mask=rollout.response_mask,
+            logprobs=rollout.logprobs,
+            truncated=rollout.truncated,
             scores=scores,
             solved=extras.get("acc", (scores >= 1).float()),
             **{f"reward/{k}": v for k, v in components.items()},
@@ -554,6 +555,11 @@ def main(args: Args):
                     * mask
                 )
 
+        # train/kl as in the PPO scripts: per response, the token mean of KL(pi_old || pi_ref); batch mean
+        mean_kl = 0.0
+        if ref_logprobs is not None:
+            kl = kl_estimate(old_logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T)
+            mean_kl = accelerator.gather(masked_mean(kl, mask, dim=1)).mean().item()
         # sampler-vs-trainer gap of pi_old (mean |delta| per token); with the sampler path it is measured
         # on the first minibatch's forward below, before any optimizer step
         diff_sum, diff_n = ((old_logprobs - b["logprobs"]).abs() * mask).sum(), mask.sum()
@@ -568,7 +574,7 @@ def main(args: Args):
         stats = {k: [] for k in ("pg", "kl", "ent", "clip")}
         r = accelerator.process_index
         g = torch.Generator().manual_seed(mix_seed(args.seed, step, r))
-        for it in range(args.num_iterations):
+        for it in range(args.update_epochs):
             perm = torch.randperm(len(rows), generator=g).tolist()
             for mb_start in range(0, len(rows), args.local_mini_batch_size):
                 mb = perm[mb_start : mb_start + args.local_mini_batch_size]
@@ -576,24 +582,28 @@ def main(args: Args):
                 # token-mean is over all ranks' tokens (each rank holds len(mb) sequences: n_seqs needs no reduce)
                 n_tokens, n_seqs = global_mean_divisor(loss_mask[mb].sum()), len(mb)
                 for k in range(0, len(mb), args.micro_batch_size):
-                    mi = mb[k : k + args.micro_batch_size]
+                    micro = mb[k : k + args.micro_batch_size]
                     new_logprobs, entropy = forward_logprobs(
-                        policy, query_responses[mi], attn[mi], P, args.temperature, with_entropy=True
+                        policy, query_responses[micro], attn[micro], P, args.temperature, with_entropy=True
                     )
                     token_loss, clipped = clipped_surrogate(
-                        new_logprobs, old_logprobs[mi], advantages[mi, None], args.clip_eps_low, args.clip_eps_high
+                        new_logprobs,
+                        old_logprobs[micro],
+                        advantages[micro, None],
+                        args.clip_eps_low,
+                        args.clip_eps_high,
                     )  # (b, T)
                     if tis_weights is not None:
-                        token_loss = token_loss * tis_weights[mi]
+                        token_loss = token_loss * tis_weights[micro]
                     if args.old_logprobs_from == "sampler" and it == 0 and mb_start == 0:  # weights not yet stepped
-                        diff_sum = diff_sum + ((new_logprobs.detach() - b["logprobs"][mi]).abs() * mask[mi]).sum()
-                        diff_n = diff_n + mask[mi].sum()
+                        diff_sum = diff_sum + ((new_logprobs.detach() - b["logprobs"][micro]).abs() * mask[micro]).sum()
+                        diff_n = diff_n + mask[micro].sum()
                     kl = (
-                        kl_estimate(new_logprobs, ref_logprobs[mi], args.kl_estimator)
+                        kl_estimate(new_logprobs, ref_logprobs[micro], args.kl_estimator)
                         if ref_logprobs is not None
                         else torch.zeros_like(token_loss)
                     )
-                    agg = lambda x: aggregate(x, loss_mask[mi], args.loss_agg, n_tokens, n_seqs, args.max_new_tokens)
+                    agg = lambda x: aggregate(x, loss_mask[micro], args.loss_agg, n_tokens, n_seqs, args.max_new_tokens)
                     pg, kl_term = agg(token_loss), agg(kl)
                     backward(
                         accelerator, policy, pg + args.kl_coef * kl_term, last=k + args.micro_batch_size >= len(mb)
@@ -608,8 +618,8 @@ def main(args: Args):
         # ------------------------------------------------------------------ 4. log, evaluate, checkpoint
         evaluating = bool(args.eval_every and val_rows and (step % args.eval_every == 0 or step == args.total_steps))
         if step % args.log_every == 0 or step == args.total_steps or evaluating:  # an evaluation step is always logged
-            n_minibatches = args.num_iterations * len(rows) // args.local_mini_batch_size
-            red = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
+            n_minibatches = args.update_epochs * len(rows) // args.local_mini_batch_size
+            mean_over_minibatches = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
             all_scores = accelerator.gather(scores)
             by_group = all_scores.view(-1, G)
             step_s = time.time() - t_step
@@ -617,18 +627,19 @@ def main(args: Args):
                 "train/reward": all_scores.mean().item(),
                 "train/reward_std": all_scores.std().item(),
                 "train/zero_std_groups": (by_group.std(1) == 0).float().mean().item(),
-                "train/kl": red(stats["kl"]),
+                "train/kl": mean_kl,
                 "train/kl_coef": args.kl_coef,
                 "train/sampler_logprob_diff": (all_sum(diff_sum) / all_sum(diff_n).clamp(min=1)).item(),
-                "train/entropy": red(stats["ent"]),
-                "train/clip_frac": red(stats["clip"]),
+                "train/entropy": mean_over_minibatches(stats["ent"]),
+                "train/clip_frac": mean_over_minibatches(stats["clip"]),
                 "train/response_len": accelerator.gather(lengths).float().mean().item(),
                 "train/truncated": accelerator.gather(truncated.float()).mean().item(),
                 "train/lr": sched.get_last_lr()[0],
                 "train/resample_rounds": rounds,
                 "train/filled_zero_std_groups": n_filled,
-                "loss/policy": red(stats["pg"]),
-                "loss/total": red(stats["pg"]) + args.kl_coef * red(stats["kl"]),
+                "loss/policy": mean_over_minibatches(stats["pg"]),
+                "loss/kl": mean_over_minibatches(stats["kl"]),
+                "loss/total": mean_over_minibatches(stats["pg"]) + args.kl_coef * mean_over_minibatches(stats["kl"]),
                 "perf/step_s": step_s,
                 "perf/gen_s": gen_s,
                 "perf/train_s": train_s,

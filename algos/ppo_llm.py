@@ -6,7 +6,7 @@ Preferences" (adaptive KL controller), Ouyang et al. 2022 (InstructGPT), Huang e
 
 Each iteration: (1) sample `batch_size` prompts and one response each; (2) score them: the sequence
 reward sits on the last real token, every token pays -beta * (log pi - log pi_ref); (3) the critic's
-values and GAE turn those per-token rewards into advantages; (4) `ppo_epochs` passes of the clipped
+values and GAE turn those per-token rewards into advantages; (4) `update_epochs` passes of the clipped
 surrogate + clipped value loss over shuffled minibatches; (5) beta moves toward `kl_target` when
 one is set; (6) log, evaluate, checkpoint.
 
@@ -181,8 +181,8 @@ class Args:
     """rollouts per optimizer step, over all processes"""
     micro_batch_size: int = 8
     """rollouts per forward/backward on one process (gradient accumulation up to the minibatch)"""
-    ppo_epochs: int = 2
-    """passes over the rollout batch per iteration"""
+    update_epochs: Annotated[int, tyro.conf.arg(aliases=("--ppo-epochs",))] = 2
+    """passes over the rollout batch per iteration (CleanRL's update_epochs; --ppo-epochs works too)"""
     learning_rate: float = 5e-6
     """policy learning rate"""
     critic_learning_rate: float = 2e-5
@@ -314,26 +314,9 @@ def main(args: Args):
     )
     tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     M.set_prompt_format(tok, args.apply_chat_template, args.chat_template_kwargs, args.system_prompt)
-    lora = dict(
-        lora_r=args.lora_r,
-        lora_alpha=args.lora_alpha,
-        gradient_checkpointing=args.gradient_checkpointing,
-        load_in_4bit=args.load_in_4bit,
-        dtype=args.dtype,
-        trust_remote_code=args.trust_remote_code,
-    )
-    policy = M.load_causal_lm(args.model_name_or_path, tok, **lora)
-    critic = M.load_value_model(args.critic_model or args.model_name_or_path, tok, **lora)
-    use_ref = args.kl_coef > 0 or args.kl_target is not None
-    ref_policy = None  # with LoRA the reference is the policy with its adapter disabled
-    if use_ref and args.lora_r == 0:
-        ref_policy = prepare_frozen(
-            accelerator,
-            M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype, trust_remote_code=args.trust_remote_code),
-        )
     # the reward model's own tokenizer and chat template (it may differ from the policy's)
     rm_tok = M.load_tokenizer(args.reward_model, args.trust_remote_code) if args.reward_model else None
-    rm = (
+    reward_model = (
         prepare_frozen(accelerator, M.load_reward_model(args.reward_model, rm_tok, args.dtype))
         if args.reward_model
         else None
@@ -341,7 +324,7 @@ def main(args: Args):
     reward = Reward(
         args.reward,
         args.reward_fn,
-        rm,
+        reward_model,
         rm_tok,
         args.max_new_tokens,
         args.reward_fallback,
@@ -368,7 +351,26 @@ def main(args: Args):
     log(f"[prompt] the first training prompt as the model sees it:\n{train_rows[0].text}")
     sampler = Sampler(len(train_rows), args.seed)
 
-    n_updates = args.total_steps * args.ppo_epochs * (args.batch_size // args.mini_batch_size)
+    # ALGO LOGIC: PPO's models and optimizers: the policy, a critic (value model), a frozen reference
+    # for the KL penalty in the reward (none when --kl-coef 0 and no --kl-target), the KL controller
+    lora = dict(
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        gradient_checkpointing=args.gradient_checkpointing,
+        load_in_4bit=args.load_in_4bit,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+    )
+    policy = M.load_causal_lm(args.model_name_or_path, tok, **lora)
+    critic = M.load_value_model(args.critic_model or args.model_name_or_path, tok, **lora)
+    use_ref = args.kl_coef > 0 or args.kl_target is not None
+    ref_policy = None  # with LoRA the reference is the policy with its adapter disabled
+    if use_ref and args.lora_r == 0:
+        ref_policy = prepare_frozen(
+            accelerator,
+            M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype, trust_remote_code=args.trust_remote_code),
+        )
+    n_updates = args.total_steps * args.update_epochs * (args.batch_size // args.mini_batch_size)
     from transformers import get_scheduler
 
     opt = torch.optim.AdamW(
@@ -385,15 +387,15 @@ def main(args: Args):
     )
     kl_ctl = KLController(args.kl_coef, args.kl_target, args.kl_horizon)
 
+    # ------------------------------------------------------- checkpoint state, run folder  # TRY NOT TO MODIFY
     health = HealthMonitor(args.health, log)
     best = BestKeeper(args.save_best)  # --save-best
     guard = UpdateGuard(accelerator)  # non-finite gradients: step skipped, never NaN weights
     if ckpt:
         load_weights(policy, ckpt / "policy")
         load_weights(critic, ckpt / "critic")
-    policy, opt, sched = accelerator.prepare(
-        policy, opt, sched
-    )  # one model per call: FSDP2 pairs it with its optimizer
+    # one model per call: FSDP2 pairs it with its optimizer
+    policy, opt, sched = accelerator.prepare(policy, opt, sched)
     critic, critic_opt, critic_sched = accelerator.prepare(critic, critic_opt, critic_sched)
     # what a checkpoint holds, by name: save_checkpoint writes these keys and restore_checkpoint reads them
     models, optimizers = (
@@ -457,7 +459,7 @@ def main(args: Args):
         seeds = [mix_seed(args.seed, step, r * args.local_batch_size + j) for j in range(len(rows))]
         t_gen = time.time()
         with unwrap_for_generation(accelerator, policy) as gen_model:
-            ro = generate(
+            rollout = generate(
                 gen_model,
                 tok,
                 queries,
@@ -470,9 +472,9 @@ def main(args: Args):
             )
         gen_s = time.time() - t_gen
         query_responses, responses, mask = (
-            ro.query_responses,
-            ro.responses,
-            ro.response_mask,
+            rollout.query_responses,
+            rollout.responses,
+            rollout.response_mask,
         )  # (B, P+T), (B, T), (B, T)
         T = responses.shape[1]
         attn = sequence_attention_mask(query_mask, T)  # (B, P+T)
@@ -480,24 +482,24 @@ def main(args: Args):
         # ------------------------------------------------------------------ 2. score
         texts = tok.batch_decode(responses, skip_special_tokens=True)
         lengths = mask.sum(1)  # (B,)
-        scores, components, extras = reward(rows, texts, lengths, device, ro.is_eos)  # (B,)
-        scores = scores - args.missing_eos_penalty * (~ro.is_eos).float()
+        scores, components, extras = reward(rows, texts, lengths, device, rollout.is_eos)  # (B,)
+        scores = scores - args.missing_eos_penalty * (~rollout.is_eos).float()
         with torch.no_grad():
             logprobs, values, ref_logprobs = [], [], []
             for i in range(0, len(rows), args.micro_batch_size):  # micro-batched: bounds peak memory
-                sl = slice(i, i + args.micro_batch_size)
-                logprobs.append(forward_logprobs(policy, query_responses[sl], attn[sl], P, args.temperature))
-                values.append(forward_values(critic, query_responses[sl], attn[sl], P))
+                micro = slice(i, i + args.micro_batch_size)
+                logprobs.append(forward_logprobs(policy, query_responses[micro], attn[micro], P, args.temperature))
+                values.append(forward_values(critic, query_responses[micro], attn[micro], P))
                 if use_ref:
-                    ref_logprobs.append(ref_logprobs_of(query_responses[sl], attn[sl], P))
+                    ref_logprobs.append(ref_logprobs_of(query_responses[micro], attn[micro], P))
             logprobs = torch.cat(logprobs) * mask  # (B, T)
             values = torch.cat(values) * mask  # (B, T)
             ref_logprobs = torch.cat(ref_logprobs) * mask if use_ref else logprobs  # (B, T)
         # pi_old is the trainer's recomputed log-probs; the sampler's (KV cache, maybe another precision
         # or engine) can differ: the gap is a metric, and --tis-cap corrects for it
-        sampler_diff = all_sum(((logprobs - ro.logprobs).abs() * mask).sum()) / all_sum(mask.sum()).clamp(min=1)
+        sampler_diff = all_sum(((logprobs - rollout.logprobs).abs() * mask).sum()) / all_sum(mask.sum()).clamp(min=1)
         tis_weights = (
-            torch.exp(logprobs - ro.logprobs).clamp(max=args.tis_cap) * mask if args.tis_cap > 0 else None
+            torch.exp(logprobs - rollout.logprobs).clamp(max=args.tis_cap) * mask if args.tis_cap > 0 else None
         )  # (B, T)
         kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T) per-token KL
         rewards = -kl_ctl.value * kl  # (B, T)
@@ -516,7 +518,7 @@ def main(args: Args):
         stats = {k: [] for k in ("pg", "vf", "ent", "clip", "akl")}
         train_policy = step > args.critic_warmup_steps
         g = torch.Generator().manual_seed(mix_seed(args.seed, step, r))
-        for epoch in range(args.ppo_epochs):
+        for epoch in range(args.update_epochs):
             perm = torch.randperm(len(rows), generator=g).tolist()
             for mb_start in range(0, len(rows), args.local_mini_batch_size):
                 mb_ids = perm[mb_start : mb_start + args.local_mini_batch_size]
@@ -524,25 +526,27 @@ def main(args: Args):
                 # rank divides by (all ranks' tokens) / W
                 n_tokens = global_mean_divisor(mask[mb_ids].sum())
                 for k in range(0, len(mb_ids), args.micro_batch_size):
-                    mi = mb_ids[k : k + args.micro_batch_size]
+                    micro = mb_ids[k : k + args.micro_batch_size]
                     last = k + args.micro_batch_size >= len(mb_ids)  # the minibatch's last micro-batch
                     with torch.set_grad_enabled(train_policy):  # critic warm-up: no policy graph
                         new_logprobs, entropy = forward_logprobs(
-                            policy, query_responses[mi], attn[mi], P, args.temperature, with_entropy=True
+                            policy, query_responses[micro], attn[micro], P, args.temperature, with_entropy=True
                         )
-                    new_values = forward_values(critic, query_responses[mi], attn[mi], P)
+                    new_values = forward_values(critic, query_responses[micro], attn[micro], P)
                     pg, clip_frac, approx_kl = policy_loss(
                         new_logprobs,
-                        logprobs[mi],
-                        advantages[mi],
-                        mask[mi],
+                        logprobs[micro],
+                        advantages[micro],
+                        mask[micro],
                         n_tokens,
                         args.clip_eps,
                         args.dual_clip_c,
-                        tis_weights[mi] if tis_weights is not None else None,
+                        tis_weights[micro] if tis_weights is not None else None,
                     )
-                    vf = value_loss(new_values, values[mi], returns[mi], mask[mi], n_tokens, args.clip_eps_value)
-                    ent = (entropy * mask[mi]).sum() / n_tokens
+                    vf = value_loss(
+                        new_values, values[micro], returns[micro], mask[micro], n_tokens, args.clip_eps_value
+                    )
+                    ent = (entropy * mask[micro]).sum() / n_tokens
                     # two models, two backward passes (disjoint graphs): under DeepSpeed each engine steps itself
                     if train_policy:
                         backward(accelerator, policy, pg - args.ent_coef * ent, last)
@@ -567,8 +571,8 @@ def main(args: Args):
         evaluating = bool(args.eval_every and val_rows and (step % args.eval_every == 0 or step == args.total_steps))
         if step % args.log_every == 0 or step == args.total_steps or evaluating:  # an evaluation step is always logged
             # each stat holds per-micro-batch parts of a minibatch mean; their sum / #minibatches = mean over minibatches
-            n_minibatches = args.ppo_epochs * len(rows) // args.local_mini_batch_size
-            red = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
+            n_minibatches = args.update_epochs * len(rows) // args.local_mini_batch_size
+            mean_over_minibatches = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
             all_scores = accelerator.gather(scores)
             gen_tokens = accelerator.gather(lengths).sum().item()
             step_s = time.time() - t_step
@@ -578,16 +582,18 @@ def main(args: Args):
                 "train/kl": mean_kl,
                 "train/kl_coef": kl_coef_used,
                 "train/sampler_logprob_diff": sampler_diff.item(),
-                "train/entropy": red(stats["ent"]),
-                "train/clip_frac": red(stats["clip"]),
-                "train/approx_kl": red(stats["akl"]),
+                "train/entropy": mean_over_minibatches(stats["ent"]),
+                "train/clip_frac": mean_over_minibatches(stats["clip"]),
+                "train/approx_kl": mean_over_minibatches(stats["akl"]),
                 "train/response_len": accelerator.gather(lengths).float().mean().item(),
-                "train/truncated": accelerator.gather(ro.truncated.float()).mean().item(),
+                "train/truncated": accelerator.gather(rollout.truncated.float()).mean().item(),
                 "train/lr": sched.get_last_lr()[0],
                 "train/value_mean": masked_mean(values, mask, distributed=True).item(),
-                "loss/policy": red(stats["pg"]),
-                "loss/value": red(stats["vf"]),
-                "loss/total": red(stats["pg"]) + args.vf_coef * red(stats["vf"]) - args.ent_coef * red(stats["ent"]),
+                "loss/policy": mean_over_minibatches(stats["pg"]),
+                "loss/value": mean_over_minibatches(stats["vf"]),
+                "loss/total": mean_over_minibatches(stats["pg"])
+                + args.vf_coef * mean_over_minibatches(stats["vf"])
+                - args.ent_coef * mean_over_minibatches(stats["ent"]),
                 "perf/step_s": step_s,
                 "perf/gen_s": gen_s,
                 "perf/train_s": train_s,

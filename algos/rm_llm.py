@@ -246,11 +246,11 @@ def main(args: Args):
     def evaluate():
         if not val_pairs:
             return {}
-        c, r = score_pairs(val_pairs)
+        chosen, rejected = score_pairs(val_pairs)
         return {
-            "eval/rm_accuracy": (c > r).float().mean().item(),
-            "eval/rm_margin": (c - r).mean().item(),
-            "eval/loss": bt_loss(c, r).mean().item(),
+            "eval/rm_accuracy": (chosen > rejected).float().mean().item(),
+            "eval/rm_margin": (chosen - rejected).mean().item(),
+            "eval/loss": bt_loss(chosen, rejected).mean().item(),
         }
 
     if args.eval_every and start_step == 0:
@@ -273,26 +273,29 @@ def main(args: Args):
 
     for step in range(start_step + 1, args.total_steps + 1):
         t_step = time.time()
-        r = accelerator.process_index
+        # ------------------------------------------------------------------ 1. batch: this rank's slice of the pairs
+        rank = accelerator.process_index
         global_ids = sampler.take(args.batch_size)
-        batch = [train_pairs[i] for i in global_ids[r * args.local_batch_size : (r + 1) * args.local_batch_size]]
-        stats = {"loss": [], "c": [], "r": []}
+        batch = [train_pairs[i] for i in global_ids[rank * args.local_batch_size : (rank + 1) * args.local_batch_size]]
+        # ------------------------------------------------------------------ 2. update (mean over the batch)
+        stats = {"loss": [], "chosen": [], "rejected": []}
         for k in range(0, len(batch), args.micro_batch_size):
-            c, rj = scores_of(model, tok, batch[k : k + args.micro_batch_size], args.max_length, device)
-            loss = bt_loss(c, rj)
+            chosen, rejected = scores_of(model, tok, batch[k : k + args.micro_batch_size], args.max_length, device)
+            loss = bt_loss(chosen, rejected)
             backward(accelerator, model, loss.sum() / len(batch), last=k + args.micro_batch_size >= len(batch))
-            for key, v in zip(stats, (loss, c, rj)):
+            for key, v in zip(stats, (loss, chosen, rejected)):
                 stats[key].append(v.detach())
         guard.step(model, opt, args.max_grad_norm, "reward model", step)
         sched.step()
         opt.zero_grad()
+        # ------------------------------------------------------------------ 3. log, evaluate, checkpoint
         evaluating = bool(args.eval_every and (step % args.eval_every == 0 or step == args.total_steps))
         if step % args.log_every == 0 or step == args.total_steps or evaluating:  # an evaluation step is always logged
-            c, rj = accelerator.gather(torch.cat(stats["c"])), accelerator.gather(torch.cat(stats["r"]))
+            chosen, rejected = (accelerator.gather(torch.cat(stats[k])) for k in ("chosen", "rejected"))
             metrics = {
-                "loss/rm": bt_loss(c, rj).mean().item(),
-                "rm/accuracy": (c > rj).float().mean().item(),
-                "rm/margin": (c - rj).mean().item(),
+                "loss/rm": bt_loss(chosen, rejected).mean().item(),
+                "rm/accuracy": (chosen > rejected).float().mean().item(),
+                "rm/margin": (chosen - rejected).mean().item(),
                 "train/lr": sched.get_last_lr()[0],
                 "perf/step_s": time.time() - t_step,
                 "perf/peak_mem_gb": peak_mem_gb(device),
@@ -311,8 +314,8 @@ def main(args: Args):
             stop.exit(run_dir, step)
 
     # ------------------------------------------------------------------ normalise and save the reward model
-    c, rj = score_pairs(train_pairs[: args.num_norm_samples])
-    ref = torch.cat([c, rj])  # the reference sample's raw scores
+    chosen, rejected = score_pairs(train_pairs[: args.num_norm_samples])
+    ref = torch.cat([chosen, rejected])  # the reference sample's raw scores
     gain = 1.0 / ref.std().clamp(min=1e-6).item()
     bias = -ref.mean().item() * gain
     reshard(model)  # FSDP2: scoring was a no_grad forward; see common.distributed.reshard

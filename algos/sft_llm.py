@@ -276,10 +276,12 @@ def main(args: Args):
 
     for step in range(start_step + 1, args.total_steps + 1):
         t_step = time.time()
-        r = accelerator.process_index
+        # ------------------------------------------------------------------ 1. batch: this rank's slice of the examples
+        rank = accelerator.process_index
         global_ids = sampler.take(args.batch_size)
-        batch = [train_rows[i] for i in global_ids[r * args.local_batch_size : (r + 1) * args.local_batch_size]]
-        # token-mean over the whole global batch: count its loss tokens first
+        batch = [train_rows[i] for i in global_ids[rank * args.local_batch_size : (rank + 1) * args.local_batch_size]]
+        # ------------------------------------------------------------------ 2. update: token-mean over the
+        # whole global batch, so count its loss tokens first
         encoded = [
             encode_examples(tok, batch[k : k + args.micro_batch_size], args.max_length, device)
             for k in range(0, len(batch), args.micro_batch_size)
@@ -294,6 +296,7 @@ def main(args: Args):
         grad_norm = guard.step(model, opt, args.max_grad_norm, "policy", step)  # clip; skip the step if non-finite
         sched.step()
         opt.zero_grad()
+        # ------------------------------------------------------------------ 3. log, evaluate, checkpoint
         evaluating = bool(args.eval_every and (step % args.eval_every == 0 or step == args.total_steps))
         if step % args.log_every == 0 or step == args.total_steps or evaluating:  # an evaluation step is always logged
             step_s = time.time() - t_step

@@ -53,9 +53,9 @@ def answer(
             batch = rows[i : i + batch_size]
             q, qm = tokenize_queries(tok, [r.text for r in batch], device)
             seeds = None if temperature == 0 else [mix_seed(seed, k, r.uid) for r in batch]
-            ro = generate(model, tok, q, qm, max_new_tokens, max(temperature, 1e-5), seeds=seeds)
-            n, e = ro.response_mask.sum(1).tolist(), ro.is_eos.tolist()
-            for j, text in enumerate(tok.batch_decode(ro.responses, skip_special_tokens=True)):
+            rollout = generate(model, tok, q, qm, max_new_tokens, max(temperature, 1e-5), seeds=seeds)
+            n, e = rollout.response_mask.sum(1).tolist(), rollout.is_eos.tolist()
+            for j, text in enumerate(tok.batch_decode(rollout.responses, skip_special_tokens=True)):
                 out[i + j].append(text)
                 lengths[i + j].append(n[j])
                 eos[i + j].append(e[j])
@@ -131,9 +131,9 @@ def evaluate_policy(accelerator, policy, tok, reward: Reward, rows, max_new_toke
         for i in range(0, len(local), batch_size):
             batch = local[i : i + batch_size]
             q, qm = tokenize_queries(tok, [x.text for x in batch], accelerator.device)
-            ro = generate(model, tok, q, qm, max_new_tokens)
-            texts = tok.batch_decode(ro.responses, skip_special_tokens=True)
-            s, _, extra = reward(batch, texts, ro.response_mask.sum(1), accelerator.device, ro.is_eos)
+            rollout = generate(model, tok, q, qm, max_new_tokens)
+            texts = tok.batch_decode(rollout.responses, skip_special_tokens=True)
+            s, _, extra = reward(batch, texts, rollout.response_mask.sum(1), accelerator.device, rollout.is_eos)
             scores.append(s)
             accs.append(extra.get("acc", (s >= 1).float()))
             samples += [{"prompt": x.text, "response": t, "reward": float(v)} for x, t, v in zip(batch, texts, s)]

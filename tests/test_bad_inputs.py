@@ -23,7 +23,7 @@ CASES = [
     ("ppo_llm.py", ["--batch-size", "6", "--mini-batch-size", "4"], "--batch-size over --mini-batch-size"),
     ("ppo_llm.py", ["--batch-size", "0"], "--batch-size 0: must be > 0"),
     ("grpo_llm.py", ["--group-size", "1"], "--group-size must be >= 2"),
-    ("dpo_llm.py", ["--online", "--num-samples", "1"], "--online needs --num-samples >= 2"),
+    ("dpo_llm.py", ["--online", "--group-size", "1"], "--online needs --group-size >= 2"),
     ("grpo_llm.py", ["--model-name-or-path", "./no/such/model"], "no such folder"),
     ("sft_llm.py", ["--model-name-or-path", "runs/x/checkpoints/step_9/policy"], "no such folder"),
     ("ppo_llm.py", ["--train-files", "data/typo/train.parquet"], "file not found"),

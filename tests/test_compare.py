@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from common.run import UserError
 from tools.compare import Args, load_run, main, smooth
 
 
@@ -75,7 +76,7 @@ def test_panels_and_cli(tmp_path):
     h, w, _ = image.imread(out).shape
     assert w > h  # two panels side by side
     assert smooth(__import__("numpy").array([0.0, 2.0, 4.0]), 2).tolist() == [0.0, 1.0, 3.0]
-    with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
+    with pytest.raises(UserError, match="no metrics.jsonl"):
         load_run(tmp_path)
 
 

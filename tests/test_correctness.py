@@ -26,6 +26,7 @@ from common.data import PromptRow, encode_prompt_completion, load_preferences  #
 from common.ops import kl_estimate, selective_log_softmax  # noqa: E402
 from common.rewards import Reward  # noqa: E402
 from common.rollout import forward_logprobs, generate, sequence_attention_mask, tokenize_queries  # noqa: E402
+from common.run import UserError  # noqa: E402
 
 TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
 
@@ -359,7 +360,7 @@ def test_dropout_is_off_in_train_mode(tmp_path, tiny):
 
 
 def test_gen_preferences_scores_real_lengths(tiny_peaky, toy_prompts, tmp_path, monkeypatch):
-    from common import gen_preferences as GP
+    from tools import gen_preferences as GP
 
     seen = []
 
@@ -375,13 +376,13 @@ def test_gen_preferences_scores_real_lengths(tiny_peaky, toy_prompts, tmp_path, 
                 model=tiny_peaky,
                 prompts=[toy_prompts],
                 out=str(tmp_path / "p.jsonl"),
-                k=2,
+                group_size=2,
                 num_prompts=4,
                 max_new_tokens=8,
                 reward="length:1.0",
             )
         )
-    except SystemExit:  # every sample of this random model runs to the limit: all tied, fine here
+    except UserError:  # every sample of this random model runs to the limit: all tied, fine here
         pass
     assert len(seen) == 2
     for lens, eos in seen:  # the response token counts (the old code passed 1 for every response)

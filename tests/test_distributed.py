@@ -186,7 +186,9 @@ def assert_same_update(a_dir, b_dir, base, rel=1e-4):
     Adam's first step moves every parameter by ~lr * g/|g|, so a parameter whose gradient is ~0 turns
     float-summation-order noise (1e-9: 2 processes add gradients in another order than 1) into a
     visible step; so the update is compared as a whole: the summed |difference| is under `rel` of the
-    summed |update|, and fewer than `rel` of the parameters differ by more than 1e-6.
+    summed |update|, and fewer than `rel` of the parameters differ by more than 1e-4 (a tenth of one
+    Adam step at lr 1e-3: ZeRO-3's partitioned reduction moved 3,710 embedding entries by up to 3.4e-5
+    on one data order, all other parameters by under 1e-5).
     (Adam is blind to a global gradient scale: this checks the data each process used, the
     normalisations and the averaging.)"""
     import torch
@@ -197,7 +199,7 @@ def assert_same_update(a_dir, b_dir, base, rel=1e-4):
     assert any(not torch.equal(a[k], base[k]) for k in a)  # the update did something
     diff = sum((a[k] - b[k]).abs().sum().item() for k in a)
     update = sum((a[k] - base[k]).abs().sum().item() for k in a)
-    n_off = sum(((a[k] - b[k]).abs() > 1e-6).sum().item() for k in a)
+    n_off = sum(((a[k] - b[k]).abs() > 1e-4).sum().item() for k in a)
     assert diff / update < rel and n_off < rel * sum(v.numel() for v in a.values()), (diff / update, n_off)
 
 
@@ -310,7 +312,7 @@ def test_fsdp2_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
         2,
         "--micro-batch-size",
         1,
-        "--ppo-epochs",
+        "--update-epochs",
         2,
         "--max-new-tokens",
         6,
@@ -555,7 +557,7 @@ def test_online_dpo_two_processes_with_uneven_pairs(tiny_peaky, toy_prompts, tmp
         4,
         "--micro-batch-size",
         1,
-        "--num-samples",
+        "--group-size",
         2,
         "--max-new-tokens",
         5,

@@ -74,7 +74,7 @@ def test_end_to_end_logs_beta_and_resumes_exactly(tiny_peaky, toy_prompts, tmp_p
     assert all("train/beta" in r and "train/policy_kl" in r for r in straight[1:])
     betas = [r["train/beta"] for r in straight[1:]]
     assert betas[0] != 0.5 and all(0.01 <= b <= 1.0 for b in betas)  # beta moved, within bounds
-    assert state["beta"] == beta_at_2  # beta is in the checkpoint
+    assert state["beta"]["value"] == beta_at_2  # beta is in the checkpoint
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
     assert strip(straight) == strip(read_metrics(first))
 

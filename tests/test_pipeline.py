@@ -102,7 +102,7 @@ def test_sft_ppo_preferences_dpo_evaluate_from_checkpoints(tiny, toy_prompts, tm
         ppo,
         "--prompts",
         toy_prompts,
-        "--k",
+        "--group-size",
         3,
         "--num-prompts",
         8,

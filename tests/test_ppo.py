@@ -150,7 +150,7 @@ def test_learns_toy_task(tiny_peaky, toy_prompts, tmp_path):
             3e-3,
             "--kl-coef",
             0,
-            "--ppo-epochs",
+            "--update-epochs",
             4,
             "--lam",
             1.0,

@@ -2,7 +2,7 @@
 and write best-vs-worst pairs (with both scores) as a preference file for algos/dpo_llm.py.
 
     python -m tools.gen_preferences --model smollm2-135m-instruct --prompts data/chain_sum_1d/train.parquet \\
-        --k 4 --temperature 1.0 --out data/pairs/train.parquet
+        --group-size 4 --temperature 1.0 --out data/pairs/train.parquet
 
 With a PPO or GRPO checkpoint (`runs/.../checkpoints/step_N/policy`) this is the "PPO, then
 self-play DPO" pipeline. Prompts whose K scores all tie give no pair; the tool reports how many.
@@ -11,9 +11,10 @@ self-play DPO" pipeline. Prompts whose K scores all tie give no pair; the tool r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Annotated, Optional
 
 import torch
+import tyro
 
 from common import models as M
 from common.data import load_prompts, read_table, write_rows
@@ -30,8 +31,8 @@ class Args:
     """output .parquet or .jsonl"""
     model: str = M.DEFAULT_MODEL
     """model, hub id or checkpoint folder (a LoRA adapter folder loads its base)"""
-    k: int = 4
-    """responses per prompt"""
+    group_size: Annotated[int, tyro.conf.arg(aliases=("--k",))] = 4
+    """G: responses per prompt (>= 2), as in grpo_llm.py"""
     temperature: float = 1.0
     """sampling temperature"""
     max_new_tokens: int = 64
@@ -51,8 +52,8 @@ class Args:
 
 
 def main(args: Args) -> dict:
-    if args.k < 2:
-        raise UserError(f"--k {args.k}: must be >= 2 (a pair needs two responses)")
+    if args.group_size < 2:
+        raise UserError(f"--group-size {args.group_size}: must be >= 2 (a pair needs two responses)")
     tok = M.load_tokenizer(args.model)
     rows = load_prompts(args.prompts, tok, max_prompt_length=10_000)
     raw = [r for f in args.prompts for r in read_table(f)]
@@ -62,7 +63,15 @@ def main(args: Args) -> dict:
     reward.check({r.data_source for r in rows})
     model = load_any(M.resolve_model_path(args.model), tok).eval()
     responses, lengths, is_eos = answer(
-        model, tok, rows, args.max_new_tokens, args.batch_size, args.k, args.temperature, args.seed, with_lengths=True
+        model,
+        tok,
+        rows,
+        args.max_new_tokens,
+        args.batch_size,
+        args.group_size,
+        args.temperature,
+        args.seed,
+        with_lengths=True,
     )
     # real response lengths (the `length` term) and EOS flags (the `model` term), per sample
     scores = torch.stack(
@@ -70,7 +79,7 @@ def main(args: Args) -> dict:
             reward(
                 rows, [r[k] for r in responses], torch.tensor([n[k] for n in lengths]), is_eos=[e[k] for e in is_eos]
             )[0]
-            for k in range(args.k)
+            for k in range(args.group_size)
         ],
         1,
     )  # (N, K)
@@ -92,7 +101,7 @@ def main(args: Args) -> dict:
         )
     if not pairs:
         raise UserError(
-            f"all {len(rows)} prompts tied: no pair written (raise --k or --temperature, or use a partial-credit reward)"
+            f"all {len(rows)} prompts tied: no pair written (raise --group-size or --temperature, or use a partial-credit reward)"
         )
     write_rows(pairs, args.out)
     report = {"prompts": len(rows), "pairs": len(pairs), "tied": ties, "mean_score": scores.mean().item()}
