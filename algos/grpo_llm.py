@@ -89,6 +89,9 @@ class Args:
     """save a checkpoint every N steps (0: only at the end)"""
     save_every_minutes: float = 30.0
     """also save when this many minutes have passed since the last save (0: off), so a pre-empted run loses little"""
+    max_wall_minutes: float = 0.0
+    """stop after the step that passes this many minutes of wall time since setup ended (checkpoint and final
+    evaluation as at --total-steps), so recipes compare at equal cost; 0: no limit"""
     keep_last: int = 0
     """keep only the last K checkpoints (0: keep all)"""
     save_merged: bool = False
@@ -616,8 +619,9 @@ def main(args: Args):
         train_s = time.time() - t_train
 
         # ------------------------------------------------------------------ 4. log, evaluate, checkpoint
-        evaluating = bool(args.eval_every and val_rows and (step % args.eval_every == 0 or step == args.total_steps))
-        if step % args.log_every == 0 or step == args.total_steps or evaluating:  # an evaluation step is always logged
+        last = step == args.total_steps or stop.out_of_time(args.max_wall_minutes)  # --max-wall-minutes
+        evaluating = bool(args.eval_every and val_rows and (step % args.eval_every == 0 or last))
+        if step % args.log_every == 0 or last or evaluating:  # an evaluation step is always logged
             n_minibatches = args.update_epochs * len(rows) // args.local_mini_batch_size
             mean_over_minibatches = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
             all_scores = accelerator.gather(scores)
@@ -677,10 +681,12 @@ def main(args: Args):
             )
         stopping = stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit
         due = stop.save_due(args.save_every_minutes)
-        if (args.save_every and step % args.save_every == 0) or step == args.total_steps or stopping or due:
+        if (args.save_every and step % args.save_every == 0) or last or stopping or due:
             checkpoint(step)
         if stopping:
             stop.exit(run_dir, step)
+        if last:
+            break
 
     tracker.close()
     log(f"done: {run_dir}")

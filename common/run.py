@@ -88,17 +88,23 @@ def _tyro_cli(cls, args: list[str], description: str | None = None, blame: str =
             return tyro.cli(cls, args=args, description=description)
     except SystemExit as e:
         text = buf.getvalue()
-        if e.code in (0, None) or "│" not in text:
+        if e.code in (0, None) or not text.strip():
             sys.stderr.write(text)
             raise
+        # the box: unicode (╭─ title ─╮, │ lines │) or plain (title, a line of dashes, lines)
+        lines = [line for line in text.splitlines() if line.strip()]
+        inner = lambda line: line.strip().strip("│|").strip()
+        is_rule = lambda line: line.strip()[:1] in "╭╰" or set(inner(line)) <= set("─-━=+ ")
+        if len(lines) > 1 and not is_rule(lines[0]) and is_rule(lines[1]):
+            lines = lines[1:]  # a plain box's title line
         sections, current = [], []
-        for line in text.splitlines():
-            inner = line.strip().strip("│").strip()
-            if line.strip().startswith("│") and inner and not set(inner) <= {"─"}:
-                current.append(inner)
-            elif current:
-                sections.append(current)
+        for line in lines + ["-"]:
+            if is_rule(line):
+                if current:
+                    sections.append(current)
                 current = []
+            else:
+                current.append(inner(line))
         message = " ".join(sections[0]) if sections else text.strip()
         hint = next(
             (s[1].split()[0] for s in sections[1:] if s[0].startswith("Perhaps you meant") and len(s) > 1), None
@@ -209,6 +215,7 @@ NON_NEGATIVE = (
     "sft_coef",
     "label_smoothing",
     "save_every_minutes",
+    "max_wall_minutes",
     "max_grad_norm",
     "beta_min",
     "reward_timeout",
@@ -275,7 +282,7 @@ class StopSignal:
     def __init__(self, accelerator):
         import signal
 
-        self.accelerator, self.signum = accelerator, None
+        self.accelerator, self.signum, self._started = accelerator, None, time.time()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
@@ -308,6 +315,19 @@ class StopSignal:
             flag = self.accelerator.reduce(flag, "max")
         if flag.item():
             self._last_save = now
+        return bool(flag.item())
+
+    def out_of_time(self, minutes: float) -> bool:
+        """True (on every rank alike) once `minutes` of wall time have passed since this object was made
+        (the end of setup): --max-wall-minutes, so recipes are compared at equal cost. 0: never."""
+        spent = time.time() - self._started
+        flag = torch.tensor([float(minutes > 0 and spent >= 60 * minutes)], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            flag = self.accelerator.reduce(flag, "max")
+        if flag.item():
+            self.accelerator.print(
+                f"[cleanrlhf] --max-wall-minutes {minutes:g}: {spent / 60:.1f} min spent, this step is the last"
+            )
         return bool(flag.item())
 
     def exit(self, run_dir: Path, step: int) -> None:

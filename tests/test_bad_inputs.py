@@ -148,6 +148,48 @@ def test_user_error_is_one_line_exit_2_nothing_written(
     assert not (tmp_path / "out").exists()  # no run folder for a run that never started
 
 
+# the tools: (module, flags, fragment); "{tiny}" is the tiny model folder
+TOOL_CASES = [
+    ("tools.evaluate", ["--model", "{tiny}"], "Unrecognized options: --model"),
+    ("tools.evaluate", ["--models", "./missing"], "model ./missing: no such folder"),
+    ("tools.evaluate", ["--models", "{tiny}", "--data", "missing.parquet"], "missing.parquet: file not found"),
+    ("tools.evaluate", ["--models", "{tiny}", "--n", "-1"], "--n -1: must be >= 0"),
+    (
+        "tools.evaluate",
+        ["--models", "{tiny}", "--n", "2", "--sample-temperature", "0"],
+        "--sample-temperature 0.0: must be > 0",
+    ),
+    ("tools.gen_preferences", ["--model", "{tiny}", "--prompts", "missing.parquet"], "missing.parquet: file not found"),
+    (
+        "tools.gen_preferences",
+        ["--model", "{tiny}", "--prompts", "p.jsonl", "--group-size", "1"],
+        "--group-size 1: must be >= 2",
+    ),
+    ("tools.compare", ["no_runs/"], "no_runs: no metrics.jsonl"),
+    ("tools.export", ["runs/none/checkpoints/step_3", "--out", "exp"], "no such file or folder"),
+    ("tools.prepare_data", ["--tasks", "no_such_task"], "unknown reasoning-gym dataset(s) ['no_such_task']"),
+    ("tools.prepare_data", ["--test-fraction", "1.5"], "--test-fraction 1.5: must be in (0, 1)"),
+]
+
+
+@pytest.mark.parametrize("tool,flags,fragment", TOOL_CASES, ids=[f"{c[0]}:{' '.join(c[1])[:40]}" for c in TOOL_CASES])
+def test_tool_user_error_is_one_line_exit_2(tiny, tmp_path, monkeypatch, capsys, tool, flags, fragment):
+    """The tools (`python -m tools.X`) run through the same cli: one line, exit 2, nothing written."""
+    import importlib
+
+    from common.run import cli
+
+    module = importlib.import_module(tool)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [tool, *[f.format(tiny=tiny) for f in flags]])
+    with pytest.raises(SystemExit) as exit_info:
+        cli(module.main, module.Args)
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
+    assert exit_info.value.code == 2, err
+    assert len(err) == 1 and fragment in err[0], err
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
 def test_user_error_from_the_command_line(tiny, tmp_path):
     """The same as users see it, in a fresh process: one line on stderr, exit code 2, no traceback."""
     proc = subprocess.run(
@@ -251,6 +293,54 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tiny_peaky, toy_pr
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
     assert strip(read_metrics(run)) == strip(read_metrics(only_run(tmp_path / "straight")))
     assert json.loads((run / "args.json").read_text())["resumes"][0]["from_step"] == stopped_at
+
+
+def test_max_wall_minutes_ends_the_run_like_total_steps(tiny, toy_prompts, tmp_path):
+    """A budget that the first step already passes: that step is the last; it is checkpointed and
+    evaluated as a --total-steps end would be, and the run exits 0; --resume continues from it."""
+    flags = [
+        "--model-name-or-path",
+        tiny,
+        "--train-files",
+        toy_prompts,
+        "--val-files",
+        toy_prompts,
+        "--num-eval-prompts",
+        4,
+        "--reward-fn",
+        TOY_REWARD,
+        "--num-prompts",
+        2,
+        "--group-size",
+        2,
+        "--mini-batch-size",
+        4,
+        "--micro-batch-size",
+        4,
+        "--max-new-tokens",
+        4,
+        "--eval-every",
+        10,
+    ]
+    run_script(
+        "grpo_llm.py",
+        *flags,
+        "--total-steps",
+        5,
+        "--max-wall-minutes",
+        1e-6,
+        "--output-dir",
+        tmp_path,
+        env={"TOY_MODEL": tiny},
+    )
+    run = only_run(tmp_path)
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [0, 1] and "eval/accuracy" in rows[-1]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_1"]
+    run_script(
+        "grpo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path, "--resume", run, env={"TOY_MODEL": tiny}
+    )
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
 
 
 def test_non_finite_updates_are_skipped_and_never_saved(tiny, toy_prompts, tmp_path):

@@ -17,7 +17,9 @@ EVERY_SCRIPT = [
     "run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued",
     "tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)",
     "stop = StopSignal(accelerator)",
-    "if step % args.log_every == 0 or step == args.total_steps or evaluating:  # an evaluation step is always logged",
+    "last = step == args.total_steps or stop.out_of_time(args.max_wall_minutes)  # --max-wall-minutes",
+    "if step % args.log_every == 0 or last or evaluating:  # an evaluation step is always logged",
+    "if (args.save_every and step % args.save_every == 0) or last or stopping or due:",
     "stopping = stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit",
 ]
 
