@@ -295,7 +295,23 @@ def classify_error(proc, cwd: Path) -> str:
     return "one line" if len(significant(proc.stderr)) <= 2 else "multi-line"
 
 
+def for_revision(repo: Path, argv: list[str]) -> list[str]:
+    """The same mistake in an older checkout's vocabulary: before the tools moved to tools/ and the
+    sample counts were renamed, `python -m common.X`, dpo's --num-samples and gen_preferences' --k."""
+    if (repo / "tools").is_dir():
+        return argv
+    out = [a.replace("tools.", "common.", 1) if a.startswith("tools.") else a for a in argv]
+    script = next((a for a in out if a.endswith(".py") or a.startswith("common.")), "")
+    renamed = {"dpo_llm.py": "--num-samples", "common.gen_preferences": "--k"}
+    for key, old in renamed.items():
+        if script.endswith(key):
+            out = [old if a == "--group-size" else a for a in out]
+    return out
+
+
 def run_case(repo: Path, case: dict, cwd: Path, env: dict) -> dict:
+    case = {**case, "argv": for_revision(repo, case["argv"])}
+
     def call(argv, timeout=case.get("timeout", 300)):
         try:
             return subprocess.run(

@@ -52,10 +52,11 @@ ONLINE_SIZES = {
 }
 
 
-# ppo_llm.py under FSDP2 and ZeRO-3 runs (longer) in the parity tests below, so not here again
+# ppo_llm.py under FSDP2 and ZeRO-3 runs (longer) in the parity tests below, so not here again; dynamic_kl_ppo.py
+# is ppo_llm.py plus a no-grad forward (the same call as the rollout's), so under DDP only (suite time)
 @pytest.mark.parametrize(
     "script,sizes,kind",
-    [(s, sizes, k) for s, sizes in ONLINE_SIZES.items() for k in RUN_ALL_SCRIPTS if s != "ppo_llm.py" or k == "DDP"],
+    [(s, sizes, k) for s, sizes in ONLINE_SIZES.items() for k in RUN_ALL_SCRIPTS if s == "grpo_llm.py" or k == "DDP"],
 )
 def test_two_processes(script, sizes, kind, tiny_peaky, toy_prompts, tmp_path):
     launch(
@@ -91,42 +92,45 @@ def test_two_processes(script, sizes, kind, tiny_peaky, toy_prompts, tmp_path):
     assert (run / "checkpoints" / "step_2" / "policy" / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("kind", RUN_ALL_SCRIPTS)
+OFFLINE_FLAGS = [
+    (
+        "dpo_llm.py",
+        [
+            "--batch-size",
+            4,
+            "--micro-batch-size",
+            2,
+            "--num-eval-pairs",
+            4,
+            "--num-eval-prompts",
+            4,
+            "--max-new-tokens",
+            4,
+        ],
+    ),
+    (
+        "sft_llm.py",
+        [
+            "--batch-size",
+            4,
+            "--micro-batch-size",
+            2,
+            "--num-eval-examples",
+            4,
+            "--num-eval-prompts",
+            4,
+            "--max-new-tokens",
+            4,
+        ],
+    ),
+    ("rm_llm.py", ["--batch-size", 4, "--micro-batch-size", 2, "--num-eval-pairs", 4, "--num-norm-samples", 8]),
+]
+
+
+# SFT and RM under DDP are the plain path (suite time): DPO under all three, SFT and RM sharded
 @pytest.mark.parametrize(
-    "script,flags",
-    [
-        (
-            "dpo_llm.py",
-            [
-                "--batch-size",
-                4,
-                "--micro-batch-size",
-                2,
-                "--num-eval-pairs",
-                4,
-                "--num-eval-prompts",
-                4,
-                "--max-new-tokens",
-                4,
-            ],
-        ),
-        (
-            "sft_llm.py",
-            [
-                "--batch-size",
-                4,
-                "--micro-batch-size",
-                2,
-                "--num-eval-examples",
-                4,
-                "--num-eval-prompts",
-                4,
-                "--max-new-tokens",
-                4,
-            ],
-        ),
-        ("rm_llm.py", ["--batch-size", 4, "--micro-batch-size", 2, "--num-eval-pairs", 4, "--num-norm-samples", 8]),
-    ],
+    "script,flags,kind",
+    [(s, f, k) for s, f in OFFLINE_FLAGS for k in RUN_ALL_SCRIPTS if s == "dpo_llm.py" or k != "DDP"],
 )
 def test_two_processes_offline_scripts(script, flags, kind, tiny, tmp_path):
     """DPO, SFT and RM on their built-in data under 2 processes."""
