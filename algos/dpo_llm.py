@@ -6,7 +6,7 @@ SLiC (hinge); Chowdhury et al. 2024 (robust DPO); Pang et al. 2024 / RPO (an SFT
 Guo et al. 2024 and Xiong et al. 2024 (online / iterative DPO).
 
 DPO needs no reward model and no sampling: with z = [log pi(y_c) - log ref(y_c)] - [log pi(y_r) - log ref(y_r)]
-(log-probs summed over completion tokens), the sigmoid loss is -log sigmoid(beta * z). It reduces to
+(log-probs summed over response tokens), the sigmoid loss is -log sigmoid(beta * z). It reduces to
 logistic regression on preference pairs, with the policy's log-ratio to the reference as the logit.
 With `--online`, each step samples `--group-size` responses per prompt from the current policy,
 scores them with the reward registry, and trains on best vs worst (ties skipped).
@@ -17,7 +17,7 @@ scores them with the reward registry, and trains on best vs worst (ties skipped)
     python -m tools.gen_preferences --model runs/ppo_llm__.../checkpoints/step_100/policy --out pairs.parquet
     accelerate launch algos/dpo_llm.py --lora-r 16
 
-Legend: B pairs per rank, L = prompt + completion length, V vocabulary.
+Legend: B pairs per rank, L = prompt + response length, V vocabulary.
 """
 
 import sys
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import tyro
 
 from common import models as M
-from common.data import Sampler, encode_prompt_completion, load_preferences, load_prompts
+from common.data import Sampler, encode_prompt_response, load_preferences, load_prompts
 from common.distributed import (
     UpdateGuard,
     backward,
@@ -139,7 +139,7 @@ class Args:
     max_prompt_length: int = 256
     """prompt tokens kept (the last ones)"""
     max_completion_length: int = 64
-    """completion tokens kept (the first ones)"""
+    """response tokens kept (the first ones)"""
     num_eval_pairs: int = 64
     """held-out pairs per evaluation"""
     num_eval_prompts: int = 64
@@ -193,7 +193,7 @@ class Args:
     label_smoothing: float = 0.0
     """assumed probability that a label is flipped (conservative DPO for sigmoid; robust DPO's epsilon)"""
     sft_coef: float = 0.0
-    """weight of an SFT (NLL per token) term on the chosen completion (RPO)"""
+    """weight of an SFT (NLL per token) term on the chosen response (RPO)"""
     precompute_ref: bool = False
     """compute reference log-probs of all offline pairs once before training"""
 
@@ -204,7 +204,7 @@ class Args:
 
 # ALGO LOGIC: the DPO losses
 def dpo_loss(pi_c, pi_r, ref_c, ref_r, loss_type, beta, label_smoothing=0.0):
-    """Per-pair loss. Inputs (B,): summed completion log-probs (for ipo: mean per token).
+    """Per-pair loss. Inputs (B,): summed response log-probs (for ipo: mean per token).
     z = (pi_c - ref_c) - (pi_r - ref_r)
       sigmoid: -(1-eps) log sig(beta z) - eps log sig(-beta z)
       ipo:     (z - 1/(2 beta))^2
@@ -228,8 +228,8 @@ def encode_pairs(tok, pairs, max_prompt_length, max_completion_length, device):
     """Chosen and rejected of each pair as one right-padded batch [chosen..., rejected...] (the shared
     encoder). Completions are texts (EOS appended) or, with --online, the policy's own token ids (kept
     as generated: a truncated sample gets no EOS it never emitted).
-    Returns input_ids, attention_mask, completion_mask: (2B, L)."""
-    return encode_prompt_completion(
+    Returns input_ids, attention_mask, response_mask: (2B, L)."""
+    return encode_prompt_response(
         tok,
         [p["prompt"] for p in pairs] * 2,
         [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs],
@@ -240,11 +240,11 @@ def encode_pairs(tok, pairs, max_prompt_length, max_completion_length, device):
     )
 
 
-def completion_logps(model, ids, attn, comp):
-    """Summed and per-token-mean log-probs of the completion tokens: (2B,), (2B,). One forward pass."""
+def response_logps(model, ids, attn, response_mask):
+    """Summed and per-token-mean log-probs of the response tokens: (2B,), (2B,). One forward pass."""
     logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]  # (2B, L-1, V)
-    logps = selective_log_softmax(logits, ids[:, 1:]) * comp[:, 1:]  # (2B, L-1)
-    n = comp[:, 1:].sum(1).clamp(min=1)
+    logps = selective_log_softmax(logits, ids[:, 1:]) * response_mask[:, 1:]  # (2B, L-1)
+    n = response_mask[:, 1:].sum(1).clamp(min=1)
     return logps.sum(1), logps.sum(1) / n
 
 
@@ -361,11 +361,11 @@ def main(args: Args):
     log(f"run folder: {run_dir}")
 
     @torch.no_grad()
-    def ref_logps(ids, attn, comp):
+    def ref_logps(ids, attn, response_mask):
         if ref_policy is not None:
-            return completion_logps(ref_policy, ids, attn, comp)
+            return response_logps(ref_policy, ids, attn, response_mask)
         with accelerator.unwrap_model(policy).disable_adapter():
-            return completion_logps(policy, ids, attn, comp)
+            return response_logps(policy, ids, attn, response_mask)
 
     ref_cache = {}  # pair index -> (summed, mean) reference log-probs of (chosen, rejected)
     if args.precompute_ref and not args.online:
@@ -381,14 +381,14 @@ def main(args: Args):
 
     def pair_stats(pairs, ids_for_cache=None):
         """Forward chosen+rejected in one pass; loss terms and implicit rewards per pair."""
-        ids, attn, comp = encode_pairs(tok, pairs, args.max_prompt_length, args.max_completion_length, device)
-        sums, means = completion_logps(policy, ids, attn, comp)  # (2b,) each
+        ids, attn, response_mask = encode_pairs(tok, pairs, args.max_prompt_length, args.max_completion_length, device)
+        sums, means = response_logps(policy, ids, attn, response_mask)  # (2b,) each
         b = len(pairs)
         if ids_for_cache is not None and ref_cache:
             ref = torch.stack([torch.stack(ref_cache[i]) for i in ids_for_cache])  # (b, 4)
             ref_sum_c, ref_sum_r, ref_mean_c, ref_mean_r = ref.unbind(1)
         else:
-            ref_sums, ref_means = ref_logps(ids, attn, comp)
+            ref_sums, ref_means = ref_logps(ids, attn, response_mask)
             ref_sum_c, ref_sum_r, ref_mean_c, ref_mean_r = ref_sums[:b], ref_sums[b:], ref_means[:b], ref_means[b:]
         if args.loss_type == "ipo":  # IPO on length-normalised (per-token mean) log-ratios, as TRL does
             losses = dpo_loss(means[:b], means[b:], ref_mean_c, ref_mean_r, "ipo", args.beta)

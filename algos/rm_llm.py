@@ -5,7 +5,7 @@ body with a scalar head (`AutoModelForSequenceClassification`, one label) read a
 token; loss -log sigmoid(r(chosen) - r(rejected)).
 
 After training, the reward is normalised as in Ziegler et al.: gain and bias are set so the scores
-of a reference sample (the chosen and rejected completions of `--num-norm-samples` training pairs)
+of a reference sample (the chosen and rejected responses of `--num-norm-samples` training pairs)
 have mean 0 and std 1. They are stored in the saved config as `reward_gain` / `reward_bias`
 (the Llama head has no bias to fold them into); cleanrlhf's reward loader applies
 `gain * raw + bias`, plain transformers returns the raw score. The saved folder works directly as
@@ -15,7 +15,7 @@ have mean 0 and std 1. They are stored in the saved config as `reward_gain` / `r
     python algos/rm_llm.py --train-files pairs.parquet --val-files pairs_test.parquet
     python algos/ppo_llm.py --reward-model runs/rm_llm__.../reward_model --reward "model:1.0"
 
-Legend: B pairs per rank, L prompt + completion length.
+Legend: B pairs per rank, L prompt + response length.
 """
 
 import sys
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from common import models as M
-from common.data import Sampler, encode_prompt_completion, load_preferences
+from common.data import Sampler, encode_prompt_response, load_preferences
 from common.distributed import UpdateGuard, backward, configure_deepspeed, make_accelerator, reshard
 from common.ops import exact_div
 from common.rollout import position_ids_from_mask
@@ -115,7 +115,7 @@ class Args:
     system_prompt: Optional[str] = None
     """system message put first in every prompt (default: none beyond what the chat template adds)"""
     max_length: int = 512
-    """tokens per prompt + completion (the prompt's start is cut first)"""
+    """tokens per prompt + response (the prompt's start is cut first)"""
     num_eval_pairs: int = 256
     """held-out pairs per evaluation"""
     num_norm_samples: int = 256
@@ -147,9 +147,9 @@ class Args:
 # ALGO LOGIC: Bradley-Terry
 def scores_of(model, tok, pairs, max_length, device):
     """Raw scores of chosen and rejected, one forward pass: (B,), (B,). Each sequence is
-    prompt + completion + EOS (the shared encoder, which the RL reward scorer uses too); the head
+    prompt + response + EOS (the shared encoder, which the RL reward scorer uses too); the head
     reads the last non-pad token, i.e. EOS (transformers finds it from pad_token_id, which is not EOS)."""
-    ids, attn, _ = encode_prompt_completion(
+    ids, attn, _ = encode_prompt_response(
         tok,
         [p["prompt"] for p in pairs] * 2,
         [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs],

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` impo
 import torch
 
 from common import models as M
-from common.data import Sampler, encode_prompt_completion, load_prompts, load_sft
+from common.data import Sampler, encode_prompt_response, load_prompts, load_sft
 from common.distributed import UpdateGuard, backward, configure_deepspeed, make_accelerator
 from common.eval import evaluate_policy
 from common.ops import exact_div, global_mean_divisor, selective_log_softmax
@@ -152,7 +152,7 @@ class Args:
 def encode_examples(tok, examples, max_length, device):
     """Right-padded prompt+response+EOS (the shared encoder). Returns input_ids, attention_mask,
     loss_mask: (B, L). loss_mask is 1 on response tokens and EOS only: the prompt is context, not a target."""
-    return encode_prompt_completion(
+    return encode_prompt_response(
         tok,
         [ex["prompt"] for ex in examples],
         [ex["response"] for ex in examples],

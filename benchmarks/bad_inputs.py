@@ -214,6 +214,7 @@ def cases(f) -> list[dict]:
             "argv": ["algos/grpo_llm.py", *run, "--total-steps", "1", "--reward-fn", f["r_hang"]],
             "kind": "error",
             "timeout": 150,
+            "started": True,
         },
         {
             "name": "SIGTERM at step 2 of 6",
@@ -263,12 +264,13 @@ def cases(f) -> list[dict]:
             "name": "resume a GRPO run with ppo_llm.py",
             "kind": "resume_error",
             "resume_with": "algos/ppo_llm.py",
+            "resume_flags": ["--model-name-or-path", tiny, "--train-files", f["toy"], "--total-steps", "3"],
             "argv": ["algos/grpo_llm.py", *run, "--total-steps", "2", "--save-every", "2", "--reward-fn", f["r_one"]],
         },
         {
             "name": "resume with a different --learning-rate",
             "kind": "resume_error",
-            "extra": ["--learning-rate", "0.1"],
+            "extra": ["--total-steps", "3", "--learning-rate", "0.1"],
             "argv": ["algos/grpo_llm.py", *run, "--total-steps", "2", "--save-every", "2", "--reward-fn", f["r_one"]],
         },
         {

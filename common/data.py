@@ -220,40 +220,40 @@ def overlap_report(train_rows: list[dict], test_rows: list[dict], prompt_key: st
 
 
 # ---------------------------------------------------------------------------------------------
-# Prompt + completion as one sequence (SFT, reward model training and scoring, DPO)
+# Prompt + response as one sequence (SFT, reward model training and scoring, DPO)
 # ---------------------------------------------------------------------------------------------
-def encode_prompt_completion(
+def encode_prompt_response(
     tok,
     prompts: list[str],
-    completions: list,
+    responses: list,
     eos=True,
     max_length: int | None = None,
     max_prompt_length: int | None = None,
     max_completion_length: int | None = None,
     device=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded `prompt + completion (+ EOS)` token sequences, the one encoder of the project.
+    """Right-padded `prompt + response (+ EOS)` token sequences, the one encoder of the project.
 
-    prompts: templated prompt texts. completions: texts, or token-id lists (a rollout's own ids,
+    prompts: templated prompt texts. responses: texts, or token-id lists (a rollout's own ids,
     taken as they are: they already hold the EOS the policy emitted, so nothing is appended).
-    eos: per completion (or one bool for all): append EOS after a text completion. A reward model
+    eos: per response (or one bool for all): append EOS after a text response. A reward model
     is trained on `prompt + chosen + EOS` and reads its score at the last real token, so the RL
     reward scorer must pass eos=True exactly for responses that ended with EOS.
-    Truncation, in this order: completion (EOS included) to its first `max_completion_length`
-    tokens (a cut completion loses its EOS: the policy never emitted one there); prompt to its last
-    `max_prompt_length`; then, past `max_length`, the prompt's start is cut, then the completion's end.
-    Prompt and completion are tokenized separately (as the policy sees them: prompt ids, then response ids).
+    Truncation, in this order: response (EOS included) to its first `max_completion_length`
+    tokens (a cut response loses its EOS: the policy never emitted one there); prompt to its last
+    `max_prompt_length`; then, past `max_length`, the prompt's start is cut, then the response's end.
+    Prompt and response are tokenized separately (as the policy sees them: prompt ids, then response ids).
 
-    Returns input_ids, attention_mask, completion_mask: (N, L) each, L = the longest sequence.
-    Naive: `ids = tok(prompt).input_ids + tok(completion).input_ids + [eos]` per row, padded right."""
+    Returns input_ids, attention_mask, response_mask: (N, L) each, L = the longest sequence.
+    Naive: `ids = tok(prompt).input_ids + tok(response).input_ids + [eos]` per row, padded right."""
     eos = [eos] * len(prompts) if isinstance(eos, bool) else list(eos)
-    seqs, comp_masks = [], []
-    for prompt, completion, add_eos in zip(prompts, completions, eos):
+    seqs, response_masks = [], []
+    for prompt, response, add_eos in zip(prompts, responses, eos):
         p = tok(prompt, add_special_tokens=False)["input_ids"]
-        if isinstance(completion, str):
-            c = tok(completion, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if add_eos else [])
+        if isinstance(response, str):
+            c = tok(response, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if add_eos else [])
         else:
-            c = [int(t) for t in completion]
+            c = [int(t) for t in response]
         if max_completion_length is not None:
             c = c[:max_completion_length]
         if max_prompt_length is not None:
@@ -262,27 +262,29 @@ def encode_prompt_completion(
             p = p[len(p) - min(len(p), max(0, max_length - len(c))) :]
             c = c[:max_length]
         seqs.append(p + c)
-        comp_masks.append([0] * len(p) + [1] * len(c))
+        response_masks.append([0] * len(p) + [1] * len(c))
     L = max(map(len, seqs))
     ids = torch.tensor([x + [tok.pad_token_id] * (L - len(x)) for x in seqs], device=device, dtype=torch.long)  # (N, L)
     attn = torch.tensor([[1] * len(x) + [0] * (L - len(x)) for x in seqs], device=device, dtype=torch.long)  # (N, L)
-    comp = torch.tensor([m + [0] * (L - len(m)) for m in comp_masks], device=device, dtype=torch.float)  # (N, L)
-    return ids, attn, comp
+    response_mask = torch.tensor(
+        [m + [0] * (L - len(m)) for m in response_masks], device=device, dtype=torch.float
+    )  # (N, L)
+    return ids, attn, response_mask
 
 
 # ---------------------------------------------------------------------------------------------
 # Preference and SFT datasets
 # ---------------------------------------------------------------------------------------------
-def _as_completion(x, where: str) -> str:
-    """A completion as text: a string, or the content of assistant messages (TRL's conversational format)."""
-    if isinstance(x, str):  # an empty completion is a legitimate (rejected) answer
+def _as_response(x, where: str) -> str:
+    """A response as text: a string, or the content of assistant messages (TRL's conversational format)."""
+    if isinstance(x, str):  # an empty response is a legitimate (rejected) answer
         return x
     x = _check_messages(x, where)
     return "".join(m["content"] for m in x if m["role"] == "assistant") or x[-1]["content"]
 
 
 def load_preferences(files, tok, log=print) -> list[dict]:
-    """Rows {prompt (templated text), chosen, rejected} (completion texts, no EOS added).
+    """Rows {prompt (templated text), chosen, rejected} (response texts, no EOS added).
     A prompt may be missing when chosen/rejected are full conversations (TRL's implicit prompt):
     then the prompt is their shared leading messages. Rows with chosen == rejected are dropped with a warning."""
     rows = read_files(files, ["chosen", "rejected"])
@@ -295,8 +297,8 @@ def load_preferences(files, tok, log=print) -> list[dict]:
             if not isinstance(chosen, list):
                 raise DataError(f"{where}: no 'prompt' column and 'chosen' is not a message list")
             prompt, chosen, rejected = chosen[:-1], chosen[-1:], rejected[-1:]
-        c = _as_completion(chosen, where + " column 'chosen'")
-        j = _as_completion(rejected, where + " column 'rejected'")
+        c = _as_response(chosen, where + " column 'chosen'")
+        j = _as_response(rejected, where + " column 'rejected'")
         if c == j:
             same += 1
             continue

@@ -418,7 +418,7 @@ class Reward:
         """Normalised reward-model scores (B,), each sequence encoded exactly as rm_llm.py trained on it:
         the prompt rendered with the reward model's *own* tokenizer and chat template, the response
         text, and EOS when the response ended with one (the head was trained to read the score there)."""
-        from common.data import encode_prompt_completion
+        from common.data import encode_prompt_response
         from common.models import apply_chat
         from common.rollout import position_ids_from_mask
 
@@ -429,7 +429,7 @@ class Reward:
         eos = [bool(e) for e in is_eos] if is_eos is not None else [False] * len(rows)
         for i in range(0, len(rows), self.batch_size):
             sl = slice(i, i + self.batch_size)
-            ids, attn, _ = encode_prompt_completion(
+            ids, attn, _ = encode_prompt_response(
                 tok,
                 prompts[sl],
                 responses[sl],

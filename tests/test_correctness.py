@@ -22,7 +22,7 @@ import ppo_llm as PPO  # noqa: E402
 import rm_llm as RM  # noqa: E402
 
 from common import models as M  # noqa: E402
-from common.data import PromptRow, encode_prompt_completion, load_preferences  # noqa: E402
+from common.data import PromptRow, encode_prompt_response, load_preferences  # noqa: E402
 from common.ops import kl_estimate, selective_log_softmax  # noqa: E402
 from common.rewards import Reward  # noqa: E402
 from common.rollout import forward_logprobs, generate, sequence_attention_mask, tokenize_queries  # noqa: E402
@@ -150,7 +150,7 @@ def test_encoder_truncation_and_eos_rules(tiny):
     eos, pad = tok.eos_token_id, tok.pad_token_id
     p_ids = tok("one two three four", add_special_tokens=False)["input_ids"]
     c_ids = tok(" five six", add_special_tokens=False)["input_ids"]
-    ids, attn, comp = encode_prompt_completion(
+    ids, attn, comp = encode_prompt_response(
         tok, ["one two three four", "one"], [" five six", [7, 8]], eos=[True, True]
     )
     assert ids[0, : len(p_ids) + len(c_ids) + 1].tolist() == p_ids + c_ids + [eos]
@@ -160,9 +160,9 @@ def test_encoder_truncation_and_eos_rules(tiny):
     )  # ids kept as generated: no EOS added
     assert comp[0].sum() == len(c_ids) + 1 and comp[1].sum() == 2 and attn[1].sum() == n1 + 2
     # past max_length the prompt's start goes first; a completion cut by max_completion_length loses its EOS
-    ids, _, comp = encode_prompt_completion(tok, ["one two three four"], [" five six"], max_length=len(c_ids) + 2)
+    ids, _, comp = encode_prompt_response(tok, ["one two three four"], [" five six"], max_length=len(c_ids) + 2)
     assert ids[0].tolist() == p_ids[-1:] + c_ids + [eos]
-    ids, _, _ = encode_prompt_completion(tok, ["one"], [" five six"], max_completion_length=1)
+    ids, _, _ = encode_prompt_response(tok, ["one"], [" five six"], max_completion_length=1)
     assert ids[0].tolist()[-1] == c_ids[0]
 
 
