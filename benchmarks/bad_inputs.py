@@ -132,7 +132,9 @@ def cases(f) -> list[dict]:
     for script, flags, _ in CASES:
         flags = [x.format(**f) if x.startswith("{") and x[1:-1] in f else x for x in flags]
         # a short run in case the mistake is accepted (the case's own flags come after, so they win)
-        base = ["--total-steps", "2"] + ([] if "--model-name-or-path" in flags else ["--model-name-or-path", f["tiny"]])
+        base = ["--total-steps", "2", "--eval-every", "0"] + (
+            [] if "--model-name-or-path" in flags else ["--model-name-or-path", f["tiny"]]
+        )
         out.append(
             {"name": f"{script} {' '.join(flags)}"[:90], "argv": [f"algos/{script}", *base, *flags], "kind": "error"}
         )
@@ -426,13 +428,14 @@ def main():
     p.add_argument("--repo", default=str(HERE), help="the checkout to test (default: this one)")
     p.add_argument("--out", default=None, help="write the per-case results here as JSON lines")
     p.add_argument("--only", default=None, help="run the cases whose name contains this text")
+    p.add_argument("--start", type=int, default=0, help="skip the first N cases (continue an interrupted run)")
     a = p.parse_args()
     repo = Path(a.repo).resolve()
     work = Path(tempfile.mkdtemp(prefix="bad_inputs_"))
     f = setup(work)
     env = {**os.environ, "PYTHONPATH": str(repo), "TOY_MODEL": f["tiny"], "WANDB_MODE": "disabled"}
     env.pop("CLEANRLHF_DEBUG", None)
-    todo = [c for c in cases(f) if not a.only or a.only in c["name"]]
+    todo = [c for c in cases(f) if not a.only or a.only in c["name"]][a.start :]
     results = []
     for i, case in enumerate(todo):
         cwd = work / f"case_{i:03d}"
