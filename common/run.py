@@ -353,10 +353,21 @@ class _redirect_stderr:
 
 def _preset_flags(cls, cfg: dict, path: str, prefix: str = "") -> list[str]:
     """A preset mapping -> the CLI flags that say the same (`learning_rate: 1e-5` -> `--learning-rate 1e-5`)."""
+    import typing
+
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    # flag aliases (tyro.conf.arg(aliases=...): --ppo-epochs, --num-samples, ...) work as keys too
+    hints = typing.get_type_hints(cls, include_extras=True)
+    aliases = {
+        alias.lstrip("-").replace("-", "_"): name
+        for name in fields
+        for meta in getattr(hints.get(name), "__metadata__", ())
+        for alias in getattr(meta, "aliases", None) or ()
+    }
     flags = []
     for key, value in cfg.items():
         name = str(key).replace("-", "_")
+        name = aliases.get(name, name)
         if name not in fields:
             valid = ", ".join(sorted(fields))
             user_error(f"--config {path}: unknown key {prefix + str(key)!r}; valid keys: {valid}")

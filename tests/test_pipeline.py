@@ -327,3 +327,20 @@ def test_flags_users_bring_from_trl(tiny, toy_prompts, tmp_path):
     assert not (tmp_path / "x").exists()
     helptext = run_script("ppo_llm.py", "--help").stdout
     assert "PPO for language models" in helptext.split("╭")[0]  # --help starts with the script's summary
+
+
+def test_preset_keys_may_be_the_old_or_trl_flag_names(tmp_path):
+    """A preset written with a renamed field's old name (ppo_epochs) or a TRL alias (num_generations)
+    sets the field, as the alias does on the command line."""
+    import importlib
+
+    from common.run import parse_args
+
+    sys.path.insert(0, str(REPO / "algos"))
+    (tmp_path / "p.yaml").write_text("ppo_epochs: 3\n")
+    assert (
+        parse_args(importlib.import_module("ppo_llm").Args, ["--config", str(tmp_path / "p.yaml")]).update_epochs == 3
+    )
+    (tmp_path / "g.yaml").write_text("num_iterations: 2\nnum_generations: 8\n")
+    g = parse_args(importlib.import_module("grpo_llm").Args, ["--config", str(tmp_path / "g.yaml")])
+    assert g.update_epochs == 2 and g.group_size == 8
