@@ -49,6 +49,7 @@ from common.distributed import (
     UpdateGuard,
     backward,
     configure_deepspeed,
+    is_deepspeed,
     make_accelerator,
     prepare_frozen,
     unwrap_for_generation,
@@ -57,7 +58,16 @@ from common.eval import evaluate_policy
 from common.health import HealthConfig, HealthMonitor
 from common.ops import all_sum, exact_div, gae, global_mean_divisor, kl_estimate, masked_mean, masked_whiten
 from common.rewards import Reward
-from common.rollout import forward_logprobs, forward_values, generate, sequence_attention_mask, tokenize_queries
+from common.rollout import (
+    forward_by_micro_batch,
+    forward_logprobs,
+    forward_values,
+    generate,
+    micro_batches,
+    padding_fraction,
+    sequence_attention_mask,
+    tokenize_queries,
+)
 from common.run import (
     BestKeeper,
     StopSignal,
@@ -66,6 +76,7 @@ from common.run import (
     cli,
     load_weights,
     make_run_dir,
+    mfu,
     mix_seed,
     peak_mem_gb,
     resolve_resume,
@@ -126,6 +137,9 @@ class Args:
     """allow model code from the hub"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """weights dtype (auto: float32 on CPU, bfloat16 on GPUs that support it)"""
+    mixed_precision: Optional[Literal["no", "bf16"]] = None
+    """bf16: autocast forward/backward in bfloat16 (float32 weights, optimizer and log-softmax), on CPU too
+    (~1.5x faster steps where the CPU has bf16 matmul: docs/performance.md); None: as `accelerate launch` says"""
     lora_r: int = 0
     """LoRA rank for policy and critic (0 = full fine-tuning); the reference is the adapter disabled"""
     lora_alpha: int = 32
@@ -192,6 +206,9 @@ class Args:
     """rollouts per optimizer step, over all processes"""
     micro_batch_size: int = 8
     """rollouts per forward/backward on one process (gradient accumulation up to the minibatch)"""
+    micro_batch_tokens: int = 0
+    """> 0: micro-batches by token budget instead of --micro-batch-size: rows sorted by length, packed while
+    rows x padded length <= this, each run at its own longest prompt and response (less padding; not with DeepSpeed)"""
     update_epochs: Annotated[int, tyro.conf.arg(aliases=("--ppo-epochs",))] = 2
     """passes over the rollout batch per iteration (CleanRL's update_epochs; --ppo-epochs works too)"""
     learning_rate: float = 5e-6
@@ -315,7 +332,9 @@ def update_beta(beta, kl, target, beta_min, beta_max):
 
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
-    accelerator = make_accelerator()  # as launched: DDP, FSDP2 or DeepSpeed; without GPU, CPU processes over gloo
+    accelerator = make_accelerator(
+        args.mixed_precision
+    )  # as launched: DDP, FSDP2 or DeepSpeed; without GPU, CPU processes over gloo
     device = accelerator.device
     args.world_size = accelerator.num_processes
     args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")
@@ -326,6 +345,8 @@ def main(args: Args):
     exact_div(
         args.local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size"
     )
+    if args.micro_batch_tokens > 0 and is_deepspeed(accelerator):
+        raise UserError("--micro-batch-tokens: DeepSpeed needs a fixed number of micro-batches per step; use DDP/FSDP2")
     # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
     configure_deepspeed(
         accelerator, args.micro_batch_size, args.local_mini_batch_size // args.micro_batch_size, args.max_grad_norm
@@ -453,7 +474,8 @@ def main(args: Args):
 
     def ref_logprobs_of(query_responses, attn, P):
         if ref_policy is not None:
-            return forward_logprobs(ref_policy, query_responses, attn, P, args.temperature)
+            with accelerator.autocast():  # a frozen model is not prepared: --mixed-precision applied here
+                return forward_logprobs(ref_policy, query_responses, attn, P, args.temperature)
         with accelerator.unwrap_model(policy).disable_adapter():
             return forward_logprobs(policy, query_responses, attn, P, args.temperature)
 
@@ -516,17 +538,15 @@ def main(args: Args):
         lengths = mask.sum(1)  # (B,)
         scores, components, extras = reward(rows, texts, lengths, device, rollout.is_eos)  # (B,)
         scores = scores - args.missing_eos_penalty * (~rollout.is_eos).float()
+        # micro-batched (bounds peak memory): --micro-batch-size rows, or by --micro-batch-tokens
+        all_micros = micro_batches(
+            list(range(len(rows))), query_mask, mask, args.micro_batch_size, args.micro_batch_tokens
+        )
         with torch.no_grad():
-            logprobs, values, ref_logprobs = [], [], []
-            for i in range(0, len(rows), args.micro_batch_size):  # micro-batched: bounds peak memory
-                micro = slice(i, i + args.micro_batch_size)
-                logprobs.append(forward_logprobs(policy, query_responses[micro], attn[micro], P, args.temperature))
-                values.append(forward_values(critic, query_responses[micro], attn[micro], P))
-                if use_ref:
-                    ref_logprobs.append(ref_logprobs_of(query_responses[micro], attn[micro], P))
-            logprobs = torch.cat(logprobs) * mask  # (B, T)
-            values = torch.cat(values) * mask  # (B, T)
-            ref_logprobs = torch.cat(ref_logprobs) * mask if use_ref else logprobs  # (B, T)
+            by_micro = lambda fn: forward_by_micro_batch(fn, all_micros, query_responses, attn, P, T) * mask  # (B, T)
+            logprobs = by_micro(lambda qr, am, p: forward_logprobs(policy, qr, am, p, args.temperature))
+            values = by_micro(lambda qr, am, p: forward_values(critic, qr, am, p))
+            ref_logprobs = by_micro(ref_logprobs_of) if use_ref else logprobs
         # pi_old is the trainer's recomputed log-probs; the sampler's (KV cache, maybe another precision
         # or engine) can differ: the gap is a metric, and --tis-cap corrects for it
         sampler_diff = all_sum(((logprobs - rollout.logprobs).abs() * mask).sum()) / all_sum(mask.sum()).clamp(min=1)
@@ -548,6 +568,7 @@ def main(args: Args):
         # ------------------------------------------------------------------ 4. update
         t_train = time.time()
         stats = {k: [] for k in ("pg", "vf", "ent", "clip", "akl", "pkl")}
+        padded_tokens = real_tokens = 0.0  # of the update's forwards: perf/padding_frac
         train_policy = step > args.critic_warmup_steps
         g = torch.Generator().manual_seed(mix_seed(args.seed, step, r))
         for epoch in range(args.update_epochs):
@@ -557,30 +578,44 @@ def main(args: Args):
                 # token-mean over the global minibatch: DDP/FSDP average the W ranks' gradients, so each
                 # rank divides by (all ranks' tokens) / W
                 n_tokens = global_mean_divisor(mask[mb_ids].sum())
-                for k in range(0, len(mb_ids), args.micro_batch_size):
-                    micro = mb_ids[k : k + args.micro_batch_size]
-                    last = k + args.micro_batch_size >= len(mb_ids)  # the minibatch's last micro-batch
+                micros = micro_batches(mb_ids, query_mask, mask, args.micro_batch_size, args.micro_batch_tokens)
+                padded, real = padding_fraction(micros, query_mask, mask)
+                padded_tokens, real_tokens = padded_tokens + padded, real_tokens + real
+                for k, m in enumerate(micros):
+                    # this micro-batch's rows at its own lengths: its longest prompt (m.p) and response (t)
+                    micro, t, cut = m.ids, m.t, slice(P - m.p, P + m.t)
+                    last = k == len(micros) - 1  # the minibatch's last micro-batch
                     with torch.set_grad_enabled(train_policy):  # critic warm-up: no policy graph
                         new_logprobs, entropy = forward_logprobs(
-                            policy, query_responses[micro], attn[micro], P, args.temperature, with_entropy=True
-                        )
-                    new_values = forward_values(critic, query_responses[micro], attn[micro], P)
+                            policy,
+                            query_responses[micro, cut],
+                            attn[micro, cut],
+                            m.p,
+                            args.temperature,
+                            with_entropy=True,
+                        )  # (b, t) each
+                    new_values = forward_values(critic, query_responses[micro, cut], attn[micro, cut], m.p)  # (b, t)
                     pg, clip_frac, approx_kl = policy_loss(
                         new_logprobs,
-                        logprobs[micro],
-                        advantages[micro],
-                        mask[micro],
+                        logprobs[micro, :t],
+                        advantages[micro, :t],
+                        mask[micro, :t],
                         n_tokens,
                         args.clip_eps,
                         args.dual_clip_c,
-                        tis_weights[micro] if tis_weights is not None else None,
+                        tis_weights[micro, :t] if tis_weights is not None else None,
                     )
                     vf = value_loss(
-                        new_values, values[micro], returns[micro], mask[micro], n_tokens, args.clip_eps_value
+                        new_values,
+                        values[micro, :t],
+                        returns[micro, :t],
+                        mask[micro, :t],
+                        n_tokens,
+                        args.clip_eps_value,
                     )
-                    ent = (entropy * mask[micro]).sum() / n_tokens
+                    ent = (entropy * mask[micro, :t]).sum() / n_tokens
                     policy_kl = (
-                        kl_estimate(logprobs[micro], new_logprobs, args.policy_kl_estimator) * mask[micro]
+                        kl_estimate(logprobs[micro, :t], new_logprobs, args.policy_kl_estimator) * mask[micro, :t]
                     ).sum() / n_tokens  # KL(pi_old || pi_theta)
                     # two models, two backward passes (disjoint graphs): under DeepSpeed each engine steps itself
                     if train_policy:
@@ -658,6 +693,19 @@ def main(args: Args):
                 "perf/train_s": train_s,
                 "perf/tokens_per_s": gen_tokens / step_s,
                 "perf/peak_mem_gb": peak_mem_gb(device),
+                "perf/padding_frac": 1 - real_tokens / max(padded_tokens, 1),
+                # real tokens run forward only (generation, pi_old, reference; the critic's values) and trained
+                "perf/mfu": mfu(
+                    policy,
+                    (2 + use_ref) * real_tokens / args.update_epochs,
+                    real_tokens,
+                    step_s,
+                    device,
+                    accelerator.mixed_precision,
+                )
+                + mfu(
+                    critic, real_tokens / args.update_epochs, real_tokens, step_s, device, accelerator.mixed_precision
+                ),
                 "train/episodes": step * args.batch_size,
             }
             for name, v in {**components, **extras}.items():

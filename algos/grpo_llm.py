@@ -39,6 +39,7 @@ from common.distributed import (
     UpdateGuard,
     backward,
     configure_deepspeed,
+    is_deepspeed,
     make_accelerator,
     prepare_frozen,
     unwrap_for_generation,
@@ -47,7 +48,15 @@ from common.eval import evaluate_policy
 from common.health import HealthConfig, HealthMonitor
 from common.ops import all_sum, exact_div, global_mean_divisor, kl_estimate, masked_mean, masked_var
 from common.rewards import Reward
-from common.rollout import forward_logprobs, generate, sequence_attention_mask, tokenize_queries
+from common.rollout import (
+    forward_by_micro_batch,
+    forward_logprobs,
+    generate,
+    micro_batches,
+    padding_fraction,
+    sequence_attention_mask,
+    tokenize_queries,
+)
 from common.run import (
     BestKeeper,
     StopSignal,
@@ -56,6 +65,7 @@ from common.run import (
     cli,
     load_weights,
     make_run_dir,
+    mfu,
     mix_seed,
     peak_mem_gb,
     resolve_resume,
@@ -114,6 +124,9 @@ class Args:
     """allow model code from the hub"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """weights dtype (auto: float32 on CPU, bfloat16 on GPUs that support it)"""
+    mixed_precision: Optional[Literal["no", "bf16"]] = None
+    """bf16: autocast forward/backward in bfloat16 (float32 weights, optimizer and log-softmax), on CPU too
+    (~1.5x faster steps where the CPU has bf16 matmul: docs/performance.md); None: as `accelerate launch` says"""
     lora_r: int = 0
     """LoRA rank (0 = full fine-tuning); the reference is the adapter disabled"""
     lora_alpha: int = 32
@@ -180,6 +193,9 @@ class Args:
     """sequences per optimizer step, over all processes"""
     micro_batch_size: int = 8
     """sequences per forward/backward on one process"""
+    micro_batch_tokens: int = 0
+    """> 0: micro-batches by token budget instead of --micro-batch-size: rows sorted by length, packed while
+    rows x padded length <= this, each run at its own longest prompt and response (less padding; not with DeepSpeed)"""
     update_epochs: Annotated[int, tyro.conf.arg(aliases=("--num-iterations",))] = 1
     """mu: optimisation passes over each batch (1: on-policy, old log-probs = sampling log-probs); TRL's --num-iterations"""
     learning_rate: float = 5e-6
@@ -317,7 +333,9 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps
 
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
-    accelerator = make_accelerator()  # as launched: DDP, FSDP2 or DeepSpeed; without GPU, CPU processes over gloo
+    accelerator = make_accelerator(
+        args.mixed_precision
+    )  # as launched: DDP, FSDP2 or DeepSpeed; without GPU, CPU processes over gloo
     device = accelerator.device
     G = args.group_size
     if G < 2:
@@ -331,6 +349,8 @@ def main(args: Args):
     exact_div(
         args.local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size"
     )
+    if args.micro_batch_tokens > 0 and is_deepspeed(accelerator):
+        raise UserError("--micro-batch-tokens: DeepSpeed needs a fixed number of micro-batches per step; use DDP/FSDP2")
     # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
     configure_deepspeed(
         accelerator, args.micro_batch_size, args.local_mini_batch_size // args.micro_batch_size, args.max_grad_norm
@@ -435,7 +455,8 @@ def main(args: Args):
 
     def ref_logprobs_of(query_responses, attn, P):
         if ref_policy is not None:
-            return forward_logprobs(ref_policy, query_responses, attn, P, args.temperature)
+            with accelerator.autocast():  # a frozen model is not prepared: --mixed-precision applied here
+                return forward_logprobs(ref_policy, query_responses, attn, P, args.temperature)
         with accelerator.unwrap_model(policy).disable_adapter():
             return forward_logprobs(policy, query_responses, attn, P, args.temperature)
 
@@ -525,38 +546,28 @@ def main(args: Args):
         scores = scores + overlong_penalty(lengths, args.max_new_tokens, args.overlong_buffer, args.overlong_penalty)
         advantages = compute_advantages(scores, G, args.baseline, args.scale_rewards)  # (B,)
         loss_mask = mask * (~truncated).float()[:, None] if args.mask_truncated else mask  # (B, T)
+        # micro-batches of the no-grad forwards: --micro-batch-size rows, or by --micro-batch-tokens
+        all_micros = micro_batches(
+            list(range(len(rows))), b["query_mask"], mask, args.micro_batch_size, args.micro_batch_tokens
+        )
         with torch.no_grad():
             if args.old_logprobs_from == "sampler":
                 old_logprobs = b["logprobs"]  # on-policy, same numerics: the sampler's log-probs, no extra forward
             else:
                 old_logprobs = (
-                    torch.cat(
-                        [
-                            forward_logprobs(
-                                policy,
-                                query_responses[i : i + args.micro_batch_size],
-                                attn[i : i + args.micro_batch_size],
-                                P,
-                                args.temperature,
-                            )
-                            for i in range(0, len(rows), args.micro_batch_size)
-                        ]
+                    forward_by_micro_batch(
+                        lambda qr, am, p: forward_logprobs(policy, qr, am, p, args.temperature),
+                        all_micros,
+                        query_responses,
+                        attn,
+                        P,
+                        T,
                     )
                     * mask
-                )
+                )  # (B, T)
             ref_logprobs = None
             if args.kl_coef > 0:
-                ref_logprobs = (
-                    torch.cat(
-                        [
-                            ref_logprobs_of(
-                                query_responses[i : i + args.micro_batch_size], attn[i : i + args.micro_batch_size], P
-                            )
-                            for i in range(0, len(rows), args.micro_batch_size)
-                        ]
-                    )
-                    * mask
-                )
+                ref_logprobs = forward_by_micro_batch(ref_logprobs_of, all_micros, query_responses, attn, P, T) * mask
 
         # train/kl as in the PPO scripts: per response, the token mean of KL(pi_old || pi_ref); batch mean
         mean_kl = 0.0
@@ -575,6 +586,7 @@ def main(args: Args):
         # ------------------------------------------------------------------ 3. update
         t_train = time.time()
         stats = {k: [] for k in ("pg", "kl", "ent", "clip")}
+        padded_tokens = real_tokens = 0.0  # of the update's forwards: perf/padding_frac
         r = accelerator.process_index
         g = torch.Generator().manual_seed(mix_seed(args.seed, step, r))
         for it in range(args.update_epochs):
@@ -584,33 +596,42 @@ def main(args: Args):
                 # token totals over the global minibatch / W: DDP/FSDP average the W ranks' gradients, so
                 # token-mean is over all ranks' tokens (each rank holds len(mb) sequences: n_seqs needs no reduce)
                 n_tokens, n_seqs = global_mean_divisor(loss_mask[mb].sum()), len(mb)
-                for k in range(0, len(mb), args.micro_batch_size):
-                    micro = mb[k : k + args.micro_batch_size]
+                micros = micro_batches(mb, b["query_mask"], mask, args.micro_batch_size, args.micro_batch_tokens)
+                padded, real = padding_fraction(micros, b["query_mask"], mask)
+                padded_tokens, real_tokens = padded_tokens + padded, real_tokens + real
+                for k, m in enumerate(micros):
+                    # this micro-batch's rows at its own lengths: its longest prompt (p) and response (t)
+                    micro, t = m.ids, m.t
                     new_logprobs, entropy = forward_logprobs(
-                        policy, query_responses[micro], attn[micro], P, args.temperature, with_entropy=True
-                    )
+                        policy,
+                        query_responses[micro, P - m.p : P + t],
+                        attn[micro, P - m.p : P + t],
+                        m.p,
+                        args.temperature,
+                        with_entropy=True,
+                    )  # (b, t) each
                     token_loss, clipped = clipped_surrogate(
                         new_logprobs,
-                        old_logprobs[micro],
+                        old_logprobs[micro, :t],
                         advantages[micro, None],
                         args.clip_eps_low,
                         args.clip_eps_high,
-                    )  # (b, T)
+                    )  # (b, t)
                     if tis_weights is not None:
-                        token_loss = token_loss * tis_weights[micro]
+                        token_loss = token_loss * tis_weights[micro, :t]
                     if args.old_logprobs_from == "sampler" and it == 0 and mb_start == 0:  # weights not yet stepped
-                        diff_sum = diff_sum + ((new_logprobs.detach() - b["logprobs"][micro]).abs() * mask[micro]).sum()
-                        diff_n = diff_n + mask[micro].sum()
+                        diff = (new_logprobs.detach() - b["logprobs"][micro, :t]).abs() * mask[micro, :t]
+                        diff_sum, diff_n = diff_sum + diff.sum(), diff_n + mask[micro, :t].sum()
                     kl = (
-                        kl_estimate(new_logprobs, ref_logprobs[micro], args.kl_estimator)
+                        kl_estimate(new_logprobs, ref_logprobs[micro, :t], args.kl_estimator)
                         if ref_logprobs is not None
                         else torch.zeros_like(token_loss)
                     )
-                    agg = lambda x: aggregate(x, loss_mask[micro], args.loss_agg, n_tokens, n_seqs, args.max_new_tokens)
-                    pg, kl_term = agg(token_loss), agg(kl)
-                    backward(
-                        accelerator, policy, pg + args.kl_coef * kl_term, last=k + args.micro_batch_size >= len(mb)
+                    agg = lambda x: aggregate(
+                        x, loss_mask[micro, :t], args.loss_agg, n_tokens, n_seqs, args.max_new_tokens
                     )
+                    pg, kl_term = agg(token_loss), agg(kl)
+                    backward(accelerator, policy, pg + args.kl_coef * kl_term, last=k == len(micros) - 1)
                     for key, v in zip(stats, (pg, kl_term, agg(entropy), agg(clipped))):
                         stats[key].append(v.detach())
                 guard.step(policy, opt, args.max_grad_norm, "policy", step)  # these: no-ops under DeepSpeed
@@ -649,6 +670,16 @@ def main(args: Args):
                 "perf/train_s": train_s,
                 "perf/tokens_per_s": accelerator.gather(lengths).sum().item() / step_s,
                 "perf/peak_mem_gb": peak_mem_gb(device),
+                "perf/padding_frac": 1 - real_tokens / max(padded_tokens, 1),
+                # forward-only passes over the batch's real tokens: generation, pi_old (trainer), reference
+                "perf/mfu": mfu(
+                    policy,
+                    (1 + (args.old_logprobs_from == "trainer") + (args.kl_coef > 0)) * real_tokens / args.update_epochs,
+                    real_tokens,
+                    step_s,
+                    device,
+                    accelerator.mixed_precision,
+                ),
                 "train/episodes": step * args.num_prompts * G,
             }
             solved = accelerator.gather(b["solved"]).view(-1, G)  # (all prompts, G) exact-match

@@ -34,9 +34,12 @@ import torch
 from common.run import UserError
 
 
-def make_accelerator():
+def make_accelerator(mixed_precision: str | None = None):
     """The Accelerator of every script: on GPUs whatever `accelerate launch` configured; without a
-    GPU, CPU processes over gloo: DDP, or FSDP2 / DeepSpeed when the launch config asks (see above)."""
+    GPU, CPU processes over gloo: DDP, or FSDP2 / DeepSpeed when the launch config asks (see above).
+    `mixed_precision` ('no' / 'bf16', a script's --mixed-precision) overrides the launch config's:
+    bf16 autocast around the prepared models' forward (weights and optimizer stay float32), on CPU
+    as on GPU. None: as launched (`accelerate launch --mixed_precision`, default no)."""
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 
@@ -49,14 +52,15 @@ def make_accelerator():
             "scripts yet (batches are split by process, models load without tp_plan); use tp_size 1 "
             "(FSDP2 shard x replicate, on GPUs) or configs/accelerate/fsdp2.yaml"
         )
+    mp = {"mixed_precision": mixed_precision} if mixed_precision else {}
     if torch.cuda.is_available():
-        return Accelerator()
+        return Accelerator(**mp)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it, rather than DeepSpeed warning that it guessed
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         # cpu=True would skip DeepSpeed; naming the gloo backend lets DeepSpeed's CPU accelerator
         # start the process group and Accelerate count the processes
-        return Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
-    accelerator = Accelerator(cpu=True)
+        return Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")], **mp)
+    accelerator = Accelerator(cpu=True, **mp)
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.num_processes > 1:
         plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* variables `accelerate launch` set
         if plugin.fsdp_version != 2:

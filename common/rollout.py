@@ -1,4 +1,4 @@
-"""Rollouts: batched sampling with the KV cache (transformers' `generate`), masks, and the forward
+"""Rollouts: batched sampling with the KV cache (our own decoding loop), masks, and the forward
 passes that recompute log-probs and values on the sampled sequences.
 
 Legend: B sequences, P (left-padded) prompt length, T response length, V vocabulary.
@@ -6,11 +6,9 @@ Legend: B sequences, P (left-padded) prompt length, T response length, V vocabul
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from common.ops import entropy_from_logits, selective_log_softmax
 
@@ -22,36 +20,37 @@ def tokenize_queries(tok, texts: list[str], device=None) -> tuple[torch.Tensor, 
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
-class SeededSampler(LogitsProcessor):
-    """Samples each row with its own `torch.Generator`, and records the sampled token's log-prob.
+def sample_tokens(
+    logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row by inverse-CDF sampling, and its log-prob.
 
-    transformers' sampling draws the whole batch from the global RNG, so a row's response would
-    depend on its batch-mates. Instead we run `generate` greedily and let this processor do the
-    sampling: it applies temperature, top-k and top-p, draws one token per row from that row's
-    generator, and returns logits that are -inf everywhere except the drawn token (so greedy
-    picks it). The recorded log-prob is log softmax(logits / temperature), before top-k/top-p:
-    the quantity PPO recomputes, so `logprobs` here equal the trainer's at step 0."""
+    logits: (b, V) next-token logits; uniforms: (b,) float64 in [0, 1), the row's own random number
+    for this position. Temperature, then top-k and top-p, shape the distribution sampled from; the
+    returned log-prob is log softmax(logits / temperature) before top-k/top-p: the quantity the
+    trainer recomputes, so the sampler's log-probs equal the trainer's at step 0. Returns (tokens (b,),
+    logprobs (b,)).
 
-    def __init__(self, seeds: list[int], temperature: float, top_k: int, top_p: float, device):
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-        self.logprobs: list[torch.Tensor] = []  # T tensors of (B,)
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        logits = scores.float() / self.temperature  # (B, V)
-        logp = torch.log_softmax(logits, dim=-1)
-        if self.top_k > 0:
-            kth = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if self.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-            cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-            drop_sorted = cum - torch.softmax(sorted_logits, dim=-1) > self.top_p  # keep the token crossing p
-            logits = logits.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        tokens = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(self.generators)])
-        self.logprobs.append(logp.gather(1, tokens[:, None])[:, 0])
-        return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
+    Why not `torch.multinomial` with a per-row `torch.Generator`: it draws V exponential variates per
+    row and step (B calls of ~1 ms each on a 49k vocabulary: 10 % of a CPU rollout). Inverse CDF needs
+    one number per row and step, drawn up front from the row's seed, and one batched cumsum +
+    searchsorted: the same distribution, still a function of the row's own seed only."""
+    logits = logits.float() / temperature  # (b, V)
+    logp = torch.log_softmax(logits, dim=-1)
+    filtered = top_k > 0 or top_p < 1.0
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop_sorted = cum - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the token crossing p
+        logits = logits.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
+    probs = torch.softmax(logits, dim=-1) if filtered else logp.exp()  # (b, V)
+    cdf = probs.double().cumsum(-1)  # (b, V) float64
+    u = uniforms[:, None] * cdf[:, -1:]  # (b, 1) in [0, total)
+    tokens = torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1)  # first cdf > u: prob > 0
+    return tokens[:, 0], logp.gather(1, tokens)[:, 0]
 
 
 @dataclass
@@ -68,7 +67,7 @@ def response_masks(responses: torch.Tensor, eos_id: int, pad_id: int, stopped_ea
     """Mask of real response tokens: everything up to and including the first EOS.
 
     responses: (B, T). Returns (mask (B, T) float, is_eos (B,) bool, lengths (B,) long).
-    Rows without EOS that `generate` stopped early (a stop string) end before their trailing pads.
+    Rows without EOS that stopped early (a stop string) end before their trailing pads.
     Naive: for each row, `n = responses[i].tolist().index(eos)+1 if eos in row else T`."""
     B, T = responses.shape
     ar = torch.arange(T, device=responses.device).expand(B, T)
@@ -83,28 +82,22 @@ def response_masks(responses: torch.Tensor, eos_id: int, pad_id: int, stopped_ea
     return (ar < lengths[:, None]).float(), is_eos, lengths
 
 
-@contextlib.contextmanager
-def own_generation_config(model):
-    """Inside the block, every model under `model` has an empty `generation_config`.
-
-    transformers fills each unset field of the config passed to `generate` from the model's own
-    `generation_config.json`, so a model that ships `repetition_penalty`, `no_repeat_ngram_size`,
-    `bad_words_ids`, `suppress_tokens`, `min_new_tokens`, ... would have its logits changed before
-    `SeededSampler` sees them: rollouts would come from a penalised distribution whose log-probs
-    differ from the trainer's. Sampling knobs are our flags only. (A peft model generates through
-    its base model, hence every submodule that has a generation config.)"""
-    saved = [
-        (m, m.generation_config)
-        for m in model.modules()
-        if isinstance(getattr(m, "generation_config", None), GenerationConfig)
-    ]
-    try:
-        for m, _ in saved:
-            m.generation_config = GenerationConfig()
-        yield
-    finally:
-        for m, cfg in saved:
-            m.generation_config = cfg
+@torch.no_grad()
+def shared_prompt_cache(model, queries: torch.Tensor, attention_mask: torch.Tensor):
+    """The KV cache of the prompts, each distinct prompt encoded once, and the last position's logits;
+    None when every prompt is distinct. GRPO and online DPO sample G responses per prompt from G
+    copies of it: encoding the copies is G-1 wasted prompt forwards (on CPU as costly as a third of
+    the decoding). queries, attention_mask: (B, P) left-padded. Returns (cache of batch B, logits (B, V))."""
+    B, P = queries.shape
+    distinct, inverse = torch.unique(torch.cat([queries, attention_mask], 1), dim=0, return_inverse=True)
+    if len(distinct) == B:
+        return None
+    ids, mask = distinct[:, :P], distinct[:, P:]  # (U, P) each
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True, logits_to_keep=1
+    )
+    out.past_key_values.batch_select_indices(inverse)  # (U, ...) -> (B, ...): row b gets its prompt's cache
+    return out.past_key_values, out.logits[inverse, -1]
 
 
 @torch.no_grad()
@@ -123,42 +116,127 @@ def generate(
     """Sample (seeds given) or decode greedily (seeds=None) one response per query row.
 
     queries, attention_mask: (B, P) left-padded. Returns a `Rollout`; responses are right-padded to
-    the longest in the batch (at most max_new_tokens)."""
+    the longest in the batch (at most max_new_tokens).
+
+    Our own decoding loop over the model's forward with its KV cache, not `model.generate`, for
+    three things transformers' loop does not do (measured on 2 CPU cores, SmolLM2-135M, 32 prompts x
+    64 tokens: docs/performance.md): per-row seeds (`sample_tokens`), repeated prompts encoded once
+    (`shared_prompt_cache`), and rows that finished (EOS or a stop string) leave the batch, so the
+    decoding cost follows the real response lengths, not B x the longest. Sampling knobs are our
+    arguments only: the model's `generation_config.json` (repetition penalties, suppressed tokens,
+    ...) is never applied, so rollouts come from the distribution the trainer recomputes."""
+    from transformers import StopStringCriteria
+
     B, P = queries.shape
-    sampler = SeededSampler(seeds, temperature, top_k, top_p, queries.device) if seeds is not None else None
-    gen_config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        stop_strings=stop_strings or None,
-    )
-    with own_generation_config(model):
-        out = model.generate(
+    device = queries.device
+    uniforms = None  # (B, max_new_tokens) float64: row b's numbers from seeds[b] alone
+    if seeds is not None:
+        uniforms = torch.stack(
+            [torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds]
+        ).to(device)
+    stop = StopStringCriteria(tokenizer=tok, stop_strings=stop_strings) if stop_strings else None
+    responses = torch.full((B, max_new_tokens), tok.pad_token_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(B, max_new_tokens, device=device)
+    stopped = torch.zeros(B, dtype=torch.bool, device=device)  # ended by a stop string
+    shared = shared_prompt_cache(model, queries, attention_mask)
+    if shared is not None:
+        cache, logits = shared
+    else:
+        out = model(
             input_ids=queries,
             attention_mask=attention_mask,
-            generation_config=gen_config,
-            logits_processor=LogitsProcessorList([sampler]) if sampler else None,
-            tokenizer=tok if stop_strings else None,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=True,
+            logits_to_keep=1,
         )
-    responses = out[:, P:]  # (B, T)
-    T = responses.shape[1]
-    stopped_early = None
-    if stop_strings:
-        stopped_early = torch.full((B,), T < max_new_tokens, device=queries.device) | (
-            responses[:, -1] == tok.pad_token_id
-        )
-    mask, is_eos, lengths = response_masks(responses, tok.eos_token_id, tok.pad_token_id, stopped_early)
-    # after a row finishes, generate fills it with pad; make that explicit for rows ended by stop strings
-    responses = torch.where(mask.bool(), responses, torch.full_like(responses, tok.pad_token_id))
-    logprobs = None
-    if sampler is not None:
-        logprobs = torch.stack(sampler.logprobs, 1)[:, :T] * mask  # (B, T)
-    truncated = (lengths == max_new_tokens) & ~is_eos
+        cache, logits = out.past_key_values, out.logits[:, -1]  # (B, V)
+    rows = torch.arange(B, device=device)  # the rows of the batch still in the decoding batch
+    mask, pos = attention_mask, position_ids_from_mask(attention_mask)[:, -1:]  # (b, P+t), (b, 1)
+    done = torch.zeros(B, dtype=torch.bool, device=device)  # finished rows not yet dropped from the batch
+    T = 0
+    for t in range(max_new_tokens):
+        if uniforms is not None:
+            tokens, lp = sample_tokens(logits, uniforms[rows, t], temperature, top_k, top_p)
+            logprobs[rows[~done], t] = lp[~done]
+        else:
+            tokens = logits.argmax(-1)
+        tokens = tokens.masked_fill(done, tok.pad_token_id)  # (b,)
+        responses[rows[~done], t] = tokens[~done]
+        T = t + 1
+        ended = ~done & (tokens == tok.eos_token_id)
+        if stop is not None:
+            hit = ~done & ~ended & stop(torch.cat([queries[rows], responses[rows, :T]], 1), None).to(device)
+            stopped[rows[hit]] = True
+            ended = ended | hit
+        done = done | ended
+        if done.all() or T == max_new_tokens:
+            break
+        if done.sum() * 8 >= len(rows):  # drop finished rows (copying the cache costs about one decoding step)
+            keep = (~done).nonzero()[:, 0]
+            cache.batch_select_indices(keep)
+            rows, mask, pos, tokens, done = rows[keep], mask[keep], pos[keep], tokens[keep], done[keep]
+        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], 1)
+        pos = pos + 1
+        logits = model(
+            input_ids=tokens[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
+        ).logits[:, -1]
+    responses = responses[:, :T]
+    mask, is_eos, lengths = response_masks(responses, tok.eos_token_id, tok.pad_token_id, stopped)
+    truncated = (lengths == max_new_tokens) & ~is_eos & ~stopped
+    logprobs = logprobs[:, :T] * mask if uniforms is not None else None
     return Rollout(torch.cat([queries, responses], 1), responses, mask, is_eos, truncated, logprobs)
+
+
+@dataclass
+class MicroBatch:
+    ids: list[int]  # rows of the batch
+    p: int  # prompt positions kept: the last p of the batch's P (its longest prompt)
+    t: int  # response positions kept: the first t of the batch's T (its longest response)
+
+
+def micro_batches(ids: list[int], query_mask, response_mask, size: int, max_tokens: int = 0) -> list[MicroBatch]:
+    """Split a minibatch's rows into micro-batches for forward/backward.
+
+    max_tokens 0: consecutive chunks of `size` rows, each at the batch's full P and T (padded to the
+    batch's longest prompt and response). max_tokens > 0 (--micro-batch-tokens; verl's dynamic batch
+    size): rows sorted longest first, each micro-batch filled while rows x (its longest prompt + its
+    longest response) <= max_tokens (one row at least), and run at its own lengths: less padding and
+    fewer, fuller micro-batches. The loss is unchanged: every aggregation divides by minibatch totals,
+    and cut positions are padding (masked; causal attention, so real tokens never saw them).
+    query_mask: (B, P), response_mask: (B, T)."""
+    P, T = query_mask.shape[1], response_mask.shape[1]
+    if max_tokens <= 0:
+        return [MicroBatch(ids[k : k + size], P, T) for k in range(0, len(ids), size)]
+    p_len = query_mask.sum(1).long().tolist()
+    t_len = response_mask.sum(1).long().tolist()
+    order = sorted(ids, key=lambda i: (p_len[i] + t_len[i], i), reverse=True)
+    out, cur, p, t = [], [], 0, 0
+    for i in order:
+        p2, t2 = max(p, p_len[i]), max(t, max(t_len[i], 1))
+        if cur and (len(cur) + 1) * (p2 + t2) > max_tokens:
+            out.append(MicroBatch(cur, p, t))
+            cur, p2, t2 = [], p_len[i], max(t_len[i], 1)
+        cur.append(i)
+        p, t = p2, t2
+    out.append(MicroBatch(cur, p, t))
+    return out
+
+
+def padding_fraction(micros: list[MicroBatch], query_mask, response_mask) -> tuple[float, float]:
+    """(padded positions, real tokens) of running `micros`: the update's padding fraction is 1 - real / padded."""
+    padded = sum(len(m.ids) * (m.p + m.t) for m in micros)
+    real = sum(query_mask[m.ids].sum().item() + response_mask[m.ids].sum().item() for m in micros)
+    return padded, real
+
+
+def forward_by_micro_batch(fn, micros: list[MicroBatch], query_responses, attn, P: int, T: int) -> torch.Tensor:
+    """fn(query_responses, attn, p) -> (b, t) run over `micros`, each at its own lengths, assembled
+    into (B, T) (0 beyond a micro-batch's t). query_responses, attn: (B, P+T)."""
+    out = torch.zeros(query_responses.shape[0], T, device=query_responses.device)
+    for m in micros:
+        cut = slice(P - m.p, P + m.t)
+        out[m.ids, : m.t] = fn(query_responses[m.ids, cut], attn[m.ids, cut], m.p).float()
+    return out
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -226,7 +226,10 @@ def test_dapo_and_dr_grpo_flags_run(tiny, tmp_path):
     assert read_metrics(only_run(tmp_path / "dr"))[-1]["step"] == 1
 
 
-def test_learns_toy_task(tiny_peaky, toy_prompts, tmp_path):
+@pytest.mark.parametrize(
+    "fast", [[], ["--mixed-precision", "bf16", "--micro-batch-tokens", 40]], ids=["fp32", "bf16-packed"]
+)
+def test_learns_toy_task(tiny_peaky, toy_prompts, tmp_path, fast):
     run_script(
         "grpo_llm.py",
         "--model-name-or-path",
@@ -255,9 +258,12 @@ def test_learns_toy_task(tiny_peaky, toy_prompts, tmp_path):
         2,
         "--eval-every",
         0,
+        *fast,
         env={"TOY_MODEL": tiny_peaky},
     )
-    rewards = [r["train/reward"] for r in read_metrics(only_run(tmp_path))]
+    rows = read_metrics(only_run(tmp_path))
+    rewards = [r["train/reward"] for r in rows]
+    assert all(0 < r["perf/mfu"] and 0 <= r["perf/padding_frac"] < 1 for r in rows)
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.1, rewards
 

@@ -127,7 +127,10 @@ def test_default_task_and_lora(tiny, tmp_path):
     assert (run / "checkpoints" / "step_1" / "policy" / "adapter_config.json").exists()
 
 
-def test_learns_toy_task(tiny_peaky, toy_prompts, tmp_path):
+@pytest.mark.parametrize(
+    "fast", [[], ["--mixed-precision", "bf16", "--micro-batch-tokens", 40]], ids=["fp32", "bf16-packed"]
+)
+def test_learns_toy_task(tiny_peaky, toy_prompts, tmp_path, fast):
     run_script(
         "ppo_llm.py",
         *toy(
@@ -156,10 +159,13 @@ def test_learns_toy_task(tiny_peaky, toy_prompts, tmp_path):
             1.0,
             "--eval-every",
             0,
+            *fast,
         ),
         env={"TOY_MODEL": tiny_peaky},
     )
-    rewards = [r["train/reward"] for r in read_metrics(only_run(tmp_path))]
+    rows = read_metrics(only_run(tmp_path))
+    rewards = [r["train/reward"] for r in rows]
+    assert all(0 < r["perf/mfu"] and 0 <= r["perf/padding_frac"] < 1 for r in rows)
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.1, rewards
 
