@@ -245,7 +245,8 @@ class Args:
     local_num_prompts: int = field(default=0, init=False)
     local_mini_batch_size: int = field(default=0, init=False)
     old_logprobs_from: str = field(default="", init=False)
-    """runtime: 'sampler' (pi_old = the sampler's log-probs, provably equal here) or 'trainer' (recomputed)"""
+    """runtime: 'sampler' (pi_old = the sampler's log-probs, provably equal here), 'current' (one optimizer step
+    per batch: pi_old = the update forward's own log-probs, detached) or 'trainer' (recomputed before the update)"""
 
 
 # ALGO LOGIC: advantages, reward shaping and loss aggregation
@@ -445,9 +446,20 @@ def main(args: Args):
         log(f"resumed from {ckpt} at step {start_step}")
     # pi_old may be the sampler's log-probs only where sampler and trainer compute the same numbers: one
     # pass (mu = 1), float32 weights without autocast (bf16 KV-cache decoding differs from the batched
-    # forward by up to 0.24 nats on SmolLM2), and no importance correction asked for; else recompute
+    # forward by up to 0.24 nats on SmolLM2), and no importance correction asked for. Else, with one
+    # optimizer step per batch (mu = 1, one minibatch), pi_old is the policy the update's forward runs:
+    # its own log-probs, detached (ratio 1, as TRL does), no extra forward. Else recompute before the update.
     same_numerics = next(policy.parameters()).dtype == torch.float32 and accelerator.mixed_precision == "no"
-    args.old_logprobs_from = "sampler" if args.update_epochs == 1 and same_numerics and args.tis_cap == 0 else "trainer"
+    one_step = args.update_epochs == 1 and args.mini_batch_size == args.num_prompts * G
+    args.old_logprobs_from = (
+        "trainer"
+        if args.tis_cap > 0 or args.update_epochs > 1
+        else "sampler"
+        if same_numerics
+        else "current"
+        if one_step
+        else "trainer"
+    )
     run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
     tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
     stop = StopSignal(accelerator)
@@ -553,6 +565,8 @@ def main(args: Args):
         with torch.no_grad():
             if args.old_logprobs_from == "sampler":
                 old_logprobs = b["logprobs"]  # on-policy, same numerics: the sampler's log-probs, no extra forward
+            elif args.old_logprobs_from == "current":
+                old_logprobs = torch.zeros_like(mask)  # (B, T) filled by the update's forward below
             else:
                 old_logprobs = (
                     forward_by_micro_batch(
@@ -569,15 +583,10 @@ def main(args: Args):
             if args.kl_coef > 0:
                 ref_logprobs = forward_by_micro_batch(ref_logprobs_of, all_micros, query_responses, attn, P, T) * mask
 
-        # train/kl as in the PPO scripts: per response, the token mean of KL(pi_old || pi_ref); batch mean
-        mean_kl = 0.0
-        if ref_logprobs is not None:
-            kl = kl_estimate(old_logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T)
-            mean_kl = accelerator.gather(masked_mean(kl, mask, dim=1)).mean().item()
-        # sampler-vs-trainer gap of pi_old (mean |delta| per token); with the sampler path it is measured
-        # on the first minibatch's forward below, before any optimizer step
+        # sampler-vs-trainer gap of pi_old (mean |delta| per token); with the sampler and current paths it
+        # is measured on the first minibatch's forward below, before any optimizer step
         diff_sum, diff_n = ((old_logprobs - b["logprobs"]).abs() * mask).sum(), mask.sum()
-        if args.old_logprobs_from == "sampler":
+        if args.old_logprobs_from != "trainer":
             diff_sum, diff_n = torch.zeros_like(diff_sum), torch.zeros_like(diff_n)
         tis_weights = (
             torch.exp(old_logprobs - b["logprobs"]).clamp(max=args.tis_cap) * mask if args.tis_cap > 0 else None
@@ -610,6 +619,8 @@ def main(args: Args):
                         args.temperature,
                         with_entropy=True,
                     )  # (b, t) each
+                    if args.old_logprobs_from == "current":  # the one optimizer step: pi_old = pi_theta now
+                        old_logprobs[micro, :t] = new_logprobs.detach() * mask[micro, :t]
                     token_loss, clipped = clipped_surrogate(
                         new_logprobs,
                         old_logprobs[micro, :t],
@@ -619,7 +630,7 @@ def main(args: Args):
                     )  # (b, t)
                     if tis_weights is not None:
                         token_loss = token_loss * tis_weights[micro, :t]
-                    if args.old_logprobs_from == "sampler" and it == 0 and mb_start == 0:  # weights not yet stepped
+                    if args.old_logprobs_from != "trainer" and it == 0 and mb_start == 0:  # weights not yet stepped
                         diff = (new_logprobs.detach() - b["logprobs"][micro, :t]).abs() * mask[micro, :t]
                         diff_sum, diff_n = diff_sum + diff.sum(), diff_n + mask[micro, :t].sum()
                     kl = (
@@ -638,6 +649,11 @@ def main(args: Args):
                 sched.step()
                 opt.zero_grad()
         train_s = time.time() - t_train
+        # train/kl as in the PPO scripts: per response, the token mean of KL(pi_old || pi_ref); batch mean
+        mean_kl = 0.0
+        if ref_logprobs is not None:
+            kl = kl_estimate(old_logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T)
+            mean_kl = accelerator.gather(masked_mean(kl, mask, dim=1)).mean().item()
 
         # ------------------------------------------------------------------ 4. log, evaluate, checkpoint
         last = step == args.total_steps or stop.out_of_time(args.max_wall_minutes)  # --max-wall-minutes

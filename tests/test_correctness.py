@@ -240,8 +240,14 @@ def test_grpo_pi_old_source_and_sampler_gap(tiny, toy_prompts, tmp_path):
     assert read_metrics(run)[-1]["train/sampler_logprob_diff"] < 1e-4  # fp32: provably equal, and measured so
     run_script("grpo_llm.py", *common, "--dtype", "bfloat16", "--output-dir", tmp_path / "bf16", env=env)
     run = only_run(tmp_path / "bf16")
-    assert json.loads((run / "args.json").read_text())["old_logprobs_from"] == "trainer"
+    # one optimizer step per batch: pi_old is the update forward's own log-probs (no extra forward)
+    assert json.loads((run / "args.json").read_text())["old_logprobs_from"] == "current"
     assert read_metrics(run)[-1]["train/sampler_logprob_diff"] > 0  # bf16 decoding differs from the batched forward
+    two_steps = ["--dtype", "bfloat16", "--mini-batch-size", "2", "--micro-batch-size", "1"]
+    run_script("grpo_llm.py", *common, *two_steps, "--output-dir", tmp_path / "bf16_2", env=env)
+    run = only_run(tmp_path / "bf16_2")
+    assert json.loads((run / "args.json").read_text())["old_logprobs_from"] == "trainer"  # 2 steps: recomputed
+    assert read_metrics(run)[-1]["train/sampler_logprob_diff"] > 0
     run_script("grpo_llm.py", *common, "--tis-cap", "2.0", "--output-dir", tmp_path / "tis", env=env)
     assert json.loads((only_run(tmp_path / "tis") / "args.json").read_text())["old_logprobs_from"] == "trainer"
 
