@@ -112,9 +112,10 @@ class Args:
     """allow model code from the hub"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """weights dtype (auto: float32 on CPU, bfloat16 on GPUs that support it)"""
-    mixed_precision: Optional[Literal["no", "bf16"]] = None
-    """bf16: autocast forward/backward in bfloat16 (float32 weights, optimizer and log-softmax), on CPU too
-    (~1.5x faster steps where the CPU has bf16 matmul: docs/performance.md); None: as `accelerate launch` says"""
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    """bf16: autocast forward/backward in bfloat16 (float32 weights, optimizer, log-softmax); auto: bf16 where it
+    pays (float32 weights, a CPU with native bf16 matmul, hidden size >= 256: docs/performance.md), else as
+    `accelerate launch --mixed_precision` says; no: float32"""
     lora_r: int = 0
     """LoRA rank (0 = full fine-tuning); the reference is the adapter disabled"""
     lora_alpha: int = 32
@@ -368,7 +369,8 @@ def main(args: Args):
     @torch.no_grad()
     def ref_logps(ids, attn, response_mask):
         if ref_policy is not None:
-            return response_logps(ref_policy, ids, attn, response_mask)
+            with accelerator.autocast():  # a frozen model is not prepared: --mixed-precision applied here
+                return response_logps(ref_policy, ids, attn, response_mask)
         with accelerator.unwrap_model(policy).disable_adapter():
             return response_logps(policy, ids, attn, response_mask)
 

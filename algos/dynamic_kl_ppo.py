@@ -137,9 +137,10 @@ class Args:
     """allow model code from the hub"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """weights dtype (auto: float32 on CPU, bfloat16 on GPUs that support it)"""
-    mixed_precision: Optional[Literal["no", "bf16"]] = None
-    """bf16: autocast forward/backward in bfloat16 (float32 weights, optimizer and log-softmax), on CPU too
-    (~1.5x faster steps where the CPU has bf16 matmul: docs/performance.md); None: as `accelerate launch` says"""
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    """bf16: autocast forward/backward in bfloat16 (float32 weights, optimizer, log-softmax); auto: bf16 where it
+    pays (float32 weights, a CPU with native bf16 matmul, hidden size >= 256: docs/performance.md), else as
+    `accelerate launch --mixed_precision` says; no: float32"""
     lora_r: int = 0
     """LoRA rank for policy and critic (0 = full fine-tuning); the reference is the adapter disabled"""
     lora_alpha: int = 32
@@ -206,9 +207,10 @@ class Args:
     """rollouts per optimizer step, over all processes"""
     micro_batch_size: int = 8
     """rollouts per forward/backward on one process (gradient accumulation up to the minibatch)"""
-    micro_batch_tokens: int = 0
-    """> 0: micro-batches by token budget instead of --micro-batch-size: rows sorted by length, packed while
-    rows x padded length <= this, each run at its own longest prompt and response (less padding; not with DeepSpeed)"""
+    micro_batch_tokens: int = -1
+    """micro-batches packed by length: rows sorted longest first, packed while rows x padded length <= this many
+    tokens, each run at its own longest prompt and response (less padding, same loss); -1: the budget of
+    --micro-batch-size rows at the batch's full length (same memory bound); 0: --micro-batch-size rows, unpacked"""
     update_epochs: Annotated[int, tyro.conf.arg(aliases=("--ppo-epochs",))] = 2
     """passes over the rollout batch per iteration (CleanRL's update_epochs; --ppo-epochs works too)"""
     learning_rate: float = 5e-6
@@ -345,8 +347,11 @@ def main(args: Args):
     exact_div(
         args.local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size"
     )
-    if args.micro_batch_tokens > 0 and is_deepspeed(accelerator):
-        raise UserError("--micro-batch-tokens: DeepSpeed needs a fixed number of micro-batches per step; use DDP/FSDP2")
+    micro_batch_tokens = args.micro_batch_tokens
+    if is_deepspeed(accelerator) and micro_batch_tokens != 0:  # its engine counts micro-batches per step
+        if micro_batch_tokens > 0:
+            raise UserError("--micro-batch-tokens: DeepSpeed needs a fixed number of micro-batches per step; use 0")
+        micro_batch_tokens = 0  # -1 (default): row micro-batches
     # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
     configure_deepspeed(
         accelerator, args.micro_batch_size, args.local_mini_batch_size // args.micro_batch_size, args.max_grad_norm
@@ -540,7 +545,7 @@ def main(args: Args):
         scores = scores - args.missing_eos_penalty * (~rollout.is_eos).float()
         # micro-batched (bounds peak memory): --micro-batch-size rows, or by --micro-batch-tokens
         all_micros = micro_batches(
-            list(range(len(rows))), query_mask, mask, args.micro_batch_size, args.micro_batch_tokens
+            list(range(len(rows))), query_mask, mask, args.micro_batch_size, micro_batch_tokens, accelerator
         )
         with torch.no_grad():
             by_micro = lambda fn: forward_by_micro_batch(fn, all_micros, query_responses, attn, P, T) * mask  # (B, T)
@@ -578,7 +583,7 @@ def main(args: Args):
                 # token-mean over the global minibatch: DDP/FSDP average the W ranks' gradients, so each
                 # rank divides by (all ranks' tokens) / W
                 n_tokens = global_mean_divisor(mask[mb_ids].sum())
-                micros = micro_batches(mb_ids, query_mask, mask, args.micro_batch_size, args.micro_batch_tokens)
+                micros = micro_batches(mb_ids, query_mask, mask, args.micro_batch_size, micro_batch_tokens, accelerator)
                 padded, real = padding_fraction(micros, query_mask, mask)
                 padded_tokens, real_tokens = padded_tokens + padded, real_tokens + real
                 for k, m in enumerate(micros):

@@ -124,9 +124,10 @@ class Args:
     """allow model code from the hub"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """weights dtype (auto: float32 on CPU, bfloat16 on GPUs that support it)"""
-    mixed_precision: Optional[Literal["no", "bf16"]] = None
-    """bf16: autocast forward/backward in bfloat16 (float32 weights, optimizer and log-softmax), on CPU too
-    (~1.5x faster steps where the CPU has bf16 matmul: docs/performance.md); None: as `accelerate launch` says"""
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    """bf16: autocast forward/backward in bfloat16 (float32 weights, optimizer, log-softmax); auto: bf16 where it
+    pays (float32 weights, a CPU with native bf16 matmul, hidden size >= 256: docs/performance.md), else as
+    `accelerate launch --mixed_precision` says; no: float32"""
     lora_r: int = 0
     """LoRA rank (0 = full fine-tuning); the reference is the adapter disabled"""
     lora_alpha: int = 32
@@ -193,9 +194,10 @@ class Args:
     """sequences per optimizer step, over all processes"""
     micro_batch_size: int = 8
     """sequences per forward/backward on one process"""
-    micro_batch_tokens: int = 0
-    """> 0: micro-batches by token budget instead of --micro-batch-size: rows sorted by length, packed while
-    rows x padded length <= this, each run at its own longest prompt and response (less padding; not with DeepSpeed)"""
+    micro_batch_tokens: int = -1
+    """micro-batches packed by length: rows sorted longest first, packed while rows x padded length <= this many
+    tokens, each run at its own longest prompt and response (less padding, same loss); -1: the budget of
+    --micro-batch-size rows at the batch's full length (same memory bound); 0: --micro-batch-size rows, unpacked"""
     update_epochs: Annotated[int, tyro.conf.arg(aliases=("--num-iterations",))] = 1
     """mu: optimisation passes over each batch (1: on-policy, old log-probs = sampling log-probs); TRL's --num-iterations"""
     learning_rate: float = 5e-6
@@ -350,8 +352,11 @@ def main(args: Args):
     exact_div(
         args.local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size"
     )
-    if args.micro_batch_tokens > 0 and is_deepspeed(accelerator):
-        raise UserError("--micro-batch-tokens: DeepSpeed needs a fixed number of micro-batches per step; use DDP/FSDP2")
+    micro_batch_tokens = args.micro_batch_tokens
+    if is_deepspeed(accelerator) and micro_batch_tokens != 0:  # its engine counts micro-batches per step
+        if micro_batch_tokens > 0:
+            raise UserError("--micro-batch-tokens: DeepSpeed needs a fixed number of micro-batches per step; use 0")
+        micro_batch_tokens = 0  # -1 (default): row micro-batches
     # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
     configure_deepspeed(
         accelerator, args.micro_batch_size, args.local_mini_batch_size // args.micro_batch_size, args.max_grad_norm
@@ -560,7 +565,7 @@ def main(args: Args):
         loss_mask = mask * (~truncated).float()[:, None] if args.mask_truncated else mask  # (B, T)
         # micro-batches of the no-grad forwards: --micro-batch-size rows, or by --micro-batch-tokens
         all_micros = micro_batches(
-            list(range(len(rows))), b["query_mask"], mask, args.micro_batch_size, args.micro_batch_tokens
+            list(range(len(rows))), b["query_mask"], mask, args.micro_batch_size, micro_batch_tokens, accelerator
         )
         with torch.no_grad():
             if args.old_logprobs_from == "sampler":
@@ -605,7 +610,9 @@ def main(args: Args):
                 # token totals over the global minibatch / W: DDP/FSDP average the W ranks' gradients, so
                 # token-mean is over all ranks' tokens (each rank holds len(mb) sequences: n_seqs needs no reduce)
                 n_tokens, n_seqs = global_mean_divisor(loss_mask[mb].sum()), len(mb)
-                micros = micro_batches(mb, b["query_mask"], mask, args.micro_batch_size, args.micro_batch_tokens)
+                micros = micro_batches(
+                    mb, b["query_mask"], mask, args.micro_batch_size, micro_batch_tokens, accelerator
+                )
                 padded, real = padding_fraction(micros, b["query_mask"], mask)
                 padded_tokens, real_tokens = padded_tokens + padded, real_tokens + real
                 for k, m in enumerate(micros):

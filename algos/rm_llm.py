@@ -94,9 +94,10 @@ class Args:
     """allow model code from the hub"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """weights dtype (auto: float32 on CPU, bfloat16 on GPUs that support it)"""
-    mixed_precision: Optional[Literal["no", "bf16"]] = None
-    """bf16: autocast forward/backward in bfloat16 (float32 weights, optimizer and log-softmax), on CPU too
-    (~1.5x faster steps where the CPU has bf16 matmul: docs/performance.md); None: as `accelerate launch` says"""
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    """bf16: autocast forward/backward in bfloat16 (float32 weights, optimizer, log-softmax); auto: bf16 where it
+    pays (float32 weights, a CPU with native bf16 matmul, hidden size >= 256: docs/performance.md), else as
+    `accelerate launch --mixed_precision` says; no: float32"""
     lora_r: int = 0
     """LoRA rank (0 = full fine-tuning); the head always trains"""
     lora_alpha: int = 32

@@ -1,4 +1,4 @@
-"""Generation speed: per-sample seeded sampling (common.rollout.SeededSampler) vs transformers' own
+"""Generation speed: per-sample seeded sampling (common.rollout.generate) vs transformers' own
 batch sampling, and the recompute forward, for a few batch sizes.
 
     python benchmarks/rollout_speed.py [--model smollm2-135m-instruct] [--max-new-tokens 48]

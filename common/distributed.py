@@ -34,12 +34,13 @@ import torch
 from common.run import UserError
 
 
-def make_accelerator(mixed_precision: str | None = None):
+def make_accelerator(mixed_precision: str | None = None, model: str | None = None, dtype: str = "auto"):
     """The Accelerator of every script: on GPUs whatever `accelerate launch` configured; without a
     GPU, CPU processes over gloo: DDP, or FSDP2 / DeepSpeed when the launch config asks (see above).
     `mixed_precision` ('no' / 'bf16', a script's --mixed-precision) overrides the launch config's:
     bf16 autocast around the prepared models' forward (weights and optimizer stay float32), on CPU
-    as on GPU. None: as launched (`accelerate launch --mixed_precision`, default no)."""
+    as on GPU. 'auto': bf16 where it pays for `model` at weights `dtype` (`auto_mixed_precision`),
+    else as launched (`accelerate launch --mixed_precision`, default no)."""
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 
@@ -52,6 +53,8 @@ def make_accelerator(mixed_precision: str | None = None):
             "scripts yet (batches are split by process, models load without tp_plan); use tp_size 1 "
             "(FSDP2 shard x replicate, on GPUs) or configs/accelerate/fsdp2.yaml"
         )
+    if mixed_precision == "auto":
+        mixed_precision = auto_mixed_precision(model, dtype)
     mp = {"mixed_precision": mixed_precision} if mixed_precision else {}
     if torch.cuda.is_available():
         return Accelerator(**mp)
@@ -72,6 +75,38 @@ def make_accelerator(mixed_precision: str | None = None):
         accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         accelerator.state.fsdp_plugin = plugin
     return accelerator
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 matmuls at ~2x the float32 rate (2.35x measured here); elsewhere
+    torch emulates them, slower than float32."""
+    try:
+        flags = next(x for x in open("/proc/cpuinfo") if x.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def auto_mixed_precision(model: str | None, dtype: str = "auto") -> str | None:
+    """--mixed-precision auto: 'bf16' where it was measured to pay (docs/performance.md), else None (as
+    launched). It pays on a CPU with native bf16 matmul, float32 weights, and a model of hidden size
+    >= 256 (SmolLM2-135M: the step at 0.67x the float32 time; the hidden-64 test models train 2.3x
+    slower in bf16: the casts cost more than the small matmuls save). On GPUs the weights already
+    default to bf16; `accelerate launch --mixed_precision` decides there."""
+    if torch.cuda.is_available() or model is None or dtype not in ("auto", "float32"):
+        return None
+    if os.environ.get("ACCELERATE_MIXED_PRECISION") or not cpu_has_native_bf16():
+        return None
+    try:
+        from transformers import AutoConfig
+
+        from common.models import resolve_model_path
+
+        config = AutoConfig.from_pretrained(resolve_model_path(model))
+    except Exception:  # a bad path is reported where the model loads, with the flag named
+        return None
+    hidden = getattr(getattr(config, "text_config", None) or config, "hidden_size", 0) or 0
+    return "bf16" if hidden >= 256 else None
 
 
 def is_deepspeed(accelerator) -> bool:

@@ -194,32 +194,44 @@ class MicroBatch:
     t: int  # response positions kept: the first t of the batch's T (its longest response)
 
 
-def micro_batches(ids: list[int], query_mask, response_mask, size: int, max_tokens: int = 0) -> list[MicroBatch]:
+def micro_batches(
+    ids: list[int], query_mask, response_mask, size: int, max_tokens: int = 0, accelerator=None
+) -> list[MicroBatch]:
     """Split a minibatch's rows into micro-batches for forward/backward.
 
     max_tokens 0: consecutive chunks of `size` rows, each at the batch's full P and T (padded to the
     batch's longest prompt and response). max_tokens > 0 (--micro-batch-tokens; verl's dynamic batch
     size): rows sorted longest first, each micro-batch filled while rows x (its longest prompt + its
     longest response) <= max_tokens (one row at least), and run at its own lengths: less padding and
-    fewer, fuller micro-batches. The loss is unchanged: every aggregation divides by minibatch totals,
-    and cut positions are padding (masked; causal attention, so real tokens never saw them).
-    query_mask: (B, P), response_mask: (B, T)."""
+    fewer, fuller micro-batches. max_tokens < 0: the same with the budget of `size` rows at the batch's
+    full length (size x (P + T)): never more memory than the row split, less padding. The loss is
+    unchanged: every aggregation divides by minibatch totals, and cut positions are padding (masked;
+    causal attention, so real tokens never saw them). With several processes, every process gets as
+    many micro-batches (the largest are split): FSDP2 and ZeRO-3 gather weights in each forward, so
+    their forward counts must agree. query_mask: (B, P), response_mask: (B, T)."""
     P, T = query_mask.shape[1], response_mask.shape[1]
-    if max_tokens <= 0:
+    if max_tokens == 0:
         return [MicroBatch(ids[k : k + size], P, T) for k in range(0, len(ids), size)]
+    budget = size * (P + T) if max_tokens < 0 else max_tokens
     p_len = query_mask.sum(1).long().tolist()
-    t_len = response_mask.sum(1).long().tolist()
+    t_len = [max(n, 1) for n in response_mask.sum(1).long().tolist()]
     order = sorted(ids, key=lambda i: (p_len[i] + t_len[i], i), reverse=True)
-    out, cur, p, t = [], [], 0, 0
+    groups, cur, p, t = [], [], 0, 0
     for i in order:
-        p2, t2 = max(p, p_len[i]), max(t, max(t_len[i], 1))
-        if cur and (len(cur) + 1) * (p2 + t2) > max_tokens:
-            out.append(MicroBatch(cur, p, t))
-            cur, p2, t2 = [], p_len[i], max(t_len[i], 1)
+        p2, t2 = max(p, p_len[i]), max(t, t_len[i])
+        if cur and (len(cur) + 1) * (p2 + t2) > budget:
+            groups.append(cur)
+            cur, p2, t2 = [], p_len[i], t_len[i]
         cur.append(i)
         p, t = p2, t2
-    out.append(MicroBatch(cur, p, t))
-    return out
+    groups.append(cur)
+    if accelerator is not None and accelerator.num_processes > 1:
+        n = int(accelerator.gather(torch.tensor([len(groups)], device=accelerator.device)).max())
+        while len(groups) < n:  # split the micro-batch with the most rows (every rank has as many rows)
+            k = max((j for j in range(len(groups)) if len(groups[j]) > 1), key=lambda j: len(groups[j]))
+            g = groups.pop(k)
+            groups[k:k] = [g[: len(g) // 2], g[len(g) // 2 :]]
+    return [MicroBatch(g, max(p_len[i] for i in g), max(t_len[i] for i in g)) for g in groups]
 
 
 def padding_fraction(micros: list[MicroBatch], query_mask, response_mask) -> tuple[float, float]:

@@ -1022,6 +1022,7 @@ def mfu(model, forward_tokens: float, train_tokens: float, seconds: float, devic
     """Model FLOPs utilisation of a step: (2 N per token run forward only, generation included, + 6 N
     per token trained) / seconds / the measured matmul peak of the compute dtype. N = the model's
     parameters but an untied input embedding; tokens are real tokens, so padding and recomputation show up as lost utilisation."""
+    model = getattr(model, "module", model)  # DDP / DeepSpeed wrappers
     n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: the full size
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     if head is not None and emb.weight is not head.weight:  # an untied input embedding is a lookup, not FLOPs

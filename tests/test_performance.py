@@ -193,3 +193,47 @@ def test_mfu_arithmetic(tiny, monkeypatch):
     if model.get_input_embeddings().weight is not model.get_output_embeddings().weight:
         n -= model.get_input_embeddings().weight.numel()
     assert run.mfu(model, 100, 10, 2.0, "cpu", "no") == pytest.approx((2 * n * 100 + 6 * n * 10) / 2.0 / 1e9)
+
+
+def test_micro_batch_counts_agree_across_processes_and_default_budget():
+    B, P, T = 8, 6, 10
+    qm = torch.ones(B, P)
+    rm = (torch.arange(T)[None] < torch.tensor([10, 1, 1, 1, 1, 1, 1, 1])[:, None]).float()
+    ids = list(range(B))
+    # -1: the budget of `size` rows at full length, 4 x 16 = 64: the long row and 3 short ones at full
+    # length, then 4 short ones cut to 1 response position (4 x 7 = 28 tokens instead of 64)
+    default = micro_batches(ids, qm, rm, 4, -1)
+    assert [(len(m.ids), m.p, m.t) for m in default] == [(4, P, T), (4, P, 1)]
+
+    class TwoProcesses:  # another process has 5 micro-batches: this one splits its largest until it has as many
+        num_processes, device = 2, "cpu"
+
+        def gather(self, x):
+            return torch.cat([x, torch.tensor([5])])
+
+    split = micro_batches(ids, qm, rm, 4, -1, TwoProcesses())
+    assert len(split) == 5 and sorted(i for m in split for i in m.ids) == ids
+    assert all(m.p == P and m.t == max(int(rm[m.ids].sum(1).max()), 1) for m in split)
+
+
+def test_auto_mixed_precision(tiny, tmp_path, monkeypatch):
+    import common.distributed as D
+
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    big = tmp_path / "big"
+    big.mkdir()
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny)
+    config.hidden_size = 576
+    config.save_pretrained(big)
+    monkeypatch.setattr(D, "cpu_has_native_bf16", lambda: True)
+    assert D.auto_mixed_precision(str(big)) == "bf16"
+    assert D.auto_mixed_precision(tiny) is None  # hidden 64: bf16 casts cost more than they save
+    assert D.auto_mixed_precision(str(big), "bfloat16") is None  # bf16 weights: nothing to autocast
+    assert D.auto_mixed_precision(str(tmp_path / "missing")) is None  # reported later, where the model loads
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    assert D.auto_mixed_precision(str(big)) is None  # the launch config decides
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
+    monkeypatch.setattr(D, "cpu_has_native_bf16", lambda: False)
+    assert D.auto_mixed_precision(str(big)) is None
