@@ -336,9 +336,8 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps
 
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
-    accelerator = make_accelerator(
-        args.mixed_precision
-    )  # as launched: DDP, FSDP2 or DeepSpeed; without GPU, CPU processes over gloo
+    # as launched: DDP, FSDP2 or DeepSpeed; without GPU, CPU processes over gloo; --mixed-precision
+    accelerator = make_accelerator(args.mixed_precision, args.model_name_or_path, args.dtype)
     device = accelerator.device
     G = args.group_size
     if G < 2:

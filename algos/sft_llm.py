@@ -175,9 +175,8 @@ def sft_loss_sum(model, ids, attn, loss_mask):
 
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
-    accelerator = make_accelerator(
-        args.mixed_precision
-    )  # as launched: DDP, FSDP2 or DeepSpeed; without GPU, CPU processes over gloo
+    # as launched: DDP, FSDP2 or DeepSpeed; without GPU, CPU processes over gloo; --mixed-precision
+    accelerator = make_accelerator(args.mixed_precision, args.model_name_or_path, args.dtype)
     device = accelerator.device
     args.world_size = accelerator.num_processes
     args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")

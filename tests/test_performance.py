@@ -8,6 +8,7 @@ import torch
 
 import common.rollout as R
 from common import models as M
+from common.distributed import cpu_has_native_bf16
 from common.rollout import (
     forward_by_micro_batch,
     forward_logprobs,
@@ -237,3 +238,34 @@ def test_auto_mixed_precision(tiny, tmp_path, monkeypatch):
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
     monkeypatch.setattr(D, "cpu_has_native_bf16", lambda: False)
     assert D.auto_mixed_precision(str(big)) is None
+
+
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="a CPU without native bf16 matmul: auto stays float32")
+def test_scripts_resolve_auto_mixed_precision(toy_prompts, tmp_path):
+    """The default --mixed-precision auto reaches the Accelerator: a hidden-256 model trains under bf16
+    autocast on this CPU, so GRPO's pi_old cannot be the float32 sampler's (old_logprobs_from 'current')."""
+    import json
+
+    from conftest import REPO, only_run, run_script
+
+    TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
+    model = M.tiny_model(tmp_path / "h256", hidden=256, layers=1)
+    flags = ["--model-name-or-path", model, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD]
+    flags += [
+        "--total-steps",
+        1,
+        "--num-prompts",
+        2,
+        "--group-size",
+        2,
+        "--mini-batch-size",
+        4,
+        "--micro-batch-size",
+        4,
+    ]
+    flags += ["--max-new-tokens", 4]
+    env = {"TOY_MODEL": model}
+    for mp, want in (("auto", "current"), ("no", "sampler")):
+        out = tmp_path / mp
+        run_script("grpo_llm.py", *flags, "--eval-every", 0, "--mixed-precision", mp, "--output-dir", out, env=env)
+        assert json.loads((only_run(out) / "args.json").read_text())["old_logprobs_from"] == want
