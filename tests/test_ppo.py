@@ -127,10 +127,9 @@ def test_default_task_and_lora(tiny, tmp_path):
     assert (run / "checkpoints" / "step_1" / "policy" / "adapter_config.json").exists()
 
 
-@pytest.mark.parametrize(
-    "fast", [[], ["--mixed-precision", "bf16", "--micro-batch-tokens", 40]], ids=["fp32", "bf16-packed"]
-)
-def test_learns_toy_task(tiny_peaky, toy_prompts, tmp_path, fast):
+def test_learns_toy_task(tiny_peaky, toy_prompts, tmp_path):
+    """Learns with the default (length-packed micro-batches); bf16 autocast learning is tested on GRPO
+    (on this hidden-64 model bf16 is 2.5x slower than float32)."""
     run_script(
         "ppo_llm.py",
         *toy(
@@ -159,7 +158,6 @@ def test_learns_toy_task(tiny_peaky, toy_prompts, tmp_path, fast):
             1.0,
             "--eval-every",
             0,
-            *fast,
         ),
         env={"TOY_MODEL": tiny_peaky},
     )
