@@ -49,8 +49,8 @@ from common.distributed import (
     UpdateGuard,
     backward,
     configure_deepspeed,
-    is_deepspeed,
     make_accelerator,
+    micro_batch_budget,
     prepare_frozen,
     unwrap_for_generation,
 )
@@ -346,11 +346,7 @@ def main(args: Args):
     exact_div(
         args.local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size"
     )
-    micro_batch_tokens = args.micro_batch_tokens
-    if is_deepspeed(accelerator) and micro_batch_tokens != 0:  # its engine counts micro-batches per step
-        if micro_batch_tokens > 0:
-            raise UserError("--micro-batch-tokens: DeepSpeed needs a fixed number of micro-batches per step; use 0")
-        micro_batch_tokens = 0  # -1 (default): row micro-batches
+    micro_batch_tokens = micro_batch_budget(accelerator, args.micro_batch_tokens)  # DeepSpeed: row micro-batches
     # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
     configure_deepspeed(
         accelerator, args.micro_batch_size, args.local_mini_batch_size // args.micro_batch_size, args.max_grad_norm
@@ -671,6 +667,7 @@ def main(args: Args):
             all_scores = accelerator.gather(scores)
             gen_tokens = accelerator.gather(lengths).sum().item()
             step_s = time.time() - t_step
+            per_batch = real_tokens / args.update_epochs  # real tokens of the rollout batch
             metrics = {
                 "train/reward": all_scores.mean().item(),
                 "train/reward_std": all_scores.std().item(),
@@ -699,17 +696,8 @@ def main(args: Args):
                 "perf/peak_mem_gb": peak_mem_gb(device),
                 "perf/padding_frac": 1 - real_tokens / max(padded_tokens, 1),
                 # real tokens run forward only (generation, pi_old, reference; the critic's values) and trained
-                "perf/mfu": mfu(
-                    policy,
-                    (2 + use_ref) * real_tokens / args.update_epochs,
-                    real_tokens,
-                    step_s,
-                    device,
-                    accelerator.mixed_precision,
-                )
-                + mfu(
-                    critic, real_tokens / args.update_epochs, real_tokens, step_s, device, accelerator.mixed_precision
-                ),
+                "perf/mfu": mfu(policy, (2 + use_ref) * per_batch, real_tokens, step_s, accelerator)
+                + mfu(critic, per_batch, real_tokens, step_s, accelerator),
                 "train/episodes": step * args.batch_size,
             }
             for name, v in {**components, **extras}.items():

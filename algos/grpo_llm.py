@@ -39,8 +39,8 @@ from common.distributed import (
     UpdateGuard,
     backward,
     configure_deepspeed,
-    is_deepspeed,
     make_accelerator,
+    micro_batch_budget,
     prepare_frozen,
     unwrap_for_generation,
 )
@@ -351,11 +351,7 @@ def main(args: Args):
     exact_div(
         args.local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size"
     )
-    micro_batch_tokens = args.micro_batch_tokens
-    if is_deepspeed(accelerator) and micro_batch_tokens != 0:  # its engine counts micro-batches per step
-        if micro_batch_tokens > 0:
-            raise UserError("--micro-batch-tokens: DeepSpeed needs a fixed number of micro-batches per step; use 0")
-        micro_batch_tokens = 0  # -1 (default): row micro-batches
+    micro_batch_tokens = micro_batch_budget(accelerator, args.micro_batch_tokens)  # DeepSpeed: row micro-batches
     # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
     configure_deepspeed(
         accelerator, args.micro_batch_size, args.local_mini_batch_size // args.micro_batch_size, args.max_grad_norm
@@ -670,6 +666,7 @@ def main(args: Args):
             all_scores = accelerator.gather(scores)
             by_group = all_scores.view(-1, G)
             step_s = time.time() - t_step
+            n_fwd = 1 + (args.old_logprobs_from == "trainer") + (args.kl_coef > 0)
             metrics = {
                 "train/reward": all_scores.mean().item(),
                 "train/reward_std": all_scores.std().item(),
@@ -694,14 +691,7 @@ def main(args: Args):
                 "perf/peak_mem_gb": peak_mem_gb(device),
                 "perf/padding_frac": 1 - real_tokens / max(padded_tokens, 1),
                 # forward-only passes over the batch's real tokens: generation, pi_old (trainer), reference
-                "perf/mfu": mfu(
-                    policy,
-                    (1 + (args.old_logprobs_from == "trainer") + (args.kl_coef > 0)) * real_tokens / args.update_epochs,
-                    real_tokens,
-                    step_s,
-                    device,
-                    accelerator.mixed_precision,
-                ),
+                "perf/mfu": mfu(policy, n_fwd * real_tokens / args.update_epochs, real_tokens, step_s, accelerator),
                 "train/episodes": step * args.num_prompts * G,
             }
             solved = accelerator.gather(b["solved"]).view(-1, G)  # (all prompts, G) exact-match

@@ -129,6 +129,17 @@ def configure_deepspeed(accelerator, micro_batch_size: int, accumulation_steps: 
     )
 
 
+def micro_batch_budget(accelerator, micro_batch_tokens: int) -> int:
+    """--micro-batch-tokens as this launch can run it: DeepSpeed's engine counts micro-batches per
+    optimizer step, so there the default (-1, packed) becomes 0 (row micro-batches) and an explicit
+    budget is a user error."""
+    if not is_deepspeed(accelerator) or micro_batch_tokens == 0:
+        return micro_batch_tokens
+    if micro_batch_tokens > 0:
+        raise UserError("--micro-batch-tokens: DeepSpeed needs a fixed number of micro-batches per step; use 0")
+    return 0
+
+
 def backward(accelerator, model, loss: torch.Tensor, last: bool) -> None:
     """Backward of one micro-batch's share of a minibatch loss; `last` marks the minibatch's final
     micro-batch. DDP / FSDP2 / one process: `accelerator.backward`; gradients add up and the script

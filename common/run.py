@@ -1018,7 +1018,7 @@ def matmul_peak_flops(device, dtype: torch.dtype = torch.float32) -> float:
     return _PEAK[key]
 
 
-def mfu(model, forward_tokens: float, train_tokens: float, seconds: float, device, mixed_precision: str) -> float:
+def mfu(model, forward_tokens: float, train_tokens: float, seconds: float, accelerator) -> float:
     """Model FLOPs utilisation of a step: (2 N per token run forward only, generation included, + 6 N
     per token trained) / seconds / the measured matmul peak of the compute dtype. N = the model's
     parameters but an untied input embedding; tokens are real tokens, so padding and recomputation show up as lost utilisation."""
@@ -1027,8 +1027,9 @@ def mfu(model, forward_tokens: float, train_tokens: float, seconds: float, devic
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     if head is not None and emb.weight is not head.weight:  # an untied input embedding is a lookup, not FLOPs
         n -= getattr(emb.weight, "ds_numel", emb.weight.numel())
-    dtype = torch.bfloat16 if mixed_precision == "bf16" else next(model.parameters()).dtype
-    return (2 * n * forward_tokens + 6 * n * train_tokens) / max(seconds, 1e-9) / matmul_peak_flops(device, dtype)
+    dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else next(model.parameters()).dtype
+    peak = matmul_peak_flops(accelerator.device, dtype)
+    return (2 * n * forward_tokens + 6 * n * train_tokens) / max(seconds, 1e-9) / peak
 
 
 def peak_mem_gb(device) -> float:

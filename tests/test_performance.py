@@ -193,7 +193,21 @@ def test_mfu_arithmetic(tiny, monkeypatch):
     n = sum(p.numel() for p in model.parameters())
     if model.get_input_embeddings().weight is not model.get_output_embeddings().weight:
         n -= model.get_input_embeddings().weight.numel()
-    assert run.mfu(model, 100, 10, 2.0, "cpu", "no") == pytest.approx((2 * n * 100 + 6 * n * 10) / 2.0 / 1e9)
+    acc = type("Acc", (), {"mixed_precision": "no", "device": "cpu"})()
+    assert run.mfu(model, 100, 10, 2.0, acc) == pytest.approx((2 * n * 100 + 6 * n * 10) / 2.0 / 1e9)
+
+
+def test_micro_batch_budget_under_deepspeed():
+    from common.distributed import micro_batch_budget
+    from common.run import UserError
+
+    ds, ddp = (
+        type("Acc", (), {"distributed_type": t})() for t in ("DistributedType.DEEPSPEED", "DistributedType.MULTI_CPU")
+    )
+    assert micro_batch_budget(ddp, -1) == -1 and micro_batch_budget(ddp, 512) == 512
+    assert micro_batch_budget(ds, -1) == 0 and micro_batch_budget(ds, 0) == 0  # the default falls back to rows
+    with pytest.raises(UserError, match="--micro-batch-tokens"):
+        micro_batch_budget(ds, 512)
 
 
 def test_micro_batch_counts_agree_across_processes_and_default_budget():
