@@ -62,6 +62,7 @@ from common.run import (
     seed_everything,
 )
 from common.tasks import default_preference_files, default_task_files
+from common.vllm_engine import make_engine
 
 
 @dataclass
@@ -158,6 +159,17 @@ class Args:
     """sampling temperature when --online"""
     max_new_tokens: int = 64
     """response length limit when --online and in evaluation"""
+    rollout_engine: Literal["hf", "vllm"] = "hf"
+    """hf: our decoding loop on the policy (exactly reproducible); vllm: a vLLM engine in this process, the
+    policy's weights pushed into it after each update (docs/rollout.md); for --online sampling and evaluation"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """vllm on GPUs: the share of GPU memory the engine may take (weights + KV cache), next to training"""
+    vllm_kv_cache_gb: float = 1.0
+    """vllm on CPU: KV-cache space (GiB)"""
+    vllm_tensor_parallel_size: int = 1
+    """vllm on GPUs: devices one engine spans (tensor-parallel generation)"""
+    vllm_sleep: bool = False
+    """vllm on GPUs: free the engine's memory during each update (sleep after a rollout, wake before the next)"""
     reward: str = "rule:1.0"
     """weighted reward sources for --online ranking"""
     reward_fn: Optional[list[str]] = None
@@ -360,6 +372,7 @@ def main(args: Args):
     start_step = restore_checkpoint(accelerator, ckpt, models, state, optimizers) if ckpt else 0
     if ckpt:
         log(f"resumed from {ckpt} at step {start_step}")
+    engine = make_engine(args, tok, policy, accelerator)  # --rollout-engine vllm: the colocated engine; hf: None
     run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
     tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
     stop = StopSignal(accelerator)
@@ -420,7 +433,7 @@ def main(args: Args):
             metrics["eval/loss"] = accelerator.gather(torch.cat(loss)).mean().item()
         if eval_prompts:
             m, _ = evaluate_policy(
-                accelerator, policy, tok, eval_reward, eval_prompts, args.max_new_tokens, args.micro_batch_size
+                accelerator, policy, tok, eval_reward, eval_prompts, args.max_new_tokens, args.micro_batch_size, engine
             )
             metrics.update(m)
         return metrics
@@ -458,7 +471,9 @@ def main(args: Args):
                 mix_seed(args.seed, step, (r * args.local_batch_size) * args.group_size + j) for j in range(len(rows))
             ]
             with unwrap_for_generation(accelerator, policy) as gen_model:
-                rollout = generate(gen_model, tok, q, qm, args.max_new_tokens, args.temperature, seeds=seeds)
+                rollout = generate(
+                    gen_model, tok, q, qm, args.max_new_tokens, args.temperature, seeds=seeds, engine=engine
+                )
             texts = tok.batch_decode(rollout.responses, skip_special_tokens=True)
             # the pairs train on the generated ids (EOS only where the policy emitted it), not on re-tokenised text
             response_ids = [

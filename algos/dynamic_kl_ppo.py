@@ -85,6 +85,7 @@ from common.run import (
     seed_everything,
 )
 from common.tasks import default_task_files
+from common.vllm_engine import make_engine
 
 
 @dataclass
@@ -197,6 +198,17 @@ class Args:
     """nucleus sampling"""
     top_k: int = 0
     """top-k sampling (0: off)"""
+    rollout_engine: Literal["hf", "vllm"] = "hf"
+    """hf: our decoding loop on the policy (exactly reproducible); vllm: a vLLM engine in this process, the
+    policy's weights pushed into it after each update, pi_old recomputed by the trainer (docs/rollout.md)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """vllm on GPUs: the share of GPU memory the engine may take (weights + KV cache), next to training"""
+    vllm_kv_cache_gb: float = 1.0
+    """vllm on CPU: KV-cache space (GiB)"""
+    vllm_tensor_parallel_size: int = 1
+    """vllm on GPUs: devices one engine spans (tensor-parallel generation)"""
+    vllm_sleep: bool = False
+    """vllm on GPUs: free the engine's memory during each update (sleep after a rollout, wake before the next)"""
 
     # --- optimisation
     total_steps: int = 100
@@ -467,6 +479,7 @@ def main(args: Args):
     start_step = restore_checkpoint(accelerator, ckpt, models, state, optimizers) if ckpt else 0
     if ckpt:
         log(f"resumed from {ckpt} at step {start_step}")
+    engine = make_engine(args, tok, policy, accelerator)  # --rollout-engine vllm: the colocated engine; hf: None
     run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
     tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
     stop = StopSignal(accelerator)
@@ -496,7 +509,7 @@ def main(args: Args):
 
     if args.eval_every and val_rows and start_step == 0:
         metrics, samples = evaluate_policy(
-            accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size
+            accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size, engine
         )
         tracker.log(0, {**metrics, **health.check(metrics)})
         tracker.samples(0, [{**s, "split": "eval"} for s in samples[: args.num_samples_logged]])
@@ -523,6 +536,7 @@ def main(args: Args):
                 args.top_k,
                 args.top_p,
                 seeds,
+                engine=engine,
             )
         gen_s = time.time() - t_gen
         query_responses, responses, mask = (
@@ -706,7 +720,7 @@ def main(args: Args):
                 metrics["reward/errors"] = reward.errors
             if evaluating:
                 eval_metrics, eval_samples = evaluate_policy(
-                    accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size
+                    accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size, engine
                 )
                 metrics.update(eval_metrics)
                 tracker.samples(step, [{**s, "split": "eval"} for s in eval_samples[: args.num_samples_logged]])

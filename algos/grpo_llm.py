@@ -74,6 +74,7 @@ from common.run import (
     seed_everything,
 )
 from common.tasks import default_task_files
+from common.vllm_engine import make_engine
 
 
 @dataclass
@@ -182,6 +183,17 @@ class Args:
     """nucleus sampling"""
     top_k: int = 0
     """top-k sampling (0: off)"""
+    rollout_engine: Literal["hf", "vllm"] = "hf"
+    """hf: our decoding loop on the policy (exactly reproducible); vllm: a vLLM engine in this process, the
+    policy's weights pushed into it after each update, pi_old recomputed by the trainer (docs/rollout.md)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """vllm on GPUs: the share of GPU memory the engine may take (weights + KV cache), next to training"""
+    vllm_kv_cache_gb: float = 1.0
+    """vllm on CPU: KV-cache space (GiB)"""
+    vllm_tensor_parallel_size: int = 1
+    """vllm on GPUs: devices one engine spans (tensor-parallel generation)"""
+    vllm_sleep: bool = False
+    """vllm on GPUs: free the engine's memory during each update (sleep after a rollout, wake before the next)"""
 
     # --- optimisation
     total_steps: int = 100
@@ -444,9 +456,11 @@ def main(args: Args):
     start_step = restore_checkpoint(accelerator, ckpt, models, state, optimizers) if ckpt else 0
     if ckpt:
         log(f"resumed from {ckpt} at step {start_step}")
+    engine = make_engine(args, tok, policy, accelerator)  # --rollout-engine vllm: the colocated engine; hf: None
     # pi_old may be the sampler's log-probs only where sampler and trainer compute the same numbers: one
     # pass (mu = 1), float32 weights without autocast (bf16 KV-cache decoding differs from the batched
-    # forward by up to 0.24 nats on SmolLM2), and no importance correction asked for. Else, with one
+    # forward by up to 0.24 nats on SmolLM2), our own sampler (not vLLM's kernels), and no importance
+    # correction asked for. Else, with one
     # optimizer step per batch (mu = 1, one minibatch), pi_old is the policy the update's forward runs:
     # its own log-probs, detached (ratio 1, as TRL does), no extra forward. Else recompute before the update.
     same_numerics = next(policy.parameters()).dtype == torch.float32 and accelerator.mixed_precision == "no"
@@ -455,7 +469,7 @@ def main(args: Args):
         "trainer"
         if args.tis_cap > 0 or args.update_epochs > 1
         else "sampler"
-        if same_numerics
+        if same_numerics and engine is None
         else "current"
         if one_step
         else "trainer"
@@ -492,6 +506,7 @@ def main(args: Args):
                 args.top_k,
                 args.top_p,
                 seeds,
+                engine=engine,
             )
         texts = tok.batch_decode(rollout.responses, skip_special_tokens=True)
         scores, components, extras = reward(rows, texts, rollout.response_mask.sum(1), device, rollout.is_eos)  # (B,)
@@ -526,7 +541,7 @@ def main(args: Args):
 
     if args.eval_every and val_rows and start_step == 0:
         metrics, samples = evaluate_policy(
-            accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size
+            accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size, engine
         )
         tracker.log(0, {**metrics, **health.check(metrics)})
         tracker.samples(0, [{**s, "split": "eval"} for s in samples[: args.num_samples_logged]])
@@ -707,7 +722,7 @@ def main(args: Args):
                 metrics["reward/errors"] = reward.errors
             if evaluating:
                 eval_metrics, eval_samples = evaluate_policy(
-                    accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size
+                    accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size, engine
                 )
                 metrics.update(eval_metrics)
                 tracker.samples(step, [{**s, "split": "eval"} for s in eval_samples[: args.num_samples_logged]])

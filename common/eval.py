@@ -42,8 +42,10 @@ def answer(
     temperature: float = 1.0,
     seed: int = 0,
     with_lengths: bool = False,
+    engine=None,
 ):
-    """responses[i][k]: the k-th answer to rows[i] (greedy when temperature == 0). With
+    """responses[i][k]: the k-th answer to rows[i] (greedy when temperature == 0), from `model` or through
+    `engine` (a VLLMEngine, synced from `model`). With
     `with_lengths`, also lengths[i][k] (response tokens) and is_eos[i][k] (ended with EOS), which
     the `length` and `model` reward terms need."""
     device = next(model.parameters()).device
@@ -53,7 +55,7 @@ def answer(
             batch = rows[i : i + batch_size]
             q, qm = tokenize_queries(tok, [r.text for r in batch], device)
             seeds = None if temperature == 0 else [mix_seed(seed, k, r.uid) for r in batch]
-            rollout = generate(model, tok, q, qm, max_new_tokens, max(temperature, 1e-5), seeds=seeds)
+            rollout = generate(model, tok, q, qm, max_new_tokens, max(temperature, 1e-5), seeds=seeds, engine=engine)
             n, e = rollout.response_mask.sum(1).tolist(), rollout.is_eos.tolist()
             for j, text in enumerate(tok.batch_decode(rollout.responses, skip_special_tokens=True)):
                 out[i + j].append(text)
@@ -119,8 +121,9 @@ def score(rows, responses: list[list[str]], reward: Reward, lengths=None, is_eos
 
 
 @torch.no_grad()
-def evaluate_policy(accelerator, policy, tok, reward: Reward, rows, max_new_tokens: int, batch_size: int):
-    """Validation inside training: greedy answers to `rows`, split across processes.
+def evaluate_policy(accelerator, policy, tok, reward: Reward, rows, max_new_tokens: int, batch_size: int, engine=None):
+    """Validation inside training: greedy answers to `rows`, split across processes (through `engine`,
+    the vLLM engine of --rollout-engine vllm, when given).
     Returns ({eval/reward, eval/accuracy} as global means, this rank's samples). Accuracy is exact
     match (the reward's `acc` field, else score >= 1), never partial credit."""
     world = accelerator.num_processes
@@ -131,7 +134,7 @@ def evaluate_policy(accelerator, policy, tok, reward: Reward, rows, max_new_toke
         for i in range(0, len(local), batch_size):
             batch = local[i : i + batch_size]
             q, qm = tokenize_queries(tok, [x.text for x in batch], accelerator.device)
-            rollout = generate(model, tok, q, qm, max_new_tokens)
+            rollout = generate(model, tok, q, qm, max_new_tokens, engine=engine)
             texts = tok.batch_decode(rollout.responses, skip_special_tokens=True)
             s, _, extra = reward(batch, texts, rollout.response_mask.sum(1), accelerator.device, rollout.is_eos)
             scores.append(s)

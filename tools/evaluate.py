@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 from common import models as M
 from common.data import load_prompts
 from common.eval import answer, load_any, sampled_metrics, score
 from common.rewards import Reward
+from common.vllm_engine import tool_engine
 
 
 @dataclass
@@ -53,6 +54,12 @@ class Args:
     """markdown file with every model's answer per prompt"""
     json_out: Optional[str] = None
     """write the scores as JSON here"""
+    rollout_engine: Literal["hf", "vllm"] = "hf"
+    """hf: our decoding loop; vllm: a vLLM engine in this process, loaded with the model's weights (docs/rollout.md)"""
+    vllm_gpu_memory_utilization: float = 0.5
+    """vllm on GPUs: the share of GPU memory the engine may take"""
+    vllm_kv_cache_gb: float = 1.0
+    """vllm on CPU: KV-cache space (GiB)"""
 
 
 def main(args: Args) -> dict:
@@ -63,14 +70,23 @@ def main(args: Args) -> dict:
     rows = load_prompts(data, tok, max_prompt_length=10_000)[: args.num_prompts]
     reward = Reward(args.reward, args.reward_fn, max_new_tokens=args.max_new_tokens, reward_weights=args.reward_weights)
     reward.check({r.data_source for r in rows})
-    results, answers = {}, {}
+    results, answers, engine = {}, {}, None
     for name in args.models:
         model = load_any(
             M.resolve_model_path(name),
             M.load_tokenizer(name) if Path(M.resolve_model_path(name), "tokenizer_config.json").exists() else tok,
         ).eval()
+        engine = tool_engine(args, name, tok, model, engine)  # vllm: one engine, each model's weights pushed in turn
         answers[name], lengths, is_eos = answer(
-            model, tok, rows, args.max_new_tokens, args.batch_size, args.samples, args.temperature, with_lengths=True
+            model,
+            tok,
+            rows,
+            args.max_new_tokens,
+            args.batch_size,
+            args.samples,
+            args.temperature,
+            with_lengths=True,
+            engine=engine,
         )
         results[name] = score(rows, answers[name], reward, lengths, is_eos)
         if args.n > 1:
@@ -84,6 +100,7 @@ def main(args: Args) -> dict:
                 args.sample_temperature,
                 seed=1,
                 with_lengths=True,
+                engine=engine,
             )
             for src, d in sampled_metrics(rows, sampled, reward, s_lengths, s_eos).items():
                 results[name][src].update(d)

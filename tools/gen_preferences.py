@@ -11,7 +11,7 @@ self-play DPO" pipeline. Prompts whose K scores all tie give no pair; the tool r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import torch
 import tyro
@@ -21,6 +21,7 @@ from common.data import load_prompts, read_table, write_rows
 from common.eval import answer, load_any
 from common.rewards import Reward
 from common.run import UserError
+from common.vllm_engine import tool_engine
 
 
 @dataclass
@@ -49,6 +50,12 @@ class Args:
     """sequences per generate call"""
     seed: int = 0
     """sampling seed"""
+    rollout_engine: Literal["hf", "vllm"] = "hf"
+    """hf: our decoding loop; vllm: a vLLM engine in this process, loaded with the model's weights (docs/rollout.md)"""
+    vllm_gpu_memory_utilization: float = 0.5
+    """vllm on GPUs: the share of GPU memory the engine may take"""
+    vllm_kv_cache_gb: float = 1.0
+    """vllm on CPU: KV-cache space (GiB)"""
 
 
 def main(args: Args) -> dict:
@@ -62,6 +69,7 @@ def main(args: Args) -> dict:
     reward = Reward(args.reward, args.reward_fn, max_new_tokens=args.max_new_tokens, reward_weights=args.reward_weights)
     reward.check({r.data_source for r in rows})
     model = load_any(M.resolve_model_path(args.model), tok).eval()
+    engine = tool_engine(args, args.model, tok, model)
     responses, lengths, is_eos = answer(
         model,
         tok,
@@ -72,6 +80,7 @@ def main(args: Args) -> dict:
         args.temperature,
         args.seed,
         with_lengths=True,
+        engine=engine,
     )
     # real response lengths (the `length` term) and EOS flags (the `model` term), per sample
     scores = torch.stack(

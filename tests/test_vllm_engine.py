@@ -1,0 +1,292 @@
+"""--rollout-engine vllm: parity with the hf engine, weight sync, per-sample seeds, stop strings, LoRA.
+
+vLLM's CPU attention needs a head size of 32 or more: these tests use a hidden-64 model with one head.
+One engine per test module (vLLM sets process-wide state when an engine starts); tests that change
+the policy's weights push them with `sync(force=True)` and put the original weights back at the end.
+"""
+
+import json
+
+import pytest
+import torch
+
+from conftest import REPO, only_run, read_metrics, run_script
+
+pytest.importorskip("vllm", reason="vLLM is part of the CI install (requirements-vllm.txt)")
+
+from common import models as M  # noqa: E402
+from common.rollout import forward_logprobs, generate, sequence_attention_mask, tokenize_queries  # noqa: E402
+from common.run import mix_seed  # noqa: E402
+from common.vllm_engine import VLLMEngine  # noqa: E402
+
+TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
+
+PROMPTS = ["hi", "count to three please", "yes", "a much longer prompt than the others, with commas, and words"]
+
+
+@pytest.fixture(scope="module")
+def tiny_vllm(tmp_path_factory):
+    path = M.tiny_model(tmp_path_factory.mktemp("tiny_vllm"), heads=1, init_std=0.2)
+    tok = M.load_tokenizer(path)
+    model = M.load_causal_lm(path, tok).eval()
+    engine = VLLMEngine(path, tok, max_model_len=256, seed=0)
+    return path, tok, model, engine
+
+
+def _queries(tok, texts=PROMPTS):
+    return tokenize_queries(
+        tok,
+        [
+            tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+            for t in texts
+        ],
+    )
+
+
+def test_greedy_equals_the_hf_engine_token_for_token(tiny_vllm):
+    _, tok, model, engine = tiny_vllm
+    q, qm = _queries(tok)
+    hf = generate(model, tok, q, qm, 16)
+    vl = generate(model, tok, q, qm, 16, engine=engine)
+    assert torch.equal(vl.responses, hf.responses)
+    assert torch.equal(vl.response_mask, hf.response_mask)
+    assert torch.equal(vl.is_eos, hf.is_eos) and torch.equal(vl.truncated, hf.truncated)
+    assert vl.logprobs is None  # greedy: no sampler log-probs, as the hf engine
+
+
+def test_sampled_logprobs_equal_the_trainers(tiny_vllm):
+    """The engine's log-prob of each token it sampled = the trainer's recomputed log-prob (fp32: < 1e-4)."""
+    _, tok, model, engine = tiny_vllm
+    q, qm = _queries(tok, PROMPTS * 4)
+    seeds = [mix_seed(1, 1, i) for i in range(len(q))]
+    for temperature in (1.0, 0.7):
+        r = generate(model, tok, q, qm, 12, temperature, seeds=seeds, engine=engine)
+        P = q.shape[1]
+        with torch.no_grad():
+            lp = forward_logprobs(
+                model, r.query_responses, sequence_attention_mask(qm, r.responses.shape[1]), P, temperature
+            )
+        diff = ((lp - r.logprobs).abs() * r.response_mask).sum() / r.response_mask.sum()
+        assert diff < 1e-4, (temperature, diff)
+        assert (r.response_mask.sum(1) > 0).all()
+
+
+def test_a_sample_depends_on_its_seed_not_on_its_batch(tiny_vllm):
+    _, tok, model, engine = tiny_vllm
+    q, qm = _queries(tok)
+    seeds = [mix_seed(3, 7, i) for i in range(len(q))]
+    batch = generate(model, tok, q, qm, 12, seeds=seeds, engine=engine)
+    for i in (0, 3):
+        qi, qmi = _queries(tok, [PROMPTS[i]])
+        alone = generate(model, tok, qi, qmi, 12, seeds=[seeds[i]], engine=engine)
+        n = int(alone.response_mask.sum())
+        assert torch.equal(alone.responses[0, :n], batch.responses[i, :n]) and int(batch.response_mask[i].sum()) == n
+    other = generate(model, tok, q, qm, 12, seeds=[s + 1 for s in seeds], engine=engine)
+    assert not torch.equal(other.responses, batch.responses)  # the seed does choose the sample
+
+
+def test_weight_sync_after_updates(tiny_vllm):
+    """Two optimizer steps on the HF model: the engine, synced, decodes exactly as the updated model does;
+    without a change since the last sync, nothing is pushed."""
+    _, tok, model, engine = tiny_vllm
+    q, qm = _queries(tok)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    before = generate(model, tok, q, qm, 10, engine=engine)
+    assert engine.sync(model) is False  # unchanged since the generate above
+    opt = torch.optim.SGD(model.parameters(), lr=5.0)
+    for _ in range(2):
+        opt.zero_grad()
+        out = model(input_ids=q, attention_mask=qm)
+        out.logits[..., 42].mean().mul(-1).backward()  # push token 42 up everywhere
+        opt.step()
+    try:
+        hf = generate(model, tok, q, qm, 10)
+        vl = generate(model, tok, q, qm, 10, engine=engine)  # syncs: the parameters' versions moved
+        assert not torch.equal(hf.responses, before.responses)  # the update changed what greedy says
+        assert torch.equal(vl.responses, hf.responses)
+    finally:
+        with torch.no_grad():
+            model.load_state_dict(saved)
+        engine.sync(model, force=True)
+
+
+def test_lora_policy_syncs_merged_weights(tiny_vllm):
+    from peft import LoraConfig, get_peft_model
+
+    path, tok, _, engine = tiny_vllm
+    base = M.load_causal_lm(path, tok)
+    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 1.0)  # a nonzero adapter
+    peft.eval()
+    q, qm = _queries(tok)
+    try:
+        hf = generate(peft, tok, q, qm, 10)
+        engine.sync(peft, force=True)
+        vl = generate(peft, tok, q, qm, 10, engine=engine)
+        assert torch.equal(vl.responses, hf.responses)
+    finally:
+        engine.sync(M.load_causal_lm(path, tok), force=True)
+
+
+def test_stop_strings_top_k_top_p_and_truncation(tiny_vllm):
+    _, tok, model, engine = tiny_vllm
+    q, qm = _queries(tok, PROMPTS * 2)
+    seeds = list(range(len(q)))
+    r = generate(model, tok, q, qm, 8, 1.0, top_k=5, top_p=0.9, seeds=seeds, engine=engine)
+    lengths = r.response_mask.sum(1)
+    assert (lengths <= 8).all() and torch.equal(r.truncated, (lengths == 8) & ~r.is_eos)
+    # a stop string taken from a greedy response: that response ends right after it
+    g = generate(model, tok, q[:1], qm[:1], 8, engine=engine)
+    text = tok.decode(g.responses[0, :4])
+    s = generate(model, tok, q[:1], qm[:1], 8, stop_strings=[text], engine=engine)
+    assert tok.decode(s.responses[0][s.response_mask[0].bool()]).endswith(text)
+    assert not s.truncated[0] and not s.is_eos[0] and int(s.response_mask[0].sum()) <= 4
+
+
+# ---------------------------------------------------------------------------------------------
+# The scripts with --rollout-engine vllm (subprocesses, as users run them)
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def peaky_vllm(tmp_path_factory):
+    """The learning tests' peaky tiny model, with one head of 64 (vLLM's CPU attention needs >= 32)."""
+    return M.tiny_model(tmp_path_factory.mktemp("peaky_vllm"), heads=1, init_std=0.2)
+
+
+def _grpo_flags(model, prompts, out, *extra):
+    return [
+        "--model-name-or-path", model, "--train-files", prompts, "--reward-fn", TOY_REWARD, "--output-dir", out,
+        "--num-prompts", 8, "--group-size", 4, "--mini-batch-size", 16, "--micro-batch-size", 16,
+        "--max-new-tokens", 6, "--learning-rate", 3e-3, "--rollout-engine", "vllm", *extra,
+    ]  # fmt: skip
+
+
+def test_grpo_learns_with_the_vllm_engine(peaky_vllm, toy_prompts, tmp_path):
+    """Rollouts from vLLM, weights synced after every update: the toy reward rises as with the hf engine,
+    pi_old is recomputed (the sampler is not the trainer) and the sampler-trainer gap stays small."""
+    run_script(
+        "grpo_llm.py",
+        *_grpo_flags(peaky_vllm, toy_prompts, tmp_path, "--total-steps", 15, "--update-epochs", 2, "--eval-every", 0),
+        env={"TOY_MODEL": peaky_vllm},
+    )
+    run = only_run(tmp_path)
+    rows = read_metrics(run)
+    rewards = [r["train/reward"] for r in rows]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.1, rewards
+    assert all(r["train/sampler_logprob_diff"] < 1e-3 for r in rows), [r["train/sampler_logprob_diff"] for r in rows]
+    assert json.loads((run / "args.json").read_text())["old_logprobs_from"] == "trainer"
+
+
+def test_ppo_learns_with_the_vllm_engine(peaky_vllm, toy_prompts, tmp_path):
+    flags = [
+        "--model-name-or-path", peaky_vllm, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD,
+        "--output-dir", tmp_path, "--total-steps", 12, "--batch-size", 32, "--mini-batch-size", 16,
+        "--micro-batch-size", 16, "--max-new-tokens", 6, "--learning-rate", 3e-3, "--critic-learning-rate", 3e-3,
+        "--kl-coef", 0, "--update-epochs", 4, "--lam", 1.0, "--eval-every", 0, "--rollout-engine", "vllm",
+    ]  # fmt: skip
+    run_script("ppo_llm.py", *flags, env={"TOY_MODEL": peaky_vllm})
+    rewards = [r["train/reward"] for r in read_metrics(only_run(tmp_path))]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.1, rewards
+
+
+def test_resume_with_the_vllm_engine_gives_identical_metrics(peaky_vllm, toy_prompts, tmp_path):
+    """4 steps straight = 2 steps + resume + 2 steps: the resumed engine starts from the checkpoint's
+    weights (synced at its first rollout) and each sample from its own seed."""
+    env = {"TOY_MODEL": peaky_vllm}
+    flags = lambda out, n: _grpo_flags(peaky_vllm, toy_prompts, out, "--total-steps", n, "--eval-every", 2)  # noqa: E731
+    run_script("grpo_llm.py", *flags(tmp_path / "a", 4), env=env)
+    run_script("grpo_llm.py", *flags(tmp_path / "b", 2), env=env)
+    first = only_run(tmp_path / "b")
+    run_script("grpo_llm.py", *flags(tmp_path / "c", 4), "--resume", first, env=env)
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]  # noqa: E731
+    straight, resumed = strip(read_metrics(only_run(tmp_path / "a"))), strip(read_metrics(first))
+    assert [r["step"] for r in straight] == [1, 2, 3, 4]
+    assert straight == resumed
+
+
+def test_evaluate_tool_same_scores_on_both_engines(tiny_vllm, tmp_path):
+    """python -m tools.evaluate, greedy: the vllm engine gives the hf engine's answers, hence the same scores."""
+    import subprocess
+    import sys
+
+    path = tiny_vllm[0]
+    data = tmp_path / "p.jsonl"
+    data.write_text(
+        "\n".join(
+            json.dumps(
+                {
+                    "prompt": [{"role": "user", "content": f"{i} + {i} ="}],
+                    "data_source": "openai/gsm8k",
+                    "reward_model": {"ground_truth": str(2 * i)},
+                }
+            )
+            for i in range(6)
+        )  # fmt: skip
+    )
+    for engine in ("hf", "vllm"):
+        cmd = [sys.executable, "-m", "tools.evaluate", "--models", path, "--data", str(data), "--max-new-tokens", 8]
+        cmd += [
+            "--rollout-engine",
+            engine,
+            "--out",
+            tmp_path / f"{engine}.md",
+            "--json-out",
+            tmp_path / f"{engine}.json",
+        ]
+        proc = subprocess.run(list(map(str, cmd)), cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "hf.json").read_text()) == json.loads((tmp_path / "vllm.json").read_text())
+    assert (tmp_path / "hf.md").read_text() == (tmp_path / "vllm.md").read_text()
+
+
+def test_smollm2_greedy_parity_and_logprob_gap():
+    """The real default model in float32: greedy token ids identical to the hf engine's; the vllm engine's
+    log-probs of its own samples vs the trainer's recomputation: mean |diff| < 1e-4 (measured: docs/rollout.md)."""
+    from common.data import load_prompts
+    from common.tasks import default_task_files
+
+    tok = M.load_tokenizer(M.DEFAULT_MODEL)
+    model = M.load_causal_lm(M.DEFAULT_MODEL, tok, dtype="float32").eval()
+    rows = load_prompts([default_task_files()[1]], tok, log=lambda *a: None)[:8]
+    q, qm = tokenize_queries(tok, [r.text for r in rows])
+    engine = VLLMEngine(M.resolve_model_path(M.DEFAULT_MODEL), tok, max_model_len=512, seed=0)
+    hf = generate(model, tok, q, qm, 24)
+    vl = generate(model, tok, q, qm, 24, engine=engine)
+    assert torch.equal(vl.responses, hf.responses)
+    r = generate(model, tok, q, qm, 24, seeds=[mix_seed(1, 1, i) for i in range(len(q))], engine=engine)
+    with torch.no_grad():
+        lp = forward_logprobs(model, r.query_responses, sequence_attention_mask(qm, r.responses.shape[1]), q.shape[1])
+    gap = ((lp - r.logprobs).abs() * r.response_mask).sum() / r.response_mask.sum()
+    print(f"SmolLM2 fp32: sampler-trainer mean |logprob diff| {gap:.2e} over {int(r.response_mask.sum())} tokens")
+    assert gap < 1e-4
+
+
+def test_two_processes_sample_what_one_process_samples(peaky_vllm, toy_prompts, tmp_path):
+    """accelerate launch, 2 CPU processes, one colocated engine each: the same responses (hence the same
+    rewards) as one process, since each sample comes from its own seed; with one minibatch per step both
+    make the same update (to float rounding), so the later steps' samples agree too."""
+    import os
+    import subprocess
+    import sys
+
+    extra = ["--total-steps", 3, "--eval-every", 0, "--mini-batch-size", 32, "--micro-batch-size", 8]  # one minibatch
+    run_script(
+        "grpo_llm.py", *_grpo_flags(peaky_vllm, toy_prompts, tmp_path / "one", *extra), env={"TOY_MODEL": peaky_vllm}
+    )
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    cmd += [REPO / "configs/accelerate/cpu_2proc.yaml", REPO / "algos/grpo_llm.py"]
+    cmd += _grpo_flags(peaky_vllm, toy_prompts, tmp_path / "two", *extra)
+    proc = subprocess.run(
+        list(map(str, cmd)), capture_output=True, text=True, timeout=600, env={**os.environ, "TOY_MODEL": peaky_vllm}
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    one, two = read_metrics(only_run(tmp_path / "one")), read_metrics(only_run(tmp_path / "two"))
+    assert json.loads((only_run(tmp_path / "two") / "args.json").read_text())["world_size"] == 2
+    for a, b in zip(one, two, strict=True):
+        assert a["train/reward"] == pytest.approx(b["train/reward"], abs=1e-6)
+        assert a["train/response_len"] == pytest.approx(b["train/response_len"], abs=1e-6)
