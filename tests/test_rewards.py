@@ -105,6 +105,20 @@ def test_weighted_mix_logs_components():
         Reward("model:1.0")
 
 
+def test_exact_reward_drops_partial_credit():
+    """'exact': 1 only for an exactly right answer. letter_counting's own scorer gives containment credit
+    ("1.28" for 1 scores 0.25, "12" 0.5): the credit GRPO farmed on that task (docs/results.md)."""
+    lc = rg_row("letter_counting")
+    gt = lc.ground_truth
+    texts = [f"<answer>{gt}</answer>", f"<answer>{gt}.28</answer>", f"<answer>{gt}2</answer>", "no idea"]
+    lens = torch.tensor([4, 4, 4, 2])
+    _, rule, extras = Reward("rule:1.0")([lc] * 4, texts, lens)
+    scores, comps, _ = Reward("exact:2.0,format:0.5")([lc] * 4, texts, lens)
+    assert rule["rule"].tolist() == [1.0, 0.25, 0.5, 0.0]  # reasoning-gym's partial credit
+    assert comps["exact"].tolist() == extras["acc"].tolist() == [1.0, 0.0, 0.0, 0.0] and "rule" not in comps
+    assert scores.tolist() == pytest.approx([2.5, 0.5, 0.5, 0.0])
+
+
 def test_reward_model_scores_batched(tiny):
     from common.models import load_reward_model, load_tokenizer
 
