@@ -46,17 +46,23 @@ def require_vllm():
 
 def merged_state_dict(model) -> dict:
     """The full weights a plain (non-LoRA) copy of `model` would have: a peft model's adapters merged into
-    their base weights (W + scaling * B @ A), names without peft's prefixes; any other model's state_dict."""
+    their base weights (W + scaling * B @ A), names without peft's prefixes; any other model's state_dict.
+    Full tensors: sharded (FSDP2 DTensor) entries are gathered."""
     try:
         from peft import PeftModel
     except ImportError:  # pragma: no cover
         PeftModel = ()
+    from torch.distributed.tensor import DTensor
+
+    # FSDP2: the state dict holds DTensor shards even inside unshard(); gathered here, one parameter at a
+    # time, on every rank in the same order (each rank pushes into its own engine)
+    sd = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
     if not isinstance(model, PeftModel):
-        return model.state_dict()
+        return sd
     from common.models import merge_lora_state_dict
 
     cfg = model.peft_config["default"]
-    return merge_lora_state_dict(model.state_dict(), cfg.lora_alpha / cfg.r)
+    return merge_lora_state_dict(sd, cfg.lora_alpha / cfg.r)
 
 
 class VLLMEngine:
@@ -134,9 +140,14 @@ class VLLMEngine:
             self.asleep = False
 
     @staticmethod
-    def _version(model) -> int:
-        # every in-place update of a parameter (an optimizer step, a resume) bumps its version counter
-        return sum(p._version for p in model.parameters())
+    def _version(model):
+        """The parameters' in-place version counters: an optimizer step or a resume bumps them. Under
+        DeepSpeed ZeRO-3 the step writes DeepSpeed's own partitions, not the module's parameters: a new
+        object every time (never equal), so every rollout phase pushes."""
+        params = list(model.parameters())
+        if any(hasattr(p, "ds_id") for p in params):
+            return object()
+        return sum(p._version for p in params)
 
     @torch.no_grad()
     def sync(self, model, force: bool = False) -> bool:

@@ -472,3 +472,14 @@ def test_deepspeed_engine_files_are_vetted_before_loading(tmp_path):
     with pytest.raises(ValueError, match="which loading would execute"):
         check_deepspeed_files(tmp_path / "deepspeed")
     assert not marker.exists()
+
+
+def test_rollout_engine_vllm_without_vllm_names_the_install(monkeypatch):
+    import sys
+
+    from common.run import UserError
+    from common.vllm_engine import require_vllm
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
+    with pytest.raises(UserError, match="requirements-vllm.txt.*pip install vllm"):
+        require_vllm()

@@ -266,27 +266,46 @@ def test_smollm2_greedy_parity_and_logprob_gap():
     assert gap < 1e-4
 
 
-def test_two_processes_sample_what_one_process_samples(peaky_vllm, toy_prompts, tmp_path):
+TWO_PROC = ["--total-steps", 3, "--eval-every", 0, "--mini-batch-size", 32, "--micro-batch-size", 8]  # one minibatch
+
+
+@pytest.fixture(scope="module")
+def one_process_metrics(peaky_vllm, toy_prompts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one_process")
+    run_script("grpo_llm.py", *_grpo_flags(peaky_vllm, toy_prompts, out, *TWO_PROC), env={"TOY_MODEL": peaky_vllm})
+    return read_metrics(only_run(out))
+
+
+@pytest.mark.parametrize("config", ["cpu_2proc", "cpu_2proc_fsdp2", "cpu_2proc_zero3"], ids=["DDP", "FSDP2", "ZeRO-3"])
+def test_two_processes_sample_what_one_process_samples(peaky_vllm, toy_prompts, tmp_path, one_process_metrics, config):
     """accelerate launch, 2 CPU processes, one colocated engine each: the same responses (hence the same
     rewards) as one process, since each sample comes from its own seed; with one minibatch per step both
-    make the same update (to float rounding), so the later steps' samples agree too."""
+    make the same update (to float rounding), so the later steps' samples agree too: the weights pushed
+    after each update are the updated ones under DDP, FSDP2 (DTensor shards gathered) and ZeRO-3
+    (DeepSpeed's partitions, pushed every phase)."""
     import os
     import subprocess
     import sys
 
-    extra = ["--total-steps", 3, "--eval-every", 0, "--mini-batch-size", 32, "--micro-batch-size", 8]  # one minibatch
-    run_script(
-        "grpo_llm.py", *_grpo_flags(peaky_vllm, toy_prompts, tmp_path / "one", *extra), env={"TOY_MODEL": peaky_vllm}
-    )
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
-    cmd += [REPO / "configs/accelerate/cpu_2proc.yaml", REPO / "algos/grpo_llm.py"]
-    cmd += _grpo_flags(peaky_vllm, toy_prompts, tmp_path / "two", *extra)
+    cmd += [REPO / f"configs/accelerate/{config}.yaml", REPO / "algos/grpo_llm.py"]
+    cmd += _grpo_flags(peaky_vllm, toy_prompts, tmp_path, *TWO_PROC)
     proc = subprocess.run(
         list(map(str, cmd)), capture_output=True, text=True, timeout=600, env={**os.environ, "TOY_MODEL": peaky_vllm}
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    one, two = read_metrics(only_run(tmp_path / "one")), read_metrics(only_run(tmp_path / "two"))
-    assert json.loads((only_run(tmp_path / "two") / "args.json").read_text())["world_size"] == 2
-    for a, b in zip(one, two, strict=True):
-        assert a["train/reward"] == pytest.approx(b["train/reward"], abs=1e-6)
+    two = read_metrics(only_run(tmp_path))
+    assert json.loads((only_run(tmp_path) / "args.json").read_text())["world_size"] == 2
+    for a, b in zip(one_process_metrics, two, strict=True):
+        assert a["train/reward"] == pytest.approx(b["train/reward"], abs=1e-6), (a["step"], config)
         assert a["train/response_len"] == pytest.approx(b["train/response_len"], abs=1e-6)
+
+
+def test_gpu_only_engine_flags_are_refused_on_cpu(tiny_vllm):
+    from common.run import UserError
+
+    path, tok, _, _ = tiny_vllm
+    with pytest.raises(UserError, match="--vllm-sleep .* needs a GPU"):
+        VLLMEngine(path, tok, 256, 0, sleep=True)
+    with pytest.raises(UserError, match="--vllm-tensor-parallel-size > 1 needs GPUs"):
+        VLLMEngine(path, tok, 256, 0, tensor_parallel_size=2)
