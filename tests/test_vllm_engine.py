@@ -309,3 +309,13 @@ def test_gpu_only_engine_flags_are_refused_on_cpu(tiny_vllm):
         VLLMEngine(path, tok, 256, 0, sleep=True)
     with pytest.raises(UserError, match="--vllm-tensor-parallel-size > 1 needs GPUs"):
         VLLMEngine(path, tok, 256, 0, tensor_parallel_size=2)
+
+
+def test_bf16_training_gets_a_bf16_engine(peaky_vllm, toy_prompts, tmp_path):
+    """--mixed-precision bf16: the engine runs in bfloat16 too (weights cast as pushed); pi_old is the
+    trainer's, and the logged sampler-trainer gap is that of two bf16 computations: nonzero, small."""
+    flags = _grpo_flags(peaky_vllm, toy_prompts, tmp_path, "--total-steps", 2, "--eval-every", 0)
+    run_script("grpo_llm.py", *flags, "--mixed-precision", "bf16", env={"TOY_MODEL": peaky_vllm})
+    rows = read_metrics(only_run(tmp_path))
+    gaps = [r["train/sampler_logprob_diff"] for r in rows]
+    assert all(1e-4 < g < 0.2 for g in gaps), gaps  # fp32 engine and trainer agree to < 1e-4 (above)
