@@ -31,6 +31,10 @@ def launch(script, *flags, env=None, config="cpu_2proc"):
         *map(str, flags),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
+        # seen once in CI (1 of ~50 launches, a ZeRO-3 child, after its outputs were written; 4 of 4 reruns
+        # passed): a C++ thread aborting the interpreter's exit. Rerun once; any other failure fails at once.
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 

@@ -54,7 +54,7 @@ def test_heldout_end_to_end_on_a_tiny_model(tiny, tmp_path):
     """Trains GRPO on the built-in task for one step (budget passed at once), then scores the base model
     and the checkpoint on a test split disjoint by problem from the training file: one JSON line."""
     out = tmp_path / "results.jsonl"
-    flags = f"--model-name-or-path {tiny} --num-prompts 2 --group-size 2 --mini-batch-size 4 --max-new-tokens 4 --eval-every 0"
+    flags = f"--model-name-or-path {tiny} --num-prompts 2 --group-size 2 --mini-batch-size 4 --micro-batch-size 4 --max-new-tokens 4 --eval-every 0"
     cmd = [sys.executable, str(REPO / "benchmarks" / "heldout.py"), "--algos", "grpo", "--tasks", "chain_sum_1d"]
     cmd += ["--minutes", "1e-6", "--test-size", "8", "--tag", "t", "--script-args", flags]
     cmd += ["--output-dir", str(tmp_path / "runs"), "--out", str(out)]

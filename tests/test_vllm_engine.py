@@ -319,3 +319,27 @@ def test_bf16_training_gets_a_bf16_engine(peaky_vllm, toy_prompts, tmp_path):
     rows = read_metrics(only_run(tmp_path))
     gaps = [r["train/sampler_logprob_diff"] for r in rows]
     assert all(1e-4 < g < 0.2 for g in gaps), gaps  # fp32 engine and trainer agree to < 1e-4 (above)
+
+
+def test_online_dpo_with_lora_and_dynamic_kl_ppo_run_on_the_vllm_engine(peaky_vllm, toy_prompts, tmp_path):
+    """The other samplers: online DPO (LoRA policy: merged weights pushed) and dynamic-KL PPO, 2 steps each,
+    with validation through the engine."""
+    env = {"TOY_MODEL": peaky_vllm}
+    common = ["--model-name-or-path", peaky_vllm, "--train-files", toy_prompts, "--val-files", toy_prompts,
+              "--num-eval-prompts", 4, "--reward-fn", TOY_REWARD, "--total-steps", 2, "--eval-every", 2,
+              "--max-new-tokens", 6, "--rollout-engine", "vllm"]  # fmt: skip
+    run_script(
+        "dpo_llm.py", *common, "--online", "--output-dir", tmp_path / "dpo", "--batch-size", 2,
+        "--micro-batch-size", 1, "--group-size", 3, "--lora-r", 4, env=env,
+    )  # fmt: skip
+    rows = read_metrics(only_run(tmp_path / "dpo"))
+    train = [r for r in rows if "train/pairs" in r]
+    assert len(train) == 2 and sum(r["train/pairs"] + r["train/skipped_ties"] for r in train) == 4
+    assert "eval/accuracy" in rows[-1]
+    run_script(
+        "dynamic_kl_ppo.py", *common, "--output-dir", tmp_path / "dkl", "--batch-size", 8,
+        "--mini-batch-size", 8, "--micro-batch-size", 8, env=env,
+    )  # fmt: skip
+    rows = read_metrics(only_run(tmp_path / "dkl"))
+    assert [r["step"] for r in rows] == [0, 1, 2] and "eval/accuracy" in rows[-1]
+    assert all(r["train/sampler_logprob_diff"] < 1e-3 for r in rows[1:])
