@@ -325,11 +325,11 @@ def test_online_dpo_with_lora_and_dynamic_kl_ppo_run_on_the_vllm_engine(peaky_vl
     """The other samplers: online DPO (LoRA policy: merged weights pushed) and dynamic-KL PPO, 2 steps each,
     with validation through the engine."""
     env = {"TOY_MODEL": peaky_vllm}
-    common = ["--model-name-or-path", peaky_vllm, "--train-files", toy_prompts, "--val-files", toy_prompts,
-              "--num-eval-prompts", 4, "--reward-fn", TOY_REWARD, "--total-steps", 2, "--eval-every", 2,
-              "--max-new-tokens", 6, "--rollout-engine", "vllm"]  # fmt: skip
+    common = ["--model-name-or-path", peaky_vllm, "--train-files", toy_prompts, "--num-eval-prompts", 4,
+              "--reward-fn", TOY_REWARD, "--total-steps", 2, "--eval-every", 2, "--max-new-tokens", 6,
+              "--rollout-engine", "vllm"]  # fmt: skip
     run_script(
-        "dpo_llm.py", *common, "--online", "--output-dir", tmp_path / "dpo", "--batch-size", 2,
+        "dpo_llm.py", *common, "--eval-prompt-files", toy_prompts, "--online", "--output-dir", tmp_path / "dpo", "--batch-size", 2,
         "--micro-batch-size", 1, "--group-size", 3, "--lora-r", 4, env=env,
     )  # fmt: skip
     rows = read_metrics(only_run(tmp_path / "dpo"))
@@ -337,7 +337,7 @@ def test_online_dpo_with_lora_and_dynamic_kl_ppo_run_on_the_vllm_engine(peaky_vl
     assert len(train) == 2 and sum(r["train/pairs"] + r["train/skipped_ties"] for r in train) == 4
     assert "eval/accuracy" in rows[-1]
     run_script(
-        "dynamic_kl_ppo.py", *common, "--output-dir", tmp_path / "dkl", "--batch-size", 8,
+        "dynamic_kl_ppo.py", *common, "--val-files", toy_prompts, "--output-dir", tmp_path / "dkl", "--batch-size", 8,
         "--mini-batch-size", 8, "--micro-batch-size", 8, env=env,
     )  # fmt: skip
     rows = read_metrics(only_run(tmp_path / "dkl"))
