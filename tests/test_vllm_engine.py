@@ -207,6 +207,10 @@ def test_resume_with_the_vllm_engine_gives_identical_metrics(peaky_vllm, toy_pro
     straight, resumed = strip(read_metrics(only_run(tmp_path / "a"))), strip(read_metrics(first))
     assert [r["step"] for r in straight] == [1, 2, 3, 4]
     assert straight == resumed
+    # a checkpoint folder as the starting model: the engine loads its architecture from there
+    ckpt_policy = first / "checkpoints" / "step_4" / "policy"
+    run_script("grpo_llm.py", *flags(tmp_path / "d", 1)[2:], "--model-name-or-path", ckpt_policy, env=env)
+    assert [r["step"] for r in read_metrics(only_run(tmp_path / "d"))] == [1]
 
 
 def test_evaluate_tool_same_scores_on_both_engines(tiny_vllm, tmp_path):
