@@ -305,6 +305,7 @@ def main(args: Args):
         ref_policy = prepare_frozen(
             accelerator,
             M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype, trust_remote_code=args.trust_remote_code),
+            under_autocast=True,  # run inside accelerator.autocast(): bf16 matmul weights stored as bf16
         )
 
     train_files, val_files, eval_prompt_files = args.train_files, args.val_files, args.eval_prompt_files
@@ -355,8 +356,12 @@ def main(args: Args):
 
     from transformers import get_scheduler
 
+    # fused: one kernel per step over all parameters (5-9x faster than foreach on CPU: docs/performance.md)
     opt = torch.optim.AdamW(
-        [p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay
+        [p for p in policy.parameters() if p.requires_grad],
+        lr=args.learning_rate,
+        weight_decay=args.weight_decay,
+        fused=True,
     )
     sched = get_scheduler(
         args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.total_steps

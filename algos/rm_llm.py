@@ -215,8 +215,12 @@ def main(args: Args):
 
     from transformers import get_scheduler
 
+    # fused: one kernel per step over all parameters (5-9x faster than foreach on CPU: docs/performance.md)
     opt = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay
+        [p for p in model.parameters() if p.requires_grad],
+        lr=args.learning_rate,
+        weight_decay=args.weight_decay,
+        fused=True,
     )
     sched = get_scheduler(
         args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.total_steps

@@ -155,12 +155,20 @@ def backward(accelerator, model, loss: torch.Tensor, last: bool) -> None:
         accelerator.backward(loss)
 
 
-def prepare_frozen(accelerator, model: torch.nn.Module) -> torch.nn.Module:
+def prepare_frozen(accelerator, model: torch.nn.Module, under_autocast: bool = False) -> torch.nn.Module:
     """A model only run forward (reference policy, reward model): sharded like the trained models
     under FSDP2 and ZeRO-3, else moved to the device (never DDP-wrapped: it has no gradients).
     ZeRO-3: transformers loaded it partitioned already, so it needs an (optimizer-less) DeepSpeed
-    engine to gather each layer in forward; call `configure_deepspeed` first."""
+    engine to gather each layer in forward; call `configure_deepspeed` first.
+
+    `under_autocast`: the caller runs every forward inside `accelerator.autocast()`. Under bf16 autocast,
+    unsharded, the Linear layers' float32 weights are then stored in bf16 (`bf16_linear_weights`):
+    autocast casts them to exactly these values in every forward, so the outputs are bit-identical,
+    with ~40 % less memory for the model (SmolLM2: 0.21 GB) and no cast per forward."""
     model.eval().requires_grad_(False)
+    sharded = is_deepspeed(accelerator) or getattr(accelerator, "is_fsdp2", False)
+    if under_autocast and accelerator.mixed_precision == "bf16" and not sharded:
+        bf16_linear_weights(model)
     if is_deepspeed(accelerator) and accelerator.state.deepspeed_plugin.zero_stage == 3:
         import copy
 
@@ -177,6 +185,19 @@ def prepare_frozen(accelerator, model: torch.nn.Module) -> torch.nn.Module:
         accelerator.state.fsdp_plugin.set_auto_wrap_policy(model)  # one FSDP unit per decoder layer
         return fsdp2_prepare_model(accelerator, model)
     return model.to(accelerator.device)
+
+
+def bf16_linear_weights(model: torch.nn.Module) -> None:
+    """Store float32 nn.Linear weights and biases of a frozen model in bfloat16, in place, except a weight
+    shared with the input embedding (a tied LM head: the embedding output, and so the residual stream,
+    stays float32 as autocast keeps it). Only for models run under bf16 autocast (see prepare_frozen)."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = getattr(embedding, "weight", None)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and m.weight is not tied and m.weight.dtype == torch.float32:
+            m.weight.data = m.weight.data.to(torch.bfloat16)
+            if m.bias is not None:
+                m.bias.data = m.bias.data.to(torch.bfloat16)
 
 
 def reshard(model) -> None:

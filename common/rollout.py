@@ -278,10 +278,13 @@ def forward_logprobs(
     P: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ):
     """Log-probs of the response tokens under `model`, logits divided by the sampling temperature.
 
-    query_responses, attention_mask: (B, P+T). Returns logprobs (B, T) (and entropy (B, T))."""
+    query_responses, attention_mask: (B, P+T). Returns logprobs (B, T) (and entropy (B, T)).
+    The entropy is a detached statistic unless `entropy_grad` (an entropy bonus in the loss): its
+    (B, T, V) float32 softmax graph would otherwise be kept, and with a zero coefficient backpropagated."""
     T = query_responses.shape[1] - P
     # logits_to_keep: project only the last T+1 positions onto the vocabulary (not the prompt's)
     logits = model(
@@ -295,7 +298,9 @@ def forward_logprobs(
     # the temperature divides inside the helpers, after their float32 cast (bf16 logits / T would round again)
     logprobs = selective_log_softmax(logits, query_responses[:, P:], temperature=temperature)  # (B, T)
     if with_entropy:
-        return logprobs, entropy_from_logits(logits, temperature=temperature)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature=temperature)
+        return logprobs, entropy
     return logprobs
 
 

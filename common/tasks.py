@@ -25,6 +25,8 @@ TASKS = {
     "chain_sum_1d": ("chain_sum", dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)),
     "chain_sum": ("chain_sum", dict(min_terms=2, max_terms=3, min_digits=1, max_digits=2)),
     "basic_arithmetic": ("basic_arithmetic", dict(min_terms=2, max_terms=3, min_digits=1, max_digits=2)),
+    # +, -, *, / of two one-digit (possibly negative) numbers: a second task in SmolLM2-135M's learnable band
+    "basic_arithmetic_1d": ("basic_arithmetic", dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)),
     "countdown": ("countdown", dict(min_numbers=3, max_numbers=4, min_target=10, max_target=100)),
     "leg_counting": ("leg_counting", dict(min_animals=1, max_animals=3)),
     "letter_counting": ("letter_counting", dict(min_words=3, max_words=6)),

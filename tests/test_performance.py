@@ -308,3 +308,75 @@ def test_smollm2_greedy_matches_transformers_and_bf16_stays_within_tolerance():
     assert ((lp32 - ro.logprobs).abs() * m).max() < 1e-4  # float32 sampler = trainer
     d = (lp16 - lp32).abs() * m
     assert d.sum() / m.sum() < 0.06 and d.max() < 0.5
+
+
+def test_bf16_reference_weights_are_bit_identical_under_autocast(tiny):
+    """prepare_frozen(..., under_autocast=True) under bf16: Linear weights stored in bf16 give exactly the
+    log-probs of float32 weights cast by autocast, with less memory; a tied head and the embedding stay
+    float32; without bf16 autocast nothing changes."""
+    from accelerate import Accelerator
+
+    from common.distributed import prepare_frozen
+
+    tok = M.load_tokenizer(tiny)
+    q, qm = tokenize_queries(tok, ["a b c", "hello there, a longer prompt"])
+    qr = torch.cat([q, torch.randint(0, 1000, (2, 6), generator=torch.Generator().manual_seed(0))], 1)
+    attn = sequence_attention_mask(qm, 6)
+    acc = Accelerator(cpu=True, mixed_precision="bf16")
+    ref = M.load_causal_lm(tiny, tok).eval()
+    with torch.no_grad(), acc.autocast():
+        want = forward_logprobs(ref, qr, attn, q.shape[1])
+    size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())
+    before = size(ref)
+    tied = ref.get_input_embeddings().weight
+    linear = sum(m.weight.numel() for m in ref.modules() if isinstance(m, torch.nn.Linear) and m.weight is not tied)
+    ref = prepare_frozen(acc, ref, under_autocast=True)
+    with torch.no_grad(), acc.autocast():
+        got = forward_logprobs(ref, qr, attn, q.shape[1])
+    assert torch.equal(got, want)
+    assert size(ref) == before - 2 * linear  # 4 -> 2 bytes per Linear weight (the tiny model has no biases)
+    assert ref.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert ref.get_input_embeddings().weight.dtype == torch.float32  # tied head: the residual stream stays fp32
+    from types import SimpleNamespace  # (Accelerator's state is a process-wide singleton: a stand-in for fp32)
+
+    fp32 = SimpleNamespace(mixed_precision="no", distributed_type="NO", device=torch.device("cpu"))
+    plain = prepare_frozen(fp32, M.load_causal_lm(tiny, tok), under_autocast=True)
+    assert all(p.dtype == torch.float32 for p in plain.parameters())
+
+
+def test_entropy_is_detached_unless_it_is_in_the_loss(tiny):
+    """with_entropy gives the same values either way; only entropy_grad=True keeps the (B, T, V) graph,
+    and the log-probs' gradient is the same."""
+    tok = M.load_tokenizer(tiny)
+    model = M.load_causal_lm(tiny, tok)
+    q, qm = tokenize_queries(tok, ["a b c", "hello"])
+    qr = torch.cat([q, torch.randint(0, 1000, (2, 5), generator=torch.Generator().manual_seed(0))], 1)
+    attn = sequence_attention_mask(qm, 5)
+    lp, ent = forward_logprobs(model, qr, attn, q.shape[1], with_entropy=True)
+    lp2, ent2 = forward_logprobs(model, qr, attn, q.shape[1], with_entropy=True, entropy_grad=True)
+    assert not ent.requires_grad and ent2.requires_grad
+    assert torch.allclose(ent, ent2.detach()) and torch.allclose(lp, lp2)
+    (g1,) = torch.autograd.grad(lp.sum(), [model.lm_head.weight])
+    (g2,) = torch.autograd.grad((lp2.sum() - 0.0 * ent2.sum()), [model.lm_head.weight])
+    assert torch.allclose(g1, g2, atol=1e-7)
+
+
+def test_fused_adamw_follows_foreach_adamw(tiny):
+    """The scripts' fused AdamW (one kernel per step) takes the same steps as the foreach AdamW they used
+    before, to float32 rounding: 5 steps of a tiny model, max |diff| of the weights < 1e-6."""
+    tok = M.load_tokenizer(tiny)
+    q, qm = tokenize_queries(tok, ["a b c", "hello"])
+    qr = torch.cat([q, torch.randint(0, 1000, (2, 5), generator=torch.Generator().manual_seed(0))], 1)
+    attn = sequence_attention_mask(qm, 5)
+    weights = []
+    for fused in (False, True):
+        model = M.load_causal_lm(tiny, tok)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=fused, foreach=not fused)
+        for _ in range(5):
+            forward_logprobs(model, qr, attn, q.shape[1]).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    start = torch.cat([p.flatten() for p in M.load_causal_lm(tiny, tok).parameters()])
+    assert (weights[0] - start).abs().max() > 1e-3  # the steps moved the weights
+    assert (weights[0] - weights[1]).abs().max() < 1e-6
