@@ -582,7 +582,7 @@ def main(args: Args):
         all_micros = micro_batches(
             list(range(len(rows))), b["query_mask"], mask, args.micro_batch_size, micro_batch_tokens, accelerator
         )
-        with torch.no_grad():
+        with torch.no_grad(), accelerator.autocast():  # one region: bf16 weight copies cast once, not per micro-batch
             if args.old_logprobs_from == "sampler":
                 old_logprobs = b["logprobs"]  # on-policy, same numerics: the sampler's log-probs, no extra forward
             elif args.old_logprobs_from == "current":

@@ -261,6 +261,9 @@ class Args:
     """whiten advantages over the batch"""
     critic_warmup_steps: int = 0
     """first N iterations train only the critic"""
+    values_from_update: bool = True
+    """with one critic step per batch (--update-epochs 1, --mini-batch-size = --batch-size): V_old is the critic's
+    update forward itself (no separate values forward; the same values); --no-values-from-update: a no-grad pass"""
 
     health: HealthConfig = field(default_factory=HealthConfig)
     """training-health warning thresholds (--health.kl-max, ...; docs/experiments.md)"""
@@ -533,10 +536,15 @@ def main(args: Args):
         all_micros = micro_batches(
             list(range(len(rows))), query_mask, mask, args.micro_batch_size, micro_batch_tokens, accelerator
         )
-        with torch.no_grad():
+        # one critic step per batch (one epoch, one minibatch): the values before the update are those of the
+        # critic's update forward itself, so they come from it (one forward less), and advantages after it
+        values_from_update = (
+            args.values_from_update and args.update_epochs == 1 and args.mini_batch_size == args.batch_size
+        )
+        with torch.no_grad(), accelerator.autocast():  # one region: bf16 weight copies cast once, not per micro-batch
             by_micro = lambda fn: forward_by_micro_batch(fn, all_micros, query_responses, attn, P, T) * mask  # (B, T)
             logprobs = by_micro(lambda qr, am, p: forward_logprobs(policy, qr, am, p, args.temperature))
-            values = by_micro(lambda qr, am, p: forward_values(critic, qr, am, p))
+            values = torch.zeros_like(mask) if values_from_update else by_micro(lambda *a: forward_values(critic, *a))
             ref_logprobs = by_micro(ref_logprobs_of) if use_ref else logprobs
         # pi_old is the trainer's recomputed log-probs; the sampler's (KV cache, maybe another precision
         # or engine) can differ: the gap is a metric, and --tis-cap corrects for it
@@ -552,9 +560,11 @@ def main(args: Args):
         # ------------------------------------------------------------------ 3. advantages
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False, distributed=True) * mask  # global batch stats
-        advantages, returns = gae(rewards, values, mask, args.gamma, args.lam)  # (B, T) each
-        if args.whiten_advantages:
-            advantages = masked_whiten(advantages, mask, distributed=True) * mask  # global batch stats
+        whiten = lambda a: masked_whiten(a, mask, distributed=True) * mask if args.whiten_advantages else a  # global
+        advantages, returns = torch.zeros_like(mask), torch.zeros_like(mask)  # (B, T) each
+        if not values_from_update:
+            advantages, returns = gae(rewards, values, mask, args.gamma, args.lam)
+            advantages = whiten(advantages)
 
         # ------------------------------------------------------------------ 4. update
         t_train = time.time()
@@ -572,6 +582,29 @@ def main(args: Args):
                 micros = micro_batches(mb_ids, query_mask, mask, args.micro_batch_size, micro_batch_tokens, accelerator)
                 padded, real = padding_fraction(micros, query_mask, mask)
                 padded_tokens, real_tokens = padded_tokens + padded, real_tokens + real
+                # the critic's pass, then the policy's: disjoint graphs, one model's alive at a time (peak memory);
+                # under DeepSpeed each engine steps itself at its last micro-batch
+                for k, m in enumerate(micros):
+                    # this micro-batch's rows at its own lengths: its longest prompt (m.p) and response (t)
+                    micro, t, cut = m.ids, m.t, slice(P - m.p, P + m.t)
+                    new_values = forward_values(critic, query_responses[micro, cut], attn[micro, cut], m.p)  # (b, t)
+                    if values_from_update:  # V_old is this forward; a row's GAE needs only its own values
+                        values[micro, :t] = new_values.detach() * mask[micro, :t]
+                        advantages[micro, :t], returns[micro, :t] = gae(
+                            rewards[micro, :t], values[micro, :t], mask[micro, :t], args.gamma, args.lam
+                        )
+                    vf = value_loss(
+                        new_values,
+                        values[micro, :t],
+                        returns[micro, :t],
+                        mask[micro, :t],
+                        n_tokens,
+                        args.clip_eps_value,
+                    )
+                    backward(accelerator, critic, args.vf_coef * vf, k == len(micros) - 1)
+                    stats["vf"].append(vf.detach())
+                if values_from_update:
+                    advantages = whiten(advantages)  # over the whole batch, as without values_from_update
                 for k, m in enumerate(micros):
                     # this micro-batch's rows at its own lengths: its longest prompt (m.p) and response (t)
                     micro, t, cut = m.ids, m.t, slice(P - m.p, P + m.t)
@@ -597,21 +630,9 @@ def main(args: Args):
                         tis_weights[micro, :t] if tis_weights is not None else None,
                     )
                     ent = (entropy * mask[micro, :t]).sum() / n_tokens
-                    # two models, two backward passes (disjoint graphs), one model at a time so that only one
-                    # graph is alive (peak memory); under DeepSpeed each engine steps itself
                     if train_policy:
                         backward(accelerator, policy, pg - args.ent_coef * ent, last)
-                    new_values = forward_values(critic, query_responses[micro, cut], attn[micro, cut], m.p)  # (b, t)
-                    vf = value_loss(
-                        new_values,
-                        values[micro, :t],
-                        returns[micro, :t],
-                        mask[micro, :t],
-                        n_tokens,
-                        args.clip_eps_value,
-                    )
-                    backward(accelerator, critic, args.vf_coef * vf, last)
-                    for key, v in zip(stats, (pg, vf, ent, clip_frac, approx_kl)):
+                    for key, v in zip(("pg", "ent", "clip", "akl"), (pg, ent, clip_frac, approx_kl)):
                         stats[key].append(v.detach())
                 if train_policy:  # (clip, step, zero_grad: no-ops under DeepSpeed, whose engines stepped in backward)
                     guard.step(policy, opt, args.max_grad_norm, "policy", step)

@@ -11,6 +11,7 @@ printed: what answering the training set's most common answer to every test ques
 since a model can gain held-out points by learning the answer distribution alone.
 
     python benchmarks/heldout.py --algos ppo grpo --tasks chain_sum_1d letter_counting --minutes 15
+    python benchmarks/heldout.py --algos grpo ppo --tasks basic_arithmetic_1d --minutes 30
     python benchmarks/heldout.py --algos grpo --tasks chain_sum --minutes 15 --tag lr2e5 --script-args "--learning-rate 2e-5"
     python benchmarks/heldout.py --evaluate runs/heldout/grpo_llm__...   # score an existing run folder
 
@@ -170,7 +171,7 @@ HEADER = (
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--algos", nargs="*", default=["ppo", "grpo"], choices=list(SCRIPTS))
-    p.add_argument("--tasks", nargs="*", default=["chain_sum_1d", "letter_counting", "basic_arithmetic"])
+    p.add_argument("--tasks", nargs="*", default=["chain_sum_1d", "basic_arithmetic_1d", "letter_counting"])
     p.add_argument("--seeds", nargs="*", type=int, default=[1])
     p.add_argument("--minutes", type=float, default=15.0, help="wall-clock training budget per run (0: none)")
     p.add_argument("--steps", type=int, default=0, help="or a budget in iterations (0: none); the runs' step")

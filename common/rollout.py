@@ -129,9 +129,12 @@ def generate(
 
     engine: a `common.vllm_engine.VLLMEngine` (--rollout-engine vllm): `model`'s weights are pushed into
     it if they changed since the last call, and it samples instead (same arguments, same Rollout)."""
-    if engine is not None:
-        engine.sync(model)
-        return engine.generate(queries, attention_mask, max_new_tokens, temperature, top_k, top_p, seeds, stop_strings)
+    if engine is not None:  # vLLM runs its model at its own dtype: never inside the trainer's autocast region
+        with torch.autocast(queries.device.type, enabled=False):
+            engine.sync(model)
+            return engine.generate(
+                queries, attention_mask, max_new_tokens, temperature, top_k, top_p, seeds, stop_strings
+            )
     from transformers import StopStringCriteria
 
     B, P = queries.shape

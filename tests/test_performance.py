@@ -380,3 +380,24 @@ def test_fused_adamw_follows_foreach_adamw(tiny):
     start = torch.cat([p.flatten() for p in M.load_causal_lm(tiny, tok).parameters()])
     assert (weights[0] - start).abs().max() > 1e-3  # the steps moved the weights
     assert (weights[0] - weights[1]).abs().max() < 1e-6
+
+
+def test_one_autocast_region_per_rollout_changes_no_sample(tiny):
+    """unwrap_for_generation makes the rollout one bf16 autocast region (weights cast once, not per
+    decoding step): the samples and their log-probs are exactly those of per-forward autocast."""
+    from accelerate import Accelerator
+
+    from common.distributed import unwrap_for_generation
+
+    acc = Accelerator(cpu=True, mixed_precision="bf16")
+    tok = M.load_tokenizer(tiny)
+    policy = acc.prepare(M.load_causal_lm(tiny, tok))  # forward wrapped in its own autocast region
+    q, qm = tokenize_queries(tok, ["a b c", "hello there", "one two three four"])
+    seeds = [11, 12, 13]
+    plain = generate(acc.unwrap_model(policy), tok, q, qm, 12, 1.0, seeds=seeds)  # a region per forward
+    assert not torch.is_autocast_enabled("cpu")
+    with unwrap_for_generation(acc, policy) as model:
+        assert torch.is_autocast_enabled("cpu")
+        one = generate(model, tok, q, qm, 12, 1.0, seeds=seeds)
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch.equal(one.responses, plain.responses) and torch.equal(one.logprobs, plain.logprobs)
