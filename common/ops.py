@@ -33,6 +33,25 @@ def selective_log_softmax(
     return torch.cat(out)
 
 
+def logprobs_and_entropy(
+    logits: torch.Tensor, index: torch.Tensor, chunk: int = 4, temperature: float = 1.0, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`selective_log_softmax` and the entropy of softmax(logits / temperature) in one pass over the chunks:
+    (B, T, V), (B, T) -> (B, T), (B, T) float32. The entropy reuses the log-partition of the log-probs,
+    H = logsumexp(z) - sum(softmax(z) * z), instead of a second float32 log_softmax over V (what calling
+    both helpers costs). It is a detached statistic unless `entropy_grad` (an entropy bonus in the loss).
+    Naive: `selective_log_softmax(logits, index, temperature=t), entropy_from_logits(logits, temperature=t)`."""
+    logps, ents = [], []
+    for lg, ix in zip(logits.split(chunk), index.split(chunk)):
+        lg = lg.float() / temperature if temperature != 1.0 else lg.float()  # (b, T, V)
+        lse = torch.logsumexp(lg, dim=-1)  # (b, T)
+        logps.append(lg.gather(-1, ix.unsqueeze(-1)).squeeze(-1) - lse)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            z, lse_ = (lg, lse) if entropy_grad else (lg.detach(), lse.detach())
+            ents.append(lse_ - (torch.exp(z - lse_.unsqueeze(-1)) * z).sum(-1))
+    return torch.cat(logps), torch.cat(ents)
+
+
 def entropy_from_logits(logits: torch.Tensor, chunk: int = 4, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) per position: (B, T, V) -> (B, T), in float32, chunked as above.
     Naive: `-(p * log p).sum(-1)` with `p = softmax(logits.float() / temperature)`."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.ops import entropy_from_logits, selective_log_softmax
+from common.ops import logprobs_and_entropy, selective_log_softmax
 
 
 def tokenize_queries(tok, texts: list[str], device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,12 +299,9 @@ def forward_logprobs(
     ).logits
     logits = logits[:, :-1]  # (B, T, V): the logits that predicted each response token
     # the temperature divides inside the helpers, after their float32 cast (bf16 logits / T would round again)
-    logprobs = selective_log_softmax(logits, query_responses[:, P:], temperature=temperature)  # (B, T)
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature=temperature)
-        return logprobs, entropy
-    return logprobs
+    if with_entropy:  # both in one pass over the (B, T, V) logits
+        return logprobs_and_entropy(logits, query_responses[:, P:], temperature=temperature, entropy_grad=entropy_grad)
+    return selective_log_softmax(logits, query_responses[:, P:], temperature=temperature)  # (B, T)
 
 
 def forward_values(critic, query_responses: torch.Tensor, attention_mask: torch.Tensor, P: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ from common.ops import (
     exact_div,
     gae,
     kl_estimate,
+    logprobs_and_entropy,
     masked_mean,
     masked_var,
     masked_whiten,
@@ -100,3 +101,23 @@ def test_exact_div_message():
     assert exact_div(8, 4, "x") == 2
     with pytest.raises(ValueError, match="--batch-size"):
         exact_div(10, 4, "--batch-size over --mini-batch-size")
+
+
+def test_logprobs_and_entropy_in_one_pass_match_naive():
+    """One pass over the chunks gives numpy's log softmax at the index and -sum p log p (temperature 0.7),
+    detached unless entropy_grad, and then with the gradient of the two separate helpers."""
+    torch.manual_seed(0)
+    logits = (torch.randn(3, 5, 11) * 3).requires_grad_()
+    index = torch.randint(0, 11, (3, 5))
+    lp, ent = logprobs_and_entropy(logits, index, chunk=2, temperature=0.7)
+    z = logits.detach().double().numpy() / 0.7
+    logp = z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) - z.max(-1, keepdims=True)
+    np.testing.assert_allclose(
+        lp.detach().numpy(), np.take_along_axis(logp, index.numpy()[..., None], -1)[..., 0], atol=1e-5
+    )
+    np.testing.assert_allclose(ent.numpy(), -(np.exp(logp) * logp).sum(-1), atol=1e-5)
+    assert lp.requires_grad and not ent.requires_grad
+    _, ent_g = logprobs_and_entropy(logits, index, chunk=2, temperature=0.7, entropy_grad=True)
+    (g,) = torch.autograd.grad(ent_g.sum(), [logits])
+    (want,) = torch.autograd.grad(entropy_from_logits(logits, temperature=0.7).sum(), [logits])
+    assert torch.allclose(g, want, atol=1e-5)
