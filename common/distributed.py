@@ -329,6 +329,11 @@ class UpdateGuard:
             return norm
         self.in_row = 0
         opt.step()
+        # a fused optimizer (the scripts' AdamW) writes the parameters without bumping their in-place
+        # version counters, which is how the vLLM engine tells that the policy changed: bump them here
+        for group in opt.param_groups:
+            for p in group["params"]:
+                torch.autograd.graph.increment_version(p)
         return norm
 
     def state_dict(self) -> dict:

@@ -141,7 +141,8 @@ class VLLMEngine:
 
     @staticmethod
     def _version(model):
-        """The parameters' in-place version counters: an optimizer step or a resume bumps them. Under
+        """The parameters' in-place version counters: an optimizer step (UpdateGuard.step bumps them after a
+        fused AdamW, which does not) or a resume bumps them. Under
         DeepSpeed ZeRO-3 the step writes DeepSpeed's own partitions, not the module's parameters: a new
         object every time (never equal), so every rollout phase pushes."""
         params = list(model.parameters())

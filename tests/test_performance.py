@@ -2,6 +2,8 @@
 shared prompt encoding and dropping finished rows give the same responses, token-budget micro-batches
 the same gradient, bf16 autocast log-probs within a stated tolerance; perf/mfu's arithmetic."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -314,15 +316,17 @@ def test_bf16_reference_weights_are_bit_identical_under_autocast(tiny):
     """prepare_frozen(..., under_autocast=True) under bf16: Linear weights stored in bf16 give exactly the
     log-probs of float32 weights cast by autocast, with less memory; a tied head and the embedding stay
     float32; without bf16 autocast nothing changes."""
-    from accelerate import Accelerator
-
     from common.distributed import prepare_frozen
 
     tok = M.load_tokenizer(tiny)
     q, qm = tokenize_queries(tok, ["a b c", "hello there, a longer prompt"])
     qr = torch.cat([q, torch.randint(0, 1000, (2, 6), generator=torch.Generator().manual_seed(0))], 1)
     attn = sequence_attention_mask(qm, 6)
-    acc = Accelerator(cpu=True, mixed_precision="bf16")
+    # stand-ins for a bf16 and a float32 Accelerator (its state is a process-wide singleton, set by other tests)
+    cpu = dict(
+        distributed_type="NO", device=torch.device("cpu"), autocast=lambda: torch.autocast("cpu", torch.bfloat16)
+    )
+    acc, fp32 = SimpleNamespace(mixed_precision="bf16", **cpu), SimpleNamespace(mixed_precision="no", **cpu)
     ref = M.load_causal_lm(tiny, tok).eval()
     with torch.no_grad(), acc.autocast():
         want = forward_logprobs(ref, qr, attn, q.shape[1])
@@ -337,9 +341,6 @@ def test_bf16_reference_weights_are_bit_identical_under_autocast(tiny):
     assert size(ref) == before - 2 * linear  # 4 -> 2 bytes per Linear weight (the tiny model has no biases)
     assert ref.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
     assert ref.get_input_embeddings().weight.dtype == torch.float32  # tied head: the residual stream stays fp32
-    from types import SimpleNamespace  # (Accelerator's state is a process-wide singleton: a stand-in for fp32)
-
-    fp32 = SimpleNamespace(mixed_precision="no", distributed_type="NO", device=torch.device("cpu"))
     plain = prepare_frozen(fp32, M.load_causal_lm(tiny, tok), under_autocast=True)
     assert all(p.dtype == torch.float32 for p in plain.parameters())
 
@@ -385,19 +386,37 @@ def test_fused_adamw_follows_foreach_adamw(tiny):
 def test_one_autocast_region_per_rollout_changes_no_sample(tiny):
     """unwrap_for_generation makes the rollout one bf16 autocast region (weights cast once, not per
     decoding step): the samples and their log-probs are exactly those of per-forward autocast."""
-    from accelerate import Accelerator
-
     from common.distributed import unwrap_for_generation
 
-    acc = Accelerator(cpu=True, mixed_precision="bf16")
+    # a stand-in for a bf16 Accelerator (its state is a process-wide singleton, set by other tests) and a model
+    # prepared by it: each forward its own autocast region, as Accelerate wraps it
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    acc = SimpleNamespace(unwrap_model=lambda m: m, autocast=bf16, state=SimpleNamespace())
     tok = M.load_tokenizer(tiny)
-    policy = acc.prepare(M.load_causal_lm(tiny, tok))  # forward wrapped in its own autocast region
+    policy = M.load_causal_lm(tiny, tok)
+    policy.forward = bf16()(policy.forward)
     q, qm = tokenize_queries(tok, ["a b c", "hello there", "one two three four"])
     seeds = [11, 12, 13]
-    plain = generate(acc.unwrap_model(policy), tok, q, qm, 12, 1.0, seeds=seeds)  # a region per forward
+    plain = generate(policy, tok, q, qm, 12, 1.0, seeds=seeds)  # a region per forward
     assert not torch.is_autocast_enabled("cpu")
     with unwrap_for_generation(acc, policy) as model:
         assert torch.is_autocast_enabled("cpu")
         one = generate(model, tok, q, qm, 12, 1.0, seeds=seeds)
     assert not torch.is_autocast_enabled("cpu")
     assert torch.equal(one.responses, plain.responses) and torch.equal(one.logprobs, plain.logprobs)
+
+
+def test_update_guard_marks_parameters_changed_after_a_fused_step():
+    """A fused AdamW step does not bump the parameters' in-place version counters (torch's fused kernel);
+    the vLLM engine relies on them to push new weights, so UpdateGuard.step bumps them itself."""
+    from common.distributed import UpdateGuard
+
+    m = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1, fused=True)
+    m(torch.randn(2, 4)).sum().backward()
+    before = [p._version for p in m.parameters()]
+    opt.step()
+    assert [p._version for p in m.parameters()] == before  # what the guard works around
+    acc = SimpleNamespace(clip_grad_norm_=torch.nn.utils.clip_grad_norm_, print=print)
+    UpdateGuard(acc).step(m, opt, 1.0, "policy", 1)
+    assert all(p._version > v for p, v in zip(m.parameters(), before))
