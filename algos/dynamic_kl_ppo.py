@@ -142,6 +142,9 @@ class Args:
     """bf16: autocast forward/backward in bfloat16 (float32 weights, optimizer, log-softmax); auto: bf16 where it
     pays (float32 weights, a CPU with native bf16 matmul, hidden size >= 256: docs/performance.md), else as
     `accelerate launch --mixed_precision` says; no: float32"""
+    tp_size: int = 1
+    """tensor parallelism: each model sharded over groups of this many processes (launch tp_size x data-parallel
+    processes with torchrun / accelerate launch; batch flags count data-parallel ranks): docs/distributed.md"""
     lora_r: int = 0
     """LoRA rank for policy and critic (0 = full fine-tuning); the reference is the adapter disabled"""
     lora_alpha: int = 32
@@ -350,7 +353,7 @@ def update_beta(beta, kl, target, beta_min, beta_max):
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
     # as launched: DDP, FSDP2 or DeepSpeed; without GPU, CPU processes over gloo; --mixed-precision
-    accelerator = make_accelerator(args.mixed_precision, args.model_name_or_path, args.dtype)
+    accelerator = make_accelerator(args.mixed_precision, args.model_name_or_path, args.dtype, args.tp_size)
     device = accelerator.device
     args.world_size = accelerator.num_processes
     args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")

@@ -31,7 +31,15 @@ import torch.nn.functional as F
 
 from common import models as M
 from common.data import Sampler, encode_prompt_response, load_preferences
-from common.distributed import UpdateGuard, backward, configure_deepspeed, make_accelerator, reshard
+from common.distributed import (
+    UpdateGuard,
+    backward,
+    configure_deepspeed,
+    full_tensors,
+    make_accelerator,
+    reshard,
+    saved_by_one_process,
+)
 from common.ops import exact_div
 from common.rollout import position_ids_from_mask
 from common.run import (
@@ -98,6 +106,9 @@ class Args:
     """bf16: autocast forward/backward in bfloat16 (float32 weights, optimizer, log-softmax); auto: bf16 where it
     pays (float32 weights, a CPU with native bf16 matmul, hidden size >= 256: docs/performance.md), else as
     `accelerate launch --mixed_precision` says; no: float32"""
+    tp_size: int = 1
+    """tensor parallelism: each model sharded over groups of this many processes (launch tp_size x data-parallel
+    processes with torchrun / accelerate launch; batch flags count data-parallel ranks): docs/distributed.md"""
     lora_r: int = 0
     """LoRA rank (0 = full fine-tuning); the head always trains"""
     lora_alpha: int = 32
@@ -175,7 +186,7 @@ def bt_loss(chosen, rejected):
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
     # as launched: DDP, FSDP2 or DeepSpeed; without GPU, CPU processes over gloo; --mixed-precision
-    accelerator = make_accelerator(args.mixed_precision, args.model_name_or_path, args.dtype)
+    accelerator = make_accelerator(args.mixed_precision, args.model_name_or_path, args.dtype, args.tp_size)
     device = accelerator.device
     args.world_size = accelerator.num_processes
     args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")
@@ -334,7 +345,7 @@ def main(args: Args):
     gain = 1.0 / ref.std().clamp(min=1e-6).item()
     bias = -ref.mean().item() * gain
     reshard(model)  # FSDP2: scoring was a no_grad forward; see common.distributed.reshard
-    state_dict = accelerator.get_state_dict(model)  # full weights, gathered under FSDP2 / ZeRO-3
+    state_dict = full_tensors(accelerator.get_state_dict(model))  # full weights, gathered under FSDP2 / ZeRO-3 / TP
     unwrapped = accelerator.unwrap_model(model)
     if args.lora_r:  # LoRA: merged into the weights, since --reward-model expects a plain folder
         state_dict = (
@@ -344,7 +355,8 @@ def main(args: Args):
     unwrapped.config.reward_gain, unwrapped.config.reward_bias = gain, bias
     unwrapped.config.reward_max_length = args.max_length  # the RL scorer truncates as training did
     if accelerator.is_main_process:
-        unwrapped.save_pretrained(run_dir / "reward_model", state_dict=state_dict)
+        with saved_by_one_process(unwrapped):  # under --tp-size: see common.distributed
+            unwrapped.save_pretrained(run_dir / "reward_model", state_dict=state_dict)
         tok.save_pretrained(run_dir / "reward_model")
         norm = ref * gain + bias
         tracker.log(

@@ -34,36 +34,39 @@ import torch
 from common.run import UserError
 
 
-def make_accelerator(mixed_precision: str | None = None, model: str | None = None, dtype: str = "auto"):
+def make_accelerator(
+    mixed_precision: str | None = None, model: str | None = None, dtype: str = "auto", tp_size: int = 1
+):
     """The Accelerator of every script: on GPUs whatever `accelerate launch` configured; without a
     GPU, CPU processes over gloo: DDP, or FSDP2 / DeepSpeed when the launch config asks (see above).
     `mixed_precision` ('no' / 'bf16', a script's --mixed-precision) overrides the launch config's:
     bf16 autocast around the prepared models' forward (weights and optimizer stay float32), on CPU
     as on GPU. 'auto': bf16 where it pays for `model` at weights `dtype` (`auto_mixed_precision`),
-    else as launched (`accelerate launch --mixed_precision`, default no)."""
+    else as launched (`accelerate launch --mixed_precision`, default no).
+
+    `tp_size` > 1 (a script's --tp-size, or `parallelism_config_tp_size` of an accelerate config):
+    tensor parallelism, see `TensorParallel` below; the processes form a (data-parallel x tensor-parallel)
+    mesh and the loaders in common.models shard every model over the tensor-parallel dimension."""
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 
-    tp_size = int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1"))  # set by `accelerate launch` from the config
-    if tp_size > 1:
-        # tensor parallelism splits every layer over a group of processes that must all see the same
-        # batch; the scripts split batches by process index and load models without a tp_plan
-        raise UserError(
-            f"parallelism_config_tp_size {tp_size}: tensor parallelism is not supported by the cleanrlhf "
-            "scripts yet (batches are split by process, models load without tp_plan); use tp_size 1 "
-            "(FSDP2 shard x replicate, on GPUs) or configs/accelerate/fsdp2.yaml"
-        )
+    tp_size = tp_size_from_launch(tp_size)
     if mixed_precision == "auto":
         mixed_precision = auto_mixed_precision(model, dtype)
-    mp = {"mixed_precision": mixed_precision} if mixed_precision else {}
+    # one scheduler step per sched.step() call: Accelerate's default steps it once per process (it assumes
+    # each process's dataloader advanced), which would run warm-up and decay N times too fast on N processes
+    kw = {"step_scheduler_with_optimizer": False}
+    kw.update({"mixed_precision": mixed_precision} if mixed_precision else {})
+    if tp_size > 1:
+        return _tensor_parallel_accelerator(tp_size, **kw)
     if torch.cuda.is_available():
-        return Accelerator(**mp)
+        return Accelerator(**kw)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it, rather than DeepSpeed warning that it guessed
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         # cpu=True would skip DeepSpeed; naming the gloo backend lets DeepSpeed's CPU accelerator
         # start the process group and Accelerate count the processes
-        return Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")], **mp)
-    accelerator = Accelerator(cpu=True, **mp)
+        return Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")], **kw)
+    accelerator = Accelerator(cpu=True, **kw)
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.num_processes > 1:
         plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* variables `accelerate launch` set
         if plugin.fsdp_version != 2:
@@ -75,6 +78,153 @@ def make_accelerator(mixed_precision: str | None = None, model: str | None = Non
         accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         accelerator.state.fsdp_plugin = plugin
     return accelerator
+
+
+def tp_size_from_launch(tp_size: int) -> int:
+    """--tp-size, or an accelerate config's `parallelism_config_tp_size` when the flag is left at 1. Accelerate's
+    own ParallelismConfig refuses CPU processes and covers TP only with FSDP2 on GPUs, so the scripts do TP
+    themselves: the config's TP size is taken over (its other dimensions must be 1) and Accelerate is not
+    asked to build it."""
+    launched = int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1"))
+    if tp_size < 1:
+        raise UserError(f"--tp-size {tp_size}: must be >= 1")
+    if launched > 1:
+        others = {k: v for k, v in os.environ.items() if k.startswith("PARALLELISM_CONFIG_") and k.endswith("_SIZE")}
+        others = {k: v for k, v in others.items() if k != "PARALLELISM_CONFIG_TP_SIZE" and int(v) > 1}
+        if others:
+            raise UserError(
+                f"parallelism_config_tp_size {launched} with {others}: tensor parallelism combines with plain "
+                "data parallelism here (the processes beyond one TP group); drop the other sizes"
+            )
+        if tp_size not in (1, launched):
+            raise UserError(f"--tp-size {tp_size} and the accelerate config's parallelism_config_tp_size {launched}")
+        tp_size = launched
+        os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
+    return tp_size
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism (--tp-size): PyTorch DTensor, transformers' tp_plan
+# ---------------------------------------------------------------------------------------------
+def tp_mesh_shape(world_size: int, tp_size: int) -> tuple[int, int]:
+    """(data-parallel size, tensor-parallel size) of `world_size` processes. Ranks r*tp .. r*tp+tp-1 form
+    TP group r (neighbouring ranks: on one node, where the per-layer all-reduces are cheapest), and rank
+    k has data-parallel rank k // tp."""
+    if world_size % tp_size:
+        raise UserError(f"--tp-size {tp_size}: the {world_size} processes do not split into groups of {tp_size}")
+    return world_size // tp_size, tp_size
+
+
+class TensorParallel:
+    """What the scripts' Accelerator becomes under --tp-size N (mixed into Accelerator, see below).
+
+    The processes form a (dp, tp) mesh. Every model is loaded sharded over the tp dimension by
+    transformers' tp_plan (common.models): Megatron-style column/row-parallel linears, a vocabulary-
+    parallel embedding, and the LM head's logits gathered so every rank of a TP group holds the same
+    (B, T, V) log-probs and losses. The ranks of one TP group run the same batch: so, to the scripts,
+    `num_processes` and `process_index` are the data-parallel ones (batch flags are global over those),
+    `gather` and `reduce` see one copy per TP group, `prepare` does not DDP-wrap (DTensor parameters), and
+    `clip_grad_norm_` first averages gradients over the data-parallel ranks (what DDP would do) and then
+    takes the norm over the shards. Only the global rank 0 writes (`is_main_process` is unchanged)."""
+
+    tp_size: int
+    tp_mesh: object  # the (dp, tp) DeviceMesh
+
+    @property
+    def num_processes(self) -> int:
+        return self.state.num_processes // self.tp_size
+
+    @property
+    def process_index(self) -> int:
+        return self.state.process_index // self.tp_size
+
+    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        # evaluation_mode: placed on the device, never DDP-wrapped (DDP refuses DTensor parameters)
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+    def gather(self, tensor):
+        full = super().gather(tensor)  # every process's tensor in rank order: each TP group's copies side by side
+        t = tensor if tensor.dim() else tensor[None]
+        return full.view(self.num_processes, self.tp_size, *t.shape)[:, 0].reshape(-1, *t.shape[1:])
+
+    def reduce(self, tensor, reduction="sum", scale=1.0):
+        out = super().reduce(tensor, reduction, scale)  # over all processes; mean and max see copies alike
+        return out / self.tp_size if reduction == "sum" else out
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        params = [p for p in parameters if p.grad is not None]
+        if self.num_processes > 1:  # average over the data-parallel ranks, as DDP does in backward
+            group = self.tp_mesh["dp"].get_group()
+            for p in params:
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                torch.distributed.all_reduce(g, group=group)
+                g.div_(self.num_processes)
+        with implicit_replication():  # replicated parameters (norms) are plain tensors beside the DTensors
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def _tensor_parallel_accelerator(tp_size: int, **kw):
+    from accelerate import Accelerator
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from common import models, ops
+
+    class TensorParallelAccelerator(TensorParallel, Accelerator):
+        pass
+
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        if os.environ.get(name, "false").lower() == "true":
+            raise UserError(
+                f"--tp-size {tp_size} under {name.split('_')[-1]}: tensor parallelism runs with plain data "
+                "parallelism over the TP groups here (FSDP2 x TP and DeepSpeed AutoTP are not built); launch "
+                "without the FSDP / DeepSpeed config"
+            )
+    cpu = not torch.cuda.is_available()
+    acc = TensorParallelAccelerator(cpu=cpu, **kw)
+    acc.tp_size = tp_size
+    dp, tp = tp_mesh_shape(acc.state.num_processes, tp_size)
+    acc.tp_mesh = init_device_mesh(acc.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    models.set_tensor_parallel(acc.tp_mesh["tp"])
+    ops.set_data_parallel(acc.tp_mesh["dp"].get_group())
+    return acc
+
+
+def tp_region(accelerator):
+    """Around an optimizer step or a weight load under --tp-size: plain tensors (the replicated norms) count
+    as replicated DTensors beside the sharded ones (torch refuses mixing them in one fused kernel)."""
+    if getattr(accelerator, "tp_size", 1) > 1:
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        return implicit_replication()
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def saved_by_one_process(model):
+    """Around `model.save_pretrained(folder, state_dict=...)` called by the main process alone with a state dict
+    already gathered (`full_tensors`): transformers ends a TP model's save_pretrained with a barrier of every
+    rank (it expects all of them to call it), which would pair with another collective; hide its TP config."""
+    config = getattr(model, "config", None)
+    saved = getattr(config, "distributed_config", None)
+    if saved is not None:
+        config.distributed_config = None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            config.distributed_config = saved
+
+
+def full_tensors(state_dict: dict) -> dict:
+    """A state dict with every DTensor gathered to its full tensor (collective: every process calls it, in
+    the same order). What a checkpoint saves under --tp-size: ordinary model folders."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state_dict.items()}
 
 
 def cpu_has_native_bf16() -> bool:
@@ -166,7 +316,9 @@ def prepare_frozen(accelerator, model: torch.nn.Module, under_autocast: bool = F
     autocast casts them to exactly these values in every forward, so the outputs are bit-identical,
     with ~40 % less memory for the model (SmolLM2: 0.21 GB) and no cast per forward."""
     model.eval().requires_grad_(False)
-    sharded = is_deepspeed(accelerator) or getattr(accelerator, "is_fsdp2", False)
+    sharded = (
+        is_deepspeed(accelerator) or getattr(accelerator, "is_fsdp2", False) or getattr(accelerator, "tp_size", 1) > 1
+    )
     if under_autocast and accelerator.mixed_precision == "bf16" and not sharded:
         bf16_linear_weights(model)
     if is_deepspeed(accelerator) and accelerator.state.deepspeed_plugin.zero_stage == 3:
@@ -328,7 +480,8 @@ class UpdateGuard:
                 )
             return norm
         self.in_row = 0
-        opt.step()
+        with tp_region(self.accelerator):
+            opt.step()
         # a fused optimizer (the scripts' AdamW) writes the parameters without bumping their in-place
         # version counters, which is how the vLLM engine tells that the policy changed: bump them here
         for group in opt.param_groups:

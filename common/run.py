@@ -300,7 +300,7 @@ class StopSignal:
 
     def requested(self) -> bool:
         flag = torch.tensor([float(self.signum or 0)], device=self.accelerator.device)
-        if self.accelerator.num_processes > 1:
+        if self.accelerator.state.num_processes > 1:
             flag = self.accelerator.reduce(flag, "max")
         self.signum = int(flag.item()) or None
         return self.signum is not None
@@ -313,7 +313,7 @@ class StopSignal:
         if last is None:
             last = self._last_save = now
         flag = torch.tensor([float(minutes > 0 and now - last >= 60 * minutes)], device=self.accelerator.device)
-        if self.accelerator.num_processes > 1:
+        if self.accelerator.state.num_processes > 1:
             flag = self.accelerator.reduce(flag, "max")
         if flag.item():
             self._last_save = now
@@ -324,7 +324,7 @@ class StopSignal:
         (the end of setup): --max-wall-minutes, so recipes are compared at equal cost. 0: never."""
         spent = time.time() - self._started
         flag = torch.tensor([float(minutes > 0 and spent >= 60 * minutes)], device=self.accelerator.device)
-        if self.accelerator.num_processes > 1:
+        if self.accelerator.state.num_processes > 1:
             flag = self.accelerator.reduce(flag, "max")
         if flag.item():
             self.accelerator.print(
@@ -473,6 +473,7 @@ RESUME_MAY_CHANGE = {
     "max_wall_minutes",
     "reward_timeout",
     "reward_workers",
+    "tp_size",  # how the same models are laid out over processes (checkpoints hold full weights)
 }
 
 
@@ -559,7 +560,8 @@ def make_run_dir(accelerator, algo: str, args, resume_from: Path | None = None) 
                 {
                     "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                     "from_step": step,
-                    "world_size": accelerator.num_processes,
+                    "world_size": accelerator.state.num_processes,
+                    "tp_size": getattr(accelerator, "tp_size", 1),
                     "changed": changed,
                     "git_commit": _git("rev-parse", "HEAD"),
                     "argv": sys.argv,
@@ -582,14 +584,15 @@ def make_run_dir(accelerator, algo: str, args, resume_from: Path | None = None) 
                 break
             except FileExistsError:
                 continue
-    if accelerator.num_processes > 1:
+    if accelerator.state.num_processes > 1:  # every process (under --tp-size, more than num_processes)
         broadcast_object_list(name, from_process=0)
     run_dir = Path(args.output_dir) / name[0]
     if accelerator.is_main_process:
         record = {
             **dataclasses.asdict(args),
             "algo": algo,
-            "world_size": accelerator.num_processes,
+            "world_size": accelerator.state.num_processes,
+            "tp_size": getattr(accelerator, "tp_size", 1),
             "distributed_type": str(accelerator.distributed_type).split(".")[-1],  # NO, MULTI_GPU, FSDP, DEEPSPEED...
             "zero_stage": getattr(accelerator.state.deepspeed_plugin, "zero_stage", None),
             "git_commit": _git("rev-parse", "HEAD"),
@@ -742,7 +745,7 @@ def save_checkpoint(
     checkpoints untouched and no half checkpoint under a step_ name. `keep_last` > 0 deletes older ones."""
     from accelerate.utils import broadcast_object_list
 
-    from common.distributed import optimizer_state, reshard, save_engine_states
+    from common.distributed import full_tensors, optimizer_state, reshard, save_engine_states, saved_by_one_process
 
     state = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in state.items()}
     for key, (name, opt) in (optimizers or {}).items():
@@ -754,15 +757,15 @@ def save_checkpoint(
         reshard(m)  # FSDP2: units left unsharded by a no_grad forward back to DTensor shards
     state_dicts = {
         name: _drop_tied_copies(
-            accelerator.unwrap_model(m), accelerator.get_state_dict(m)
-        )  # collective under FSDP/ZeRO-3
+            accelerator.unwrap_model(m), full_tensors(accelerator.get_state_dict(m))
+        )  # collective under FSDP/ZeRO-3 and --tp-size
         for name, m in models.items()
     }
     tmp = [None]
     if accelerator.is_main_process:
         ckpt_root.mkdir(parents=True, exist_ok=True)
         tmp = [tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=ckpt_root)]
-    if accelerator.num_processes > 1:
+    if accelerator.state.num_processes > 1:
         broadcast_object_list(tmp, from_process=0)  # DeepSpeed: every rank writes its shards there
     tmp = Path(tmp[0])
     save_engine_states(accelerator, tmp, models)
@@ -771,7 +774,8 @@ def save_checkpoint(
         try:
             for name, m in models.items():
                 unwrapped = accelerator.unwrap_model(m)
-                unwrapped.save_pretrained(tmp / name, state_dict=state_dicts[name], safe_serialization=True)
+                with saved_by_one_process(unwrapped):
+                    unwrapped.save_pretrained(tmp / name, state_dict=state_dicts[name], safe_serialization=True)
                 folders = [tmp / name]
                 if save_merged and hasattr(unwrapped, "peft_config"):
                     from common.models import merge_lora_state_dict
@@ -959,9 +963,12 @@ def load_weights(model, folder: Path) -> None:
         if unexpected:
             raise RuntimeError(f"{folder}: unexpected adapter keys {unexpected[:5]}")
         return
+    from torch.distributed.tensor.experimental import implicit_replication
+
     from common.models import full_parameters
 
-    with full_parameters(model, modify=True):  # ZeRO-3: parameters are partitioned from loading on
+    # ZeRO-3: parameters are partitioned from loading on; --tp-size: each DTensor keeps its shard of the full tensor
+    with full_parameters(model, modify=True), implicit_replication():
         missing, unexpected = model.load_state_dict(sd, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or []) | {"lm_head.weight"}
     missing = [k for k in missing if k not in tied]

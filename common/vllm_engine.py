@@ -236,6 +236,11 @@ def make_engine(args, tok, policy, accelerator=None):
     in the trainer's compute dtype."""
     if getattr(args, "rollout_engine", "hf") == "hf":
         return None
+    if getattr(accelerator, "tp_size", 1) > 1:
+        raise UserError(
+            f"--rollout-engine vllm with --tp-size {accelerator.tp_size}: every TP rank would hold a whole "
+            "engine (the memory TP saves); generate with the hf engine from the sharded policy"
+        )
     from common.models import resolve_model_path
 
     path = str(resolve_model_path(args.model_name_or_path))

@@ -1,0 +1,202 @@
+"""Tensor parallelism (--tp-size) on CPU processes over gloo: every model sharded by transformers' tp_plan
+(DTensor), the ranks of a TP group running the same batch. Each update is compared with one process's on
+the same global batch (assert_same_update, the DDP parity tests' measure); checkpoints are ordinary model
+folders that resume under another process count."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_distributed import (
+    TOY_REWARD,
+    assert_same_update,
+    base_weights,
+    equal_length_prompts,
+    launch,
+    ppo_one_update_flags,
+)
+
+from conftest import REPO, only_run, read_metrics, run_script
+
+
+def torchrun(nproc, script, *flags, env=None, check=True):
+    """`torchrun --standalone --nproc_per_node N algos/SCRIPT ...` (the recipe docs/distributed.md gives for TP)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    cmd += [str(REPO / "algos" / script), *map(str, flags)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def test_mesh_arithmetic():
+    """(data-parallel, tensor-parallel) sizes of a launch; TP groups are neighbouring ranks."""
+    from common.distributed import tp_mesh_shape
+    from common.run import UserError
+
+    assert tp_mesh_shape(2, 2) == (1, 2) and tp_mesh_shape(8, 2) == (4, 2) and tp_mesh_shape(8, 4) == (2, 4)
+    assert tp_mesh_shape(3, 1) == (3, 1)
+    with pytest.raises(UserError, match="--tp-size 4: the 6 processes do not split into groups of 4"):
+        tp_mesh_shape(6, 4)
+    # rank k: data-parallel rank k // tp, TP rank k % tp (init_device_mesh's row-major layout of (dp, tp))
+    mesh = torch.arange(8).view(tp_mesh_shape(8, 2))
+    assert mesh[:, 0].tolist() == [0, 2, 4, 6] and mesh[1].tolist() == [2, 3]
+
+
+GRPO_FLAGS = [
+    "--reward-fn",
+    TOY_REWARD,
+    "--num-prompts",
+    2,
+    "--group-size",
+    2,
+    "--mini-batch-size",
+    4,
+    "--micro-batch-size",
+    1,
+    "--max-new-tokens",
+    6,
+    "--learning-rate",
+    1e-3,
+    "--kl-coef",
+    0.05,  # the reference model is sharded too
+    "--eval-every",
+    0,
+]
+
+
+def test_grpo_tp2_update_equals_single_process_update(tiny_peaky, tmp_path):
+    """One GRPO update (policy and reference sharded over 2 processes, generation from the sharded
+    policy) ends with the parameters of 1 process; the checkpoint is a full model folder."""
+    flags = ["--model-name-or-path", tiny_peaky, "--train-files", equal_length_prompts(tmp_path), "--total-steps", 1]
+    flags += GRPO_FLAGS
+    env = {"TOY_MODEL": tiny_peaky}
+    run_script("grpo_llm.py", *flags, "--output-dir", tmp_path / "one", env=env)
+    launch("grpo_llm.py", *flags, "--tp-size", 2, "--output-dir", tmp_path / "tp", env=env)
+    one, tp = only_run(tmp_path / "one"), only_run(tmp_path / "tp")
+    record = json.loads((tp / "args.json").read_text())
+    assert record["world_size"] == 2 and record["tp_size"] == 2
+    m1, m2 = read_metrics(one)[-1], read_metrics(tp)[-1]
+    for key in ("train/reward", "train/kl", "train/response_len", "train/entropy"):
+        assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
+    assert_same_update(one / "checkpoints/step_1/policy", tp / "checkpoints/step_1/policy", base_weights(tiny_peaky))
+
+
+def test_ppo_tp2_update_equals_single_process_update(tiny_peaky, tmp_path):
+    """One PPO update of the sharded policy and critic (whitened advantages, GAE) under TP=2 equals 1 process's."""
+    flags = ppo_one_update_flags(tiny_peaky, tmp_path)
+    env = {"TOY_MODEL": tiny_peaky}
+    run_script("ppo_llm.py", *flags, "--output-dir", tmp_path / "one", env=env)
+    launch("ppo_llm.py", *flags, "--tp-size", 2, "--output-dir", tmp_path / "tp", env=env)
+    one, tp = only_run(tmp_path / "one"), only_run(tmp_path / "tp")
+    m1, m2 = read_metrics(one)[-1], read_metrics(tp)[-1]
+    for key in ("train/reward", "train/kl", "train/value_mean", "loss/policy", "loss/value", "train/entropy"):
+        assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
+    assert_same_update(one / "checkpoints/step_1/policy", tp / "checkpoints/step_1/policy", base_weights(tiny_peaky))
+    assert_same_update(
+        one / "checkpoints/step_1/critic", tp / "checkpoints/step_1/critic", base_weights(tiny_peaky, value=True)
+    )
+
+
+def test_dpo_tp2_loss_and_update_equal_single_process(tiny, tmp_path):
+    """DPO on its built-in pairs: the same losses, margins and update under TP=2 as in one process."""
+    flags = ["--model-name-or-path", tiny, "--total-steps", 2, "--batch-size", 4, "--micro-batch-size", 2]
+    flags += ["--eval-every", 0, "--learning-rate", 1e-3]
+    run_script("dpo_llm.py", *flags, "--output-dir", tmp_path / "one")
+    launch("dpo_llm.py", *flags, "--tp-size", 2, "--output-dir", tmp_path / "tp")
+    one, tp = only_run(tmp_path / "one"), only_run(tmp_path / "tp")
+    rows1, rows2 = read_metrics(one), read_metrics(tp)
+    assert [r["step"] for r in rows1] == [r["step"] for r in rows2]
+    for r1, r2 in zip(rows1, rows2):
+        for key in ("loss/policy", "rewards/margin", "train/logps_chosen", "train/logps_rejected", "train/pairs"):
+            if key in r1:
+                assert r1[key] == pytest.approx(r2[key], rel=1e-4, abs=1e-6), (r1["step"], key)
+    assert "loss/policy" in rows1[-1] and rows2[-1]["train/pairs"] == 4
+    assert_same_update(one / "checkpoints/step_2/policy", tp / "checkpoints/step_2/policy", base_weights(tiny), 1e-3)
+
+
+def test_tp2_checkpoint_resumes_in_one_process_with_identical_metrics(tiny_peaky, toy_prompts, tmp_path):
+    """GRPO for 3 steps under TP=2 (torchrun), checkpointing every step; resumed from step 1 in one
+    process it logs steps 2-3 as the TP run did: weights, optimizer state, sampler and RNG all carried."""
+    flags = ["--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--total-steps", 3, *GRPO_FLAGS]
+    # a decaying schedule: one scheduler step per update on any number of processes (Accelerate's default
+    # steps it once per process: on 2 processes the TP run would decay twice as fast as the resumed one)
+    flags += ["--save-every", 1, "--keep-last", 0, "--lr-scheduler", "linear"]
+    env = {"TOY_MODEL": tiny_peaky}
+    torchrun(2, "grpo_llm.py", *flags, "--tp-size", 2, "--output-dir", tmp_path / "tp", env=env)
+    tp = only_run(tmp_path / "tp")
+    before = {r["step"]: r for r in read_metrics(tp)}
+    run_script("grpo_llm.py", *flags, "--resume", tp / "checkpoints/step_1", env=env)
+    after = {r["step"]: r for r in read_metrics(tp)}  # the resumed run continues the same folder from step 1
+    assert sorted(after) == sorted(before) == [1, 2, 3]
+    for step in (2, 3):
+        for key in ("train/reward", "train/kl", "train/response_len", "loss/policy", "train/episodes", "train/lr"):
+            assert after[step][key] == pytest.approx(before[step][key], rel=1e-3, abs=1e-5), (step, key)
+    assert [before[k]["train/lr"] for k in (1, 2, 3)] == pytest.approx([1e-3 * 2 / 3, 1e-3 / 3, 0.0])
+    assert json.loads((tp / "args.json").read_text())["resumes"][0]["tp_size"] == 1
+
+
+@pytest.mark.parametrize("script", ["sft_llm.py", "rm_llm.py", "dynamic_kl_ppo.py"])
+def test_other_scripts_run_under_tp2(script, tiny, tiny_peaky, toy_prompts, tmp_path):
+    """SFT, the reward model and dynamic-KL PPO train for a step under TP=2 and save full model folders."""
+    if script == "dynamic_kl_ppo.py":
+        flags = ["--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD]
+        flags += ["--batch-size", 4, "--mini-batch-size", 4, "--micro-batch-size", 2, "--max-new-tokens", 6]
+    else:
+        flags = ["--model-name-or-path", tiny, "--batch-size", 4, "--micro-batch-size", 2]
+        flags += ["--num-eval-pairs", 4, "--num-norm-samples", 8] if script == "rm_llm.py" else []
+    launch(
+        script,
+        *flags,
+        "--total-steps",
+        1,
+        "--eval-every",
+        0,
+        "--tp-size",
+        2,
+        "--output-dir",
+        tmp_path,
+        env={"TOY_MODEL": tiny_peaky},
+    )
+    run = only_run(tmp_path)
+    assert read_metrics(run)[-1]["step"] == 1
+    folder = run / "reward_model" if script == "rm_llm.py" else run / "checkpoints/step_1/policy"
+    from common import models as M
+
+    loaded = (M.load_reward_model if script == "rm_llm.py" else M.load_causal_lm)(str(folder))
+    full = (M.load_reward_model if script == "rm_llm.py" else M.load_causal_lm)(
+        tiny if script != "dynamic_kl_ppo.py" else tiny_peaky
+    )
+    assert {k: v.shape for k, v in loaded.state_dict().items()} == {k: v.shape for k, v in full.state_dict().items()}
+
+
+def launch_unchecked(script, *flags):
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs/accelerate/cpu_2proc.yaml"),
+    ]
+    return subprocess.run(
+        [*cmd, str(REPO / "algos" / script), *map(str, flags)], capture_output=True, text=True, timeout=600
+    )
+
+
+def test_tp_refusals_name_the_flag(tiny, tmp_path):
+    """What TP cannot combine with stops at start-up with the flag named, before any run folder."""
+    base = ["--model-name-or-path", tiny, "--total-steps", 1, "--output-dir", tmp_path]
+    one = run_script("grpo_llm.py", *base, "--tp-size", 2, check=False)
+    assert one.returncode == 2 and "--tp-size 2: the 1 processes do not split into groups of 2" in one.stderr
+    env = {"PARALLELISM_CONFIG_TP_SIZE": "2"}  # an accelerate config's parallelism_config_tp_size: the same
+    cfg = run_script("grpo_llm.py", *base, env=env, check=False)
+    assert cfg.returncode == 2 and "--tp-size 2: the 1 processes" in cfg.stderr
+    lora = launch_unchecked("grpo_llm.py", *base, "--tp-size", 2, "--lora-r", 4)
+    assert lora.returncode != 0 and "--tp-size 2 with --lora-r" in lora.stderr
+    vllm = launch_unchecked("grpo_llm.py", *base, "--tp-size", 2, "--rollout-engine", "vllm")
+    assert vllm.returncode != 0 and "--rollout-engine vllm with --tp-size 2" in vllm.stderr
+    assert not any(tmp_path.iterdir())
