@@ -124,8 +124,8 @@ class TensorParallel:
     (B, T, V) log-probs and losses. The ranks of one TP group run the same batch: so, to the scripts,
     `num_processes` and `process_index` are the data-parallel ones (batch flags are global over those),
     `gather` and `reduce` see one copy per TP group, `prepare` does not DDP-wrap (DTensor parameters), and
-    `clip_grad_norm_` first averages gradients over the data-parallel ranks (what DDP would do) and then
-    takes the norm over the shards. Only the global rank 0 writes (`is_main_process` is unchanged)."""
+    `clip_grad_norm_` takes the norm over the shards. Only the global rank 0 writes (`is_main_process` is
+    unchanged). One TP group for now (data-parallel size 1: see _tensor_parallel_accelerator)."""
 
     tp_size: int
     tp_mesh: object  # the (dp, tp) DeviceMesh
@@ -156,12 +156,6 @@ class TensorParallel:
         from torch.distributed.tensor.experimental import implicit_replication
 
         params = [p for p in parameters if p.grad is not None]
-        if self.num_processes > 1:  # average over the data-parallel ranks, as DDP does in backward
-            group = self.tp_mesh["dp"].get_group()
-            for p in params:
-                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                torch.distributed.all_reduce(g, group=group)
-                g.div_(self.num_processes)
         with implicit_replication():  # replicated parameters (norms) are plain tensors beside the DTensors
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
@@ -187,6 +181,14 @@ def _tensor_parallel_accelerator(tp_size: int, **kw):
     acc = TensorParallelAccelerator(cpu=cpu, **kw)
     acc.tp_size = tp_size
     dp, tp = tp_mesh_shape(acc.state.num_processes, tp_size)
+    if dp > 1:
+        # transformers 5.19's from_pretrained ignores a passed TP sub-mesh and shards over every process (its
+        # DistributedConfig would make the rest FSDP2, which the loop above does not handle): measured, 4
+        # processes with --tp-size 2 shard each layer 4 ways and mix two data-parallel batches
+        raise UserError(
+            f"--tp-size {tp_size} on {acc.state.num_processes} processes: one tensor-parallel group only for now "
+            f"(launch exactly --tp-size processes); TP x data parallelism is not built"
+        )
     acc.tp_mesh = init_device_mesh(acc.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     models.set_tensor_parallel(acc.tp_mesh["tp"])
     ops.set_data_parallel(acc.tp_mesh["dp"].get_group())

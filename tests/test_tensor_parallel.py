@@ -199,4 +199,6 @@ def test_tp_refusals_name_the_flag(tiny, tmp_path):
     assert lora.returncode != 0 and "--tp-size 2 with --lora-r" in lora.stderr
     vllm = launch_unchecked("grpo_llm.py", *base, "--tp-size", 2, "--rollout-engine", "vllm")
     assert vllm.returncode != 0 and "--rollout-engine vllm with --tp-size 2" in vllm.stderr
+    four = torchrun(4, "grpo_llm.py", *base, "--tp-size", 2, check=False)  # TP x DP: refused (docs/distributed.md)
+    assert four.returncode != 0 and "one tensor-parallel group only" in four.stderr
     assert not any(tmp_path.iterdir())
