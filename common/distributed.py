@@ -221,11 +221,13 @@ def saved_by_one_process(model):
             config.distributed_config = saved
 
 
-def full_tensors(state_dict: dict) -> dict:
+def full_tensors(state_dict: dict | None) -> dict | None:
     """A state dict with every DTensor gathered to its full tensor (collective: every process calls it, in
     the same order). What a checkpoint saves under --tp-size: ordinary model folders."""
     from torch.distributed.tensor import DTensor
 
+    if state_dict is None:  # ZeRO-3 hands the gathered state dict to rank 0 only
+        return None
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state_dict.items()}
 
 
