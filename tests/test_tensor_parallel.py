@@ -71,9 +71,11 @@ GRPO_FLAGS = [
 
 def test_grpo_tp2_update_equals_single_process_update(tiny_peaky, tmp_path):
     """One GRPO update (policy and reference sharded over 2 processes, generation from the sharded
-    policy) ends with the parameters of 1 process; the checkpoint is a full model folder."""
-    flags = ["--model-name-or-path", tiny_peaky, "--train-files", equal_length_prompts(tmp_path), "--total-steps", 1]
-    flags += GRPO_FLAGS
+    policy) ends with the parameters of 1 process; the greedy evaluation before and after scores the same;
+    the checkpoint is a full model folder."""
+    prompts = equal_length_prompts(tmp_path)
+    flags = ["--model-name-or-path", tiny_peaky, "--train-files", prompts, "--total-steps", 1, *GRPO_FLAGS]
+    flags += ["--eval-every", 1, "--val-files", prompts, "--num-eval-prompts", 4]  # (the last --eval-every counts)
     env = {"TOY_MODEL": tiny_peaky}
     run_script("grpo_llm.py", *flags, "--output-dir", tmp_path / "one", env=env)
     launch("grpo_llm.py", *flags, "--tp-size", 2, "--output-dir", tmp_path / "tp", env=env)
@@ -81,8 +83,9 @@ def test_grpo_tp2_update_equals_single_process_update(tiny_peaky, tmp_path):
     record = json.loads((tp / "args.json").read_text())
     assert record["world_size"] == 2 and record["tp_size"] == 2
     m1, m2 = read_metrics(one)[-1], read_metrics(tp)[-1]
-    for key in ("train/reward", "train/kl", "train/response_len", "train/entropy"):
+    for key in ("train/reward", "train/kl", "train/response_len", "train/entropy", "eval/reward"):
         assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
+    assert read_metrics(one)[0]["eval/reward"] == pytest.approx(read_metrics(tp)[0]["eval/reward"], abs=1e-6)
     assert_same_update(one / "checkpoints/step_1/policy", tp / "checkpoints/step_1/policy", base_weights(tiny_peaky))
 
 
