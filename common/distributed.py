@@ -26,6 +26,7 @@ scripts that accumulate micro-batches into minibatches:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from pathlib import Path
 
@@ -125,7 +126,10 @@ class TensorParallel:
     `num_processes` and `process_index` are the data-parallel ones (batch flags are global over those),
     `gather` and `reduce` see one copy per TP group, `prepare` does not DDP-wrap (DTensor parameters), and
     `clip_grad_norm_` takes the norm over the shards. Only the global rank 0 writes (`is_main_process` is
-    unchanged). One TP group for now (data-parallel size 1: see _tensor_parallel_accelerator)."""
+    unchanged). With more processes than --tp-size (TP x DP), transformers also shards every model by
+    FSDP2 over the data-parallel dimension (`fully_shard` over the "fsdp" mesh dimension): gradients are
+    averaged over the data-parallel ranks in backward, as DDP would, and weights gathered per layer in
+    forward (common.rollout.micro_batches gives every process as many micro-batches)."""
 
     tp_size: int
     tp_mesh: object  # the (dp, tp) DeviceMesh
@@ -151,14 +155,27 @@ class TensorParallel:
         out = super().reduce(tensor, reduction, scale)  # over all processes; mean and max see copies alike
         return out / self.tp_size if reduction == "sum" else out
 
-    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2.0):
+        """torch's clip_grad_norm_, per device mesh: under TP x FSDP2 the sharded linears live on the 2-D
+        (fsdp, tp) mesh and the norms' weights on the 1-D fsdp mesh (plain tensors under TP alone), and
+        torch refuses one norm over tensors of different meshes. Each group's norm is made whole, then
+        combined, and every gradient scaled by the one total."""
         from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor.experimental import implicit_replication
 
-        params = [p for p in parameters if p.grad is not None]
-        with implicit_replication():  # replicated parameters (norms) are plain tensors beside the DTensors
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        groups: dict = {}
+        for p in parameters:
+            if p.grad is not None:
+                groups.setdefault(id(p.device_mesh) if isinstance(p, DTensor) else None, []).append(p)
+        norms = []
+        for params in groups.values():
+            n = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+            norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+        if not norms:
+            return torch.tensor(0.0)
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        for params in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
 
 
 def _tensor_parallel_accelerator(tp_size: int, **kw):
@@ -173,24 +190,19 @@ def _tensor_parallel_accelerator(tp_size: int, **kw):
     for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
         if os.environ.get(name, "false").lower() == "true":
             raise UserError(
-                f"--tp-size {tp_size} under {name.split('_')[-1]}: tensor parallelism runs with plain data "
-                "parallelism over the TP groups here (FSDP2 x TP and DeepSpeed AutoTP are not built); launch "
-                "without the FSDP / DeepSpeed config"
+                f"--tp-size {tp_size} under {name.split('_')[-1]}: with more processes than --tp-size, the "
+                "models are already sharded by FSDP2 over the data-parallel ranks (TP x FSDP2, transformers' "
+                "DistributedConfig); DeepSpeed AutoTP is not built. Launch without the FSDP / DeepSpeed config"
             )
     cpu = not torch.cuda.is_available()
     acc = TensorParallelAccelerator(cpu=cpu, **kw)
     acc.tp_size = tp_size
     dp, tp = tp_mesh_shape(acc.state.num_processes, tp_size)
-    if dp > 1:
-        # transformers 5.19's from_pretrained ignores a passed TP sub-mesh and shards over every process (its
-        # DistributedConfig would make the rest FSDP2, which the loop above does not handle): measured, 4
-        # processes with --tp-size 2 shard each layer 4 ways and mix two data-parallel batches
-        raise UserError(
-            f"--tp-size {tp_size} on {acc.state.num_processes} processes: one tensor-parallel group only for now "
-            f"(launch exactly --tp-size processes); TP x data parallelism is not built"
-        )
     acc.tp_mesh = init_device_mesh(acc.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    models.set_tensor_parallel(acc.tp_mesh["tp"])
+    # DTensor warns at every gradient-norm all-reduce and full-weight gather over the 2-D mesh that two
+    # collectives run where one might (a latency note, not a correctness one): once per step per rank
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    models.set_tensor_parallel(acc.tp_mesh["tp"], dp)
     ops.set_data_parallel(acc.tp_mesh["dp"].get_group())
     return acc
 

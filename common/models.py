@@ -282,17 +282,20 @@ class _quiet_load:
         hf_logging.set_verbosity(self.level)
 
 
-_TP_MESH: list = [None]  # the tensor-parallel DeviceMesh under --tp-size > 1, else None
+_TP_MESH: list = [None, 1]  # the tensor-parallel DeviceMesh under --tp-size > 1 (else None), data-parallel size
 
 
-def set_tensor_parallel(mesh) -> None:
-    """Shard every model loaded from now on over `mesh` (a 1-D DeviceMesh; None: load whole)."""
-    _TP_MESH[0] = mesh
+def set_tensor_parallel(mesh, dp_size: int = 1) -> None:
+    """Shard every model loaded from now on over `mesh` (the 1-D tensor-parallel DeviceMesh; None: load
+    whole), and with `dp_size` > 1 also over the data-parallel ranks by FSDP2 (TP x FSDP2)."""
+    _TP_MESH[:] = [mesh, dp_size]
 
 
 def _tp_kwargs(name_or_path: str, lora_r: int = 0, load_in_4bit: bool = False) -> dict:
-    """from_pretrained's tensor-parallel arguments: none unless --tp-size > 1."""
-    mesh = _TP_MESH[0]
+    """from_pretrained's tensor-parallel arguments: none unless --tp-size > 1. transformers' DistributedConfig
+    builds the (fsdp, tp) mesh itself (the same rank layout as common.distributed.tp_mesh_shape), applies the
+    model's tp_plan over "tp", then fully_shard (FSDP2) over "fsdp" when the data-parallel size is > 1."""
+    mesh, dp_size = _TP_MESH
     if mesh is None:
         return {}
     from common.run import UserError
@@ -311,7 +314,9 @@ def _tp_kwargs(name_or_path: str, lora_r: int = 0, load_in_4bit: bool = False) -
                 f"--tp-size {mesh.size()}: {name_or_path} has {key} = {n}, which does not split over "
                 f"{mesh.size()} tensor-parallel ranks (attention heads are what TP shards)"
             )
-    return {"tp_plan": "auto", "device_mesh": mesh}
+    from transformers.distributed import DistributedConfig
+
+    return {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=mesh.size(), fsdp_size=dp_size)}
 
 
 def _quantization_config(load_in_4bit: bool):

@@ -33,6 +33,13 @@ def torchrun(nproc, script, *flags, env=None, check=True):
     return proc
 
 
+def launch_tp(nproc, script, *flags, env=None):
+    """2 processes: `accelerate launch` (one TP group); 4: torchrun, TP=2 x DP=2 (FSDP2 over the data-parallel pair)."""
+    if nproc == 2:
+        return launch(script, *flags, "--tp-size", 2, env=env)
+    return torchrun(nproc, script, *flags, "--tp-size", 2, env=env)
+
+
 def test_mesh_arithmetic():
     """(data-parallel, tensor-parallel) sizes of a launch; TP groups are neighbouring ranks."""
     from common.distributed import tp_mesh_shape
@@ -69,19 +76,21 @@ GRPO_FLAGS = [
 ]
 
 
-def test_grpo_tp2_update_equals_single_process_update(tiny_peaky, tmp_path):
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_grpo_tp2_update_equals_single_process_update(nproc, tiny_peaky, tmp_path):
     """One GRPO update (policy and reference sharded over 2 processes, generation from the sharded
-    policy) ends with the parameters of 1 process; the greedy evaluation before and after scores the same;
-    the checkpoint is a full model folder."""
+    policy; with 4, two such TP groups, each on its half of the batch, FSDP2 across them) ends with the
+    parameters of 1 process; the greedy evaluation before and after scores the same; the checkpoint is a
+    full model folder."""
     prompts = equal_length_prompts(tmp_path)
     flags = ["--model-name-or-path", tiny_peaky, "--train-files", prompts, "--total-steps", 1, *GRPO_FLAGS]
     flags += ["--eval-every", 1, "--val-files", prompts, "--num-eval-prompts", 4]  # (the last --eval-every counts)
     env = {"TOY_MODEL": tiny_peaky}
     run_script("grpo_llm.py", *flags, "--output-dir", tmp_path / "one", env=env)
-    launch("grpo_llm.py", *flags, "--tp-size", 2, "--output-dir", tmp_path / "tp", env=env)
+    launch_tp(nproc, "grpo_llm.py", *flags, "--output-dir", tmp_path / "tp", env=env)
     one, tp = only_run(tmp_path / "one"), only_run(tmp_path / "tp")
     record = json.loads((tp / "args.json").read_text())
-    assert record["world_size"] == 2 and record["tp_size"] == 2
+    assert record["world_size"] == nproc and record["tp_size"] == 2
     m1, m2 = read_metrics(one)[-1], read_metrics(tp)[-1]
     for key in ("train/reward", "train/kl", "train/response_len", "train/entropy", "eval/reward"):
         assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
@@ -89,12 +98,14 @@ def test_grpo_tp2_update_equals_single_process_update(tiny_peaky, tmp_path):
     assert_same_update(one / "checkpoints/step_1/policy", tp / "checkpoints/step_1/policy", base_weights(tiny_peaky))
 
 
-def test_ppo_tp2_update_equals_single_process_update(tiny_peaky, tmp_path):
-    """One PPO update of the sharded policy and critic (whitened advantages, GAE) under TP=2 equals 1 process's."""
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_ppo_tp2_update_equals_single_process_update(nproc, tiny_peaky, tmp_path):
+    """One PPO update of the sharded policy and critic (whitened advantages, GAE) under TP=2 (x DP=2 on 4
+    processes) equals 1 process's."""
     flags = ppo_one_update_flags(tiny_peaky, tmp_path)
     env = {"TOY_MODEL": tiny_peaky}
     run_script("ppo_llm.py", *flags, "--output-dir", tmp_path / "one", env=env)
-    launch("ppo_llm.py", *flags, "--tp-size", 2, "--output-dir", tmp_path / "tp", env=env)
+    launch_tp(nproc, "ppo_llm.py", *flags, "--output-dir", tmp_path / "tp", env=env)
     one, tp = only_run(tmp_path / "one"), only_run(tmp_path / "tp")
     m1, m2 = read_metrics(one)[-1], read_metrics(tp)[-1]
     for key in ("train/reward", "train/kl", "train/value_mean", "loss/policy", "loss/value", "train/entropy"):
@@ -105,12 +116,13 @@ def test_ppo_tp2_update_equals_single_process_update(tiny_peaky, tmp_path):
     )
 
 
-def test_dpo_tp2_loss_and_update_equal_single_process(tiny, tmp_path):
-    """DPO on its built-in pairs: the same losses, margins and update under TP=2 as in one process."""
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_dpo_tp2_loss_and_update_equal_single_process(nproc, tiny, tmp_path):
+    """DPO on its built-in pairs: the same losses, margins and update under TP=2 (x DP=2) as in one process."""
     flags = ["--model-name-or-path", tiny, "--total-steps", 2, "--batch-size", 4, "--micro-batch-size", 2]
     flags += ["--eval-every", 0, "--learning-rate", 1e-3]
     run_script("dpo_llm.py", *flags, "--output-dir", tmp_path / "one")
-    launch("dpo_llm.py", *flags, "--tp-size", 2, "--output-dir", tmp_path / "tp")
+    launch_tp(nproc, "dpo_llm.py", *flags, "--output-dir", tmp_path / "tp")
     one, tp = only_run(tmp_path / "one"), only_run(tmp_path / "tp")
     rows1, rows2 = read_metrics(one), read_metrics(tp)
     assert [r["step"] for r in rows1] == [r["step"] for r in rows2]
@@ -122,15 +134,17 @@ def test_dpo_tp2_loss_and_update_equal_single_process(tiny, tmp_path):
     assert_same_update(one / "checkpoints/step_2/policy", tp / "checkpoints/step_2/policy", base_weights(tiny), 1e-3)
 
 
-def test_tp2_checkpoint_resumes_in_one_process_with_identical_metrics(tiny_peaky, toy_prompts, tmp_path):
-    """GRPO for 3 steps under TP=2 (torchrun), checkpointing every step; resumed from step 1 in one
-    process it logs steps 2-3 as the TP run did: weights, optimizer state, sampler and RNG all carried."""
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_tp2_checkpoint_resumes_in_one_process_with_identical_metrics(nproc, tiny_peaky, toy_prompts, tmp_path):
+    """GRPO for 3 steps under TP=2 (torchrun; 4 processes: TP=2 x DP=2, FSDP2-sharded optimizer state),
+    checkpointing every step; resumed from step 1 in one process it logs steps 2-3 as the TP run did:
+    weights, optimizer state, sampler and RNG all carried."""
     flags = ["--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--total-steps", 3, *GRPO_FLAGS]
     # a decaying schedule: one scheduler step per update on any number of processes (Accelerate's default
     # steps it once per process: on 2 processes the TP run would decay twice as fast as the resumed one)
     flags += ["--save-every", 1, "--keep-last", 0, "--lr-scheduler", "linear"]
     env = {"TOY_MODEL": tiny_peaky}
-    torchrun(2, "grpo_llm.py", *flags, "--tp-size", 2, "--output-dir", tmp_path / "tp", env=env)
+    torchrun(nproc, "grpo_llm.py", *flags, "--tp-size", 2, "--output-dir", tmp_path / "tp", env=env)
     tp = only_run(tmp_path / "tp")
     before = {r["step"]: r for r in read_metrics(tp)}
     run_script("grpo_llm.py", *flags, "--resume", tp / "checkpoints/step_1", env=env)
@@ -143,28 +157,20 @@ def test_tp2_checkpoint_resumes_in_one_process_with_identical_metrics(tiny_peaky
     assert json.loads((tp / "args.json").read_text())["resumes"][0]["tp_size"] == 1
 
 
-@pytest.mark.parametrize("script", ["sft_llm.py", "rm_llm.py", "dynamic_kl_ppo.py"])
-def test_other_scripts_run_under_tp2(script, tiny, tiny_peaky, toy_prompts, tmp_path):
-    """SFT, the reward model and dynamic-KL PPO train for a step under TP=2 and save full model folders."""
+@pytest.mark.parametrize(
+    "script, nproc", [("sft_llm.py", 2), ("rm_llm.py", 2), ("dynamic_kl_ppo.py", 2), ("rm_llm.py", 4)]
+)
+def test_other_scripts_run_under_tp2(script, nproc, tiny, tiny_peaky, toy_prompts, tmp_path):
+    """SFT, the reward model and dynamic-KL PPO train for a step under TP=2 and save full model folders
+    (the reward model, a sequence-classification head, also under TP=2 x DP=2)."""
     if script == "dynamic_kl_ppo.py":
         flags = ["--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD]
         flags += ["--batch-size", 4, "--mini-batch-size", 4, "--micro-batch-size", 2, "--max-new-tokens", 6]
     else:
         flags = ["--model-name-or-path", tiny, "--batch-size", 4, "--micro-batch-size", 2]
         flags += ["--num-eval-pairs", 4, "--num-norm-samples", 8] if script == "rm_llm.py" else []
-    launch(
-        script,
-        *flags,
-        "--total-steps",
-        1,
-        "--eval-every",
-        0,
-        "--tp-size",
-        2,
-        "--output-dir",
-        tmp_path,
-        env={"TOY_MODEL": tiny_peaky},
-    )
+    flags += ["--total-steps", 1, "--eval-every", 0, "--output-dir", tmp_path]
+    launch_tp(nproc, script, *flags, env={"TOY_MODEL": tiny_peaky})
     run = only_run(tmp_path)
     assert read_metrics(run)[-1]["step"] == 1
     folder = run / "reward_model" if script == "rm_llm.py" else run / "checkpoints/step_1/policy"
@@ -177,13 +183,13 @@ def test_other_scripts_run_under_tp2(script, tiny, tiny_peaky, toy_prompts, tmp_
     assert {k: v.shape for k, v in loaded.state_dict().items()} == {k: v.shape for k, v in full.state_dict().items()}
 
 
-def launch_unchecked(script, *flags):
+def launch_unchecked(script, *flags, config="cpu_2proc"):
     cmd = [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
         "--config_file",
-        str(REPO / "configs/accelerate/cpu_2proc.yaml"),
+        str(REPO / f"configs/accelerate/{config}.yaml"),
     ]
     return subprocess.run(
         [*cmd, str(REPO / "algos" / script), *map(str, flags)], capture_output=True, text=True, timeout=600
@@ -202,6 +208,6 @@ def test_tp_refusals_name_the_flag(tiny, tmp_path):
     assert lora.returncode != 0 and "--tp-size 2 with --lora-r" in lora.stderr
     vllm = launch_unchecked("grpo_llm.py", *base, "--tp-size", 2, "--rollout-engine", "vllm")
     assert vllm.returncode != 0 and "--rollout-engine vllm with --tp-size 2" in vllm.stderr
-    four = torchrun(4, "grpo_llm.py", *base, "--tp-size", 2, check=False)  # TP x DP: refused (docs/distributed.md)
-    assert four.returncode != 0 and "one tensor-parallel group only" in four.stderr
+    fsdp = launch_unchecked("grpo_llm.py", *base, "--tp-size", 2, config="cpu_2proc_fsdp2")
+    assert fsdp.returncode != 0 and "--tp-size 2 under FSDP: with more processes than --tp-size" in fsdp.stderr
     assert not any(tmp_path.iterdir())
