@@ -43,7 +43,7 @@ from common.distributed import (
     unwrap_for_generation,
 )
 from common.eval import evaluate_policy
-from common.ops import exact_div, global_mean_divisor, selective_log_softmax
+from common.ops import exact_div, global_mean_divisor, selective_log_softmax, sharded_logits
 from common.rewards import Reward
 from common.rollout import generate, tokenize_queries
 from common.run import (
@@ -261,8 +261,9 @@ def encode_pairs(tok, pairs, max_prompt_length, max_completion_length, device):
 
 def response_logps(model, ids, attn, response_mask):
     """Summed and per-token-mean log-probs of the response tokens: (2B,), (2B,). One forward pass."""
-    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]  # (2B, L-1, V)
-    logps = selective_log_softmax(logits, ids[:, 1:]) * response_mask[:, 1:]  # (2B, L-1)
+    with sharded_logits():  # --tp-size: each rank keeps its block of the vocabulary (common.ops)
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]  # (2B, L-1, V)
+        logps = selective_log_softmax(logits, ids[:, 1:]) * response_mask[:, 1:]  # (2B, L-1)
     n = response_mask[:, 1:].sum(1).clamp(min=1)
     return logps.sum(1), logps.sum(1) / n
 

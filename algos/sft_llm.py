@@ -30,7 +30,7 @@ from common import models as M
 from common.data import Sampler, encode_prompt_response, load_prompts, load_sft
 from common.distributed import UpdateGuard, backward, configure_deepspeed, make_accelerator
 from common.eval import evaluate_policy
-from common.ops import exact_div, global_mean_divisor, selective_log_softmax
+from common.ops import exact_div, global_mean_divisor, selective_log_softmax, sharded_logits
 from common.rewards import Reward
 from common.run import (
     BestKeeper,
@@ -171,8 +171,9 @@ def encode_examples(tok, examples, max_length, device):
 
 def sft_loss_sum(model, ids, attn, loss_mask):
     """Sum of -log p(token) over loss-masked tokens (shifted by one) and their count."""
-    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]  # (B, L-1, V)
-    nll = -selective_log_softmax(logits, ids[:, 1:]) * loss_mask[:, 1:]  # (B, L-1)
+    with sharded_logits():  # --tp-size: each rank keeps its block of the vocabulary (common.ops)
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]  # (B, L-1, V)
+        nll = -selective_log_softmax(logits, ids[:, 1:]) * loss_mask[:, 1:]  # (B, L-1)
     return nll.sum(), loss_mask[:, 1:].sum()
 
 

@@ -204,6 +204,7 @@ def _tensor_parallel_accelerator(tp_size: int, **kw):
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     models.set_tensor_parallel(acc.tp_mesh["tp"], dp)
     ops.set_data_parallel(acc.tp_mesh["dp"].get_group())
+    ops.set_tensor_parallel_group(acc.tp_mesh["tp"].get_group())
     return acc
 
 

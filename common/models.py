@@ -319,6 +319,30 @@ def _tp_kwargs(name_or_path: str, lora_r: int = 0, load_in_4bit: bool = False) -
     return {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=mesh.size(), fsdp_size=dp_size)}
 
 
+def _vocab_parallel_head(head: nn.Linear, mesh) -> None:
+    """Under --tp-size the LM head is column-parallel (its weight a DTensor split over the vocabulary) and
+    transformers' plan all-gathers its output into full (B, T, V) logits on every rank. Inside
+    `common.ops.sharded_logits()` this head returns the rank's own block (B, T, V / tp) instead, which
+    the log-prob helpers there reduce across ranks: the (B, T, V) logits are never whole on a rank.
+    The input gradient is all-reduced over the TP group in backward (DTensor's Replicate -> Partial rule)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from common import ops
+
+    gathered_forward = head.forward  # transformers' ColwiseParallel forward, output gathered
+
+    def forward(x):
+        if not ops.logits_sharded():
+            return gathered_forward(x)
+        w, b = head.weight, head.bias
+        if not torch.is_grad_enabled():  # no backward: plain local matmul, as transformers' fast path
+            return nn.functional.linear(x, w.to_local(), None if b is None else b.to_local())
+        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        return nn.functional.linear(x, w, b).to_local()  # (..., V / tp): this rank's vocabulary block
+
+    head.forward = forward
+
+
 def _quantization_config(load_in_4bit: bool):
     if not load_in_4bit:
         return None
@@ -439,6 +463,8 @@ def load_causal_lm(
         **_tp_kwargs(path, lora_r, load_in_4bit),
     )
     model.generation_config.pad_token_id = tok.pad_token_id if tok is not None else None
+    if _TP_MESH[0] is not None:
+        _vocab_parallel_head(model.get_output_embeddings(), _TP_MESH[0])
     return _finish(
         model, tok, lora_r, lora_alpha, lora_dropout, lora_target, gradient_checkpointing, load_in_4bit, "CAUSAL_LM"
     )

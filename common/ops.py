@@ -9,6 +9,8 @@ Never here: losses, training loops, the choice of advantages. Those are the algo
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -25,6 +27,8 @@ def selective_log_softmax(
     Naive equivalent: `torch.log_softmax(logits.float() / t, -1).gather(-1, index[..., None])[..., 0]`.
     We loop over `chunk` rows of the batch at a time (a (chunk, T, V) float32 temporary), since
     for V = 49k and T = 1k the full tensor is 200 MB per sequence."""
+    if _VOCAB_PARALLEL[1]:
+        return logprobs_and_entropy(logits, index, chunk, temperature)[0]
     out = []
     for lg, ix in zip(logits.split(chunk), index.split(chunk)):
         lg = lg.float() / temperature if temperature != 1.0 else lg.float()
@@ -44,12 +48,83 @@ def logprobs_and_entropy(
     logps, ents = [], []
     for lg, ix in zip(logits.split(chunk), index.split(chunk)):
         lg = lg.float() / temperature if temperature != 1.0 else lg.float()  # (b, T, V)
+        if _VOCAB_PARALLEL[1]:  # lg is this rank's vocabulary block (b, T, V / tp): see sharded_logits
+            lp, ent = _VocabParallelLogProbs.apply(lg, ix, _VOCAB_PARALLEL[0], entropy_grad)
+            logps.append(lp), ents.append(ent if entropy_grad else ent.detach())
+            continue
         lse = torch.logsumexp(lg, dim=-1)  # (b, T)
         logps.append(lg.gather(-1, ix.unsqueeze(-1)).squeeze(-1) - lse)
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             z, lse_ = (lg, lse) if entropy_grad else (lg.detach(), lse.detach())
             ents.append(lse_ - (torch.exp(z - lse_.unsqueeze(-1)) * z).sum(-1))
     return torch.cat(logps), torch.cat(ents)
+
+
+# Under --tp-size the LM head is column-parallel: each rank of a TP group computes the logits of its block
+# of the vocabulary. transformers' plan gathers them (every rank then holds the full (B, T, V)); inside
+# `sharded_logits()` the head leaves them sharded (common.models) and the two functions above compute the
+# log-softmax across the blocks (Megatron's vocab-parallel cross-entropy): (B, T, V / tp) per rank.
+_VOCAB_PARALLEL: list = [None, False]  # [the TP process group (set_tensor_parallel_group), inside sharded_logits]
+
+
+def set_tensor_parallel_group(group) -> None:
+    _VOCAB_PARALLEL[0] = group
+
+
+def logits_sharded() -> bool:
+    return bool(_VOCAB_PARALLEL[1])
+
+
+@contextlib.contextmanager
+def sharded_logits():
+    """Forwards of the policy inside the block return this rank's vocabulary block of the logits under
+    --tp-size, and selective_log_softmax / logprobs_and_entropy take such blocks. No-op without TP.
+    Only for log-probs: sampling (the rollout) needs whole rows and runs outside the block."""
+    before = _VOCAB_PARALLEL[1]
+    _VOCAB_PARALLEL[1] = _VOCAB_PARALLEL[0] is not None
+    try:
+        yield
+    finally:
+        _VOCAB_PARALLEL[1] = before
+
+
+class _VocabParallelLogProbs(torch.autograd.Function):
+    """log softmax(z)[index] and the entropy of softmax(z), z split over the ranks of `group` along the
+    vocabulary in equal contiguous blocks (rank r holds ids r*Vl .. (r+1)*Vl-1, DTensor's Shard(-1)).
+    Forward: four all-reduces of (b, T) tensors (max, sum of exp, the picked logit, sum p*z), never a
+    (b, T, V) one. Backward is local: d logp / dz = onehot - p, d H / dz = -p (z - E_p[z]); the gradient
+    of the hidden state is all-reduced by the head (common.models). z: (b, T, Vl) float32; index: (b, T)."""
+
+    @staticmethod
+    def forward(ctx, z, index, group, entropy_grad):
+        import torch.distributed as dist
+
+        Vl = z.shape[-1]
+        local = index - dist.get_rank(group) * Vl
+        inside = (local >= 0) & (local < Vl)
+        local = local.clamp(0, Vl - 1)
+        m = z.amax(-1)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        e = torch.exp(z - m.unsqueeze(-1))  # (b, T, Vl)
+        sums = torch.stack([e.sum(-1), (e * z).sum(-1), z.gather(-1, local.unsqueeze(-1)).squeeze(-1) * inside])
+        dist.all_reduce(sums, group=group)  # one all-reduce for the three (b, T) sums
+        lse = m + sums[0].log()
+        ez = sums[1] / sums[0]  # E_p[z]
+        ctx.save_for_backward(z, lse, ez, local, inside)
+        ctx.set_materialize_grads(False)  # a detached entropy's gradient stays None (no wasted (b, T, Vl) work)
+        return sums[2] - lse, lse - ez
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        z, lse, ez, local, inside = ctx.saved_tensors
+        p = torch.exp(z - lse.unsqueeze(-1))
+        grad = torch.zeros_like(z)
+        if g_logp is not None:
+            grad -= p * g_logp.unsqueeze(-1)
+            grad.scatter_add_(-1, local.unsqueeze(-1), (g_logp * inside).unsqueeze(-1))
+        if g_ent is not None:
+            grad -= g_ent.unsqueeze(-1) * p * (z - ez.unsqueeze(-1))
+        return grad, None, None, None
 
 
 def entropy_from_logits(logits: torch.Tensor, chunk: int = 4, temperature: float = 1.0) -> torch.Tensor:

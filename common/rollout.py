@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.ops import logprobs_and_entropy, selective_log_softmax
+from common.ops import logprobs_and_entropy, selective_log_softmax, sharded_logits
 
 
 def tokenize_queries(tok, texts: list[str], device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,18 +290,20 @@ def forward_logprobs(
     (B, T, V) float32 softmax graph would otherwise be kept, and with a zero coefficient backpropagated."""
     T = query_responses.shape[1] - P
     # logits_to_keep: project only the last T+1 positions onto the vocabulary (not the prompt's)
-    logits = model(
-        input_ids=query_responses,
-        attention_mask=attention_mask,
-        logits_to_keep=T + 1,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    ).logits
-    logits = logits[:, :-1]  # (B, T, V): the logits that predicted each response token
-    # the temperature divides inside the helpers, after their float32 cast (bf16 logits / T would round again)
-    if with_entropy:  # both in one pass over the (B, T, V) logits
-        return logprobs_and_entropy(logits, query_responses[:, P:], temperature=temperature, entropy_grad=entropy_grad)
-    return selective_log_softmax(logits, query_responses[:, P:], temperature=temperature)  # (B, T)
+    with sharded_logits():  # under --tp-size each rank keeps its vocabulary block of the logits (common.ops)
+        logits = model(
+            input_ids=query_responses,
+            attention_mask=attention_mask,
+            logits_to_keep=T + 1,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        ).logits
+        logits = logits[:, :-1]  # (B, T, V): the logits that predicted each response token
+        # the temperature divides inside the helpers, after their float32 cast (bf16 logits / T would round again)
+        if with_entropy:  # both in one pass over the (B, T, V) logits
+            index = query_responses[:, P:]
+            return logprobs_and_entropy(logits, index, temperature=temperature, entropy_grad=entropy_grad)
+        return selective_log_softmax(logits, query_responses[:, P:], temperature=temperature)  # (B, T)
 
 
 def forward_values(critic, query_responses: torch.Tensor, attention_mask: torch.Tensor, P: int) -> torch.Tensor:
