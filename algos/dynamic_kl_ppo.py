@@ -44,7 +44,7 @@ import torch
 import tyro
 
 from common import models as M
-from common.data import Sampler, load_prompts
+from common.data import Sampler, load_rl_prompts
 from common.distributed import (
     UpdateGuard,
     backward,
@@ -57,7 +57,7 @@ from common.distributed import (
 from common.eval import evaluate_policy
 from common.health import HealthConfig, HealthMonitor
 from common.ops import all_sum, exact_div, gae, global_mean_divisor, kl_estimate, masked_mean, masked_whiten
-from common.rewards import Reward
+from common.rewards import reward_from_args
 from common.rollout import (
     forward_by_micro_batch,
     forward_logprobs,
@@ -84,7 +84,6 @@ from common.run import (
     save_checkpoint,
     seed_everything,
 )
-from common.tasks import default_task_files
 from common.vllm_engine import make_engine
 
 
@@ -383,41 +382,9 @@ def main(args: Args):
     )
     tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     M.set_prompt_format(tok, args.apply_chat_template, args.chat_template_kwargs, args.system_prompt)
-    # the reward model's own tokenizer and chat template (it may differ from the policy's)
-    rm_tok = M.load_tokenizer(args.reward_model, args.trust_remote_code) if args.reward_model else None
-    reward_model = (
-        prepare_frozen(accelerator, M.load_reward_model(args.reward_model, rm_tok, args.dtype))
-        if args.reward_model
-        else None
-    )
-    reward = Reward(
-        args.reward,
-        args.reward_fn,
-        reward_model,
-        rm_tok,
-        args.max_new_tokens,
-        args.reward_fallback,
-        reward_weights=args.reward_weights,
-        timeout=args.reward_timeout,
-        workers=args.reward_workers,
-    )
-
-    train_files, val_files = args.train_files, args.val_files
-    if train_files is None:
-        train_files, default_val = default_task_files(args.task)
-        val_files = val_files or [default_val]
-    train_rows = load_prompts(
-        train_files, tok, args.prompt_key, args.reward_fn_key, args.max_prompt_length, args.truncate_prompts, log
-    )
-    val_rows = (
-        load_prompts(
-            val_files, tok, args.prompt_key, args.reward_fn_key, args.max_prompt_length, args.truncate_prompts, log
-        )[: args.num_eval_prompts]
-        if val_files
-        else []
-    )
-    reward.check({r.data_source for r in train_rows + val_rows})
-    log(f"[prompt] the first training prompt as the model sees it:\n{train_rows[0].text}")
+    reward = reward_from_args(args, accelerator)  # rules, a reward model (its own tokenizer), weighted mixes
+    # --train-files / --val-files, else the built-in --task; every data_source checked against the rewards
+    train_rows, val_rows = load_rl_prompts(args, tok, reward, log)
     sampler = Sampler(len(train_rows), args.seed)
 
     # ALGO LOGIC: PPO's models and optimizers: the policy, a critic (value model), a frozen reference

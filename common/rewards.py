@@ -485,3 +485,29 @@ class Reward:
             comps["length_bonus"] = (response_lens.float().to(device) / self.max_new_tokens).clamp(max=1.0)
         scores = sum(self.mix[k] * v for k, v in comps.items())  # (B,)
         return scores.reshape(B), comps, extras
+
+
+def reward_from_args(args, accelerator) -> Reward:
+    """The Reward of an RL script's flags: --reward / --reward-fn, --reward-model (loaded frozen, with its own
+    tokenizer and chat template, which may differ from the policy's), --reward-weights, --reward-fallback,
+    --reward-timeout and --reward-workers; responses are scored up to --max-new-tokens."""
+    from common import models as M
+    from common.distributed import prepare_frozen
+
+    rm_tok = M.load_tokenizer(args.reward_model, args.trust_remote_code) if args.reward_model else None
+    reward_model = (
+        prepare_frozen(accelerator, M.load_reward_model(args.reward_model, rm_tok, args.dtype))
+        if args.reward_model
+        else None
+    )
+    return Reward(
+        args.reward,
+        args.reward_fn,
+        reward_model,
+        rm_tok,
+        args.max_new_tokens,
+        args.reward_fallback,
+        reward_weights=args.reward_weights,
+        timeout=args.reward_timeout,
+        workers=args.reward_workers,
+    )
