@@ -44,7 +44,7 @@ from common.distributed import (
 )
 from common.eval import evaluate_policy
 from common.ops import exact_div, global_mean_divisor, selective_log_softmax, sharded_logits
-from common.rewards import Reward
+from common.rewards import Reward, reward_from_args
 from common.rollout import generate, tokenize_queries
 from common.run import (
     BestKeeper,
@@ -319,24 +319,7 @@ def main(args: Args):
         eval_prompt_files = eval_prompt_files or [default_task_files(args.task)[1]]
     reward = None
     if args.online:
-        # the reward model's own tokenizer and chat template (it may differ from the policy's)
-        rm_tok = M.load_tokenizer(args.reward_model, args.trust_remote_code) if args.reward_model else None
-        reward_model = (
-            prepare_frozen(accelerator, M.load_reward_model(args.reward_model, rm_tok, args.dtype))
-            if args.reward_model
-            else None
-        )
-        reward = Reward(
-            args.reward,
-            args.reward_fn,
-            reward_model,
-            rm_tok,
-            args.max_new_tokens,
-            args.reward_fallback,
-            reward_weights=args.reward_weights,
-            timeout=args.reward_timeout,
-            workers=args.reward_workers,
-        )
+        reward = reward_from_args(args, accelerator)  # rules, a reward model (its own tokenizer), weighted mixes
         train_rows = load_prompts(train_files, tok, max_prompt_length=args.max_prompt_length, log=log)
         reward.check({r.data_source for r in train_rows})
     else:
