@@ -34,6 +34,7 @@ ROWS = {
     "bf16": ["--mixed-precision", "bf16", "--micro-batch-tokens", "0"],
     "packed": ["--mixed-precision", "no", "--micro-batch-tokens", "-1"],
     "default": [],  # as shipped: --mixed-precision auto (bf16 here), --micro-batch-tokens -1
+    "checkpointing": ["--gradient-checkpointing"],  # the default with activation checkpointing (memory)
     "vllm": ["--rollout-engine", "vllm"],  # the default with rollouts from the colocated vLLM engine
     "vllm-fp32": ["--rollout-engine", "vllm", "--mixed-precision", "no"],
 }
