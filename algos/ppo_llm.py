@@ -487,6 +487,7 @@ def main(args: Args):
                 args.top_p,
                 seeds,
                 engine=engine,
+                keep_prompt_cache=not args.gradient_checkpointing,  # pi_old reuses it (checkpointed layers take no cache)
             )
         gen_s = time.time() - t_gen
         query_responses, responses, mask = (
@@ -512,8 +513,11 @@ def main(args: Args):
             args.values_from_update and args.update_epochs == 1 and args.mini_batch_size == args.batch_size
         )
         with torch.no_grad(), accelerator.autocast():  # one region: bf16 weight copies cast once, not per micro-batch
-            by_micro = lambda fn: forward_by_micro_batch(fn, all_micros, query_responses, attn, P, T) * mask  # (B, T)
-            logprobs = by_micro(lambda qr, am, p: forward_logprobs(policy, qr, am, p, args.temperature))
+            by_micro = lambda fn, c=None: forward_by_micro_batch(fn, all_micros, query_responses, attn, P, T, c) * mask
+            # pi_old (B, T): the responses' forward over the rollout's prompt KV cache (same weights, same numbers)
+            pi_old = lambda qr, am, p, **cache: forward_logprobs(policy, qr, am, p, args.temperature, **cache)
+            logprobs = by_micro(pi_old, rollout.prompt_cache)
+            rollout.prompt_cache = None  # its memory back before the update
             values = torch.zeros_like(mask) if values_from_update else by_micro(lambda *a: forward_values(critic, *a))
             ref_logprobs = by_micro(ref_logprobs_of) if use_ref else logprobs
         # pi_old is the trainer's recomputed log-probs; the sampler's (KV cache, maybe another precision

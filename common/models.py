@@ -29,7 +29,10 @@ import torch
 from torch import nn
 from transformers.utils import logging as hf_logging
 
+from common.ops import SMALL_ATTENTION, register_small_attention
+
 hf_logging.disable_progress_bar()  # per-file "Loading weights" bars drown the training log
+register_small_attention()
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -361,6 +364,11 @@ def _quantization_config(load_in_4bit: bool):
     )
 
 
+def _small_attention(model) -> None:
+    if getattr(model.config, "_attn_implementation", None) == "sdpa":  # transformers' default, where supported
+        model.set_attn_implementation(SMALL_ATTENTION)  # = SDPA, but two matmuls at bf16 RL lengths (common.ops)
+
+
 def _finish(
     model,
     tok,
@@ -381,6 +389,7 @@ def _finish(
         model.resize_token_embeddings(len(tok))  # a `<|pad|>` token was added
     if tok is not None:
         model.config.pad_token_id = tok.pad_token_id
+    _small_attention(model)
     if load_in_4bit:
         from peft import prepare_model_for_kbit_training
 
@@ -556,6 +565,7 @@ def load_reward_model(name_or_path: str, tok=None, dtype: str = "auto", trust_re
         return _finish(model, tok, task_type="SEQ_CLS", modules_to_save=["score"], **lora)
     if tok is not None:
         model.config.pad_token_id = tok.pad_token_id
+    _small_attention(model)
     return model
 
 

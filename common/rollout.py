@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.ops import logprobs_and_entropy, selective_log_softmax, sharded_logits
+from common.ops import logprobs_and_entropy, selective_log_softmax, sharded_logits, tensor_parallel_active
 
 
 def tokenize_queries(tok, texts: list[str], device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,6 +61,30 @@ class Rollout:
     is_eos: torch.Tensor  # (B,) bool: the response ended with EOS
     truncated: torch.Tensor  # (B,) bool: hit max_new_tokens without EOS or stop string
     logprobs: torch.Tensor | None  # (B, T) sampler's log-probs (temperature-scaled), 0 on padding
+    prompt_cache: PromptCache | None = None  # generate(..., keep_prompt_cache=True): the prompts' KV cache
+
+
+@dataclass
+class PromptCache:
+    """The rollout's KV cache of the prompts (before any response token) and the logits of the last prompt
+    position. With it, a forward over the responses alone gives the rollout policy's log-probs of the responses
+    as a forward over prompt + response does (`forward_logprobs(..., prompt_cache=...)`): bit-identical under
+    bf16 autocast, within 2e-5 in float32 (the attention runs at other shapes; tests/test_performance.py), at
+    the cost of the response positions only. PPO's pi_old is such a forward: in the benchmark config the
+    prompts are ~70 % of the tokens. Memory: SmolLM2, 32 rows x 59 prompt tokens, 0.13 GB until pi_old is done."""
+
+    layers: list  # [(keys, values)] per layer, each (B, kv heads, P, head dim)
+    last_logits: torch.Tensor  # (B, V): the logits that predicted each row's first response token
+
+    def select(self, ids: list[int], p: int):
+        """(a DynamicCache of rows `ids` and their last p prompt positions, their last logits (b, V))."""
+        from transformers import DynamicCache
+
+        idx = torch.as_tensor(ids, device=self.last_logits.device)
+        P, cache = self.layers[0][0].shape[2], DynamicCache()
+        for i, (k, v) in enumerate(self.layers):  # cut positions are left padding: masked, as in a cut forward
+            cache.update(k[idx, :, P - p :], v[idx, :, P - p :], i)
+        return cache, self.last_logits[idx]
 
 
 def response_masks(responses: torch.Tensor, eos_id: int, pad_id: int, stopped_early: torch.Tensor | None = None):
@@ -113,6 +137,7 @@ def generate(
     seeds: list[int] | None = None,
     stop_strings: list[str] | None = None,
     engine=None,
+    keep_prompt_cache: bool = False,
 ) -> Rollout:
     """Sample (seeds given) or decode greedily (seeds=None) one response per query row.
 
@@ -128,7 +153,10 @@ def generate(
     ...) is never applied, so rollouts come from the distribution the trainer recomputes.
 
     engine: a `common.vllm_engine.VLLMEngine` (--rollout-engine vllm): `model`'s weights are pushed into
-    it if they changed since the last call, and it samples instead (same arguments, same Rollout)."""
+    it if they changed since the last call, and it samples instead (same arguments, same Rollout).
+
+    keep_prompt_cache: return the prompts' KV cache in `Rollout.prompt_cache` (a `PromptCache`; not with an
+    engine, under --tp-size (vocabulary-sharded logits) or with sliding-window cache layers: then None)."""
     if engine is not None:  # vLLM runs its model at its own dtype: never inside the trainer's autocast region
         with torch.autocast(queries.device.type, enabled=False):
             engine.sync(model)
@@ -160,6 +188,11 @@ def generate(
             logits_to_keep=1,
         )
         cache, logits = out.past_key_values, out.logits[:, -1]  # (B, V)
+    prompt_cache = None
+    plain = all(type(c).__name__ == "DynamicLayer" for c in cache.layers)  # no sliding-window layers
+    if keep_prompt_cache and plain and not tensor_parallel_active():
+        # the decoding below replaces these tensors (torch.cat, index) and never writes into them
+        prompt_cache = PromptCache([(c.keys, c.values) for c in cache.layers], logits)
     rows = torch.arange(B, device=device)  # the rows of the batch still in the decoding batch
     mask, pos = attention_mask, position_ids_from_mask(attention_mask)[:, -1:]  # (b, P+t), (b, 1)
     done = torch.zeros(B, dtype=torch.bool, device=device)  # finished rows not yet dropped from the batch
@@ -194,7 +227,7 @@ def generate(
     mask, is_eos, lengths = response_masks(responses, tok.eos_token_id, tok.pad_token_id, stopped)
     truncated = (lengths == max_new_tokens) & ~is_eos & ~stopped
     logprobs = logprobs[:, :T] * mask if uniforms is not None else None
-    return Rollout(torch.cat([queries, responses], 1), responses, mask, is_eos, truncated, logprobs)
+    return Rollout(torch.cat([queries, responses], 1), responses, mask, is_eos, truncated, logprobs, prompt_cache)
 
 
 @dataclass
@@ -251,13 +284,17 @@ def padding_fraction(micros: list[MicroBatch], query_mask, response_mask) -> tup
     return padded, real
 
 
-def forward_by_micro_batch(fn, micros: list[MicroBatch], query_responses, attn, P: int, T: int) -> torch.Tensor:
+def forward_by_micro_batch(
+    fn, micros: list[MicroBatch], query_responses, attn, P: int, T: int, prompt_cache: PromptCache | None = None
+) -> torch.Tensor:
     """fn(query_responses, attn, p) -> (b, t) run over `micros`, each at its own lengths, assembled
-    into (B, T) (0 beyond a micro-batch's t). query_responses, attn: (B, P+T)."""
+    into (B, T) (0 beyond a micro-batch's t). query_responses, attn: (B, P+T). With a `prompt_cache`,
+    fn also gets `prompt_cache=` its micro-batch's part (`PromptCache.select`), for `forward_logprobs`."""
     out = torch.zeros(query_responses.shape[0], T, device=query_responses.device)
     for m in micros:
         cut = slice(P - m.p, P + m.t)
-        out[m.ids, : m.t] = fn(query_responses[m.ids, cut], attn[m.ids, cut], m.p).float()
+        kw = {} if prompt_cache is None else {"prompt_cache": prompt_cache.select(m.ids, m.p)}
+        out[m.ids, : m.t] = fn(query_responses[m.ids, cut], attn[m.ids, cut], m.p, **kw).float()
     return out
 
 
@@ -282,23 +319,38 @@ def forward_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    prompt_cache=None,
 ):
     """Log-probs of the response tokens under `model`, logits divided by the sampling temperature.
 
     query_responses, attention_mask: (B, P+T). Returns logprobs (B, T) (and entropy (B, T)).
     The entropy is a detached statistic unless `entropy_grad` (an entropy bonus in the loss): its
-    (B, T, V) float32 softmax graph would otherwise be kept, and with a zero coefficient backpropagated."""
+    (B, T, V) float32 softmax graph would otherwise be kept, and with a zero coefficient backpropagated.
+    prompt_cache: (the prompts' KV cache, their last logits (B, V)) of the same weights (`PromptCache.select`):
+    only the response positions run."""
     T = query_responses.shape[1] - P
-    # logits_to_keep: project only the last T+1 positions onto the vocabulary (not the prompt's)
+    positions = position_ids_from_mask(attention_mask)
     with sharded_logits():  # under --tp-size each rank keeps its vocabulary block of the logits (common.ops)
-        logits = model(
-            input_ids=query_responses,
-            attention_mask=attention_mask,
-            logits_to_keep=T + 1,
-            position_ids=position_ids_from_mask(attention_mask),
-            use_cache=False,
-        ).logits
-        logits = logits[:, :-1]  # (B, T, V): the logits that predicted each response token
+        if prompt_cache is not None:
+            cache, last = prompt_cache
+            logits = model(
+                input_ids=query_responses[:, P:],
+                attention_mask=attention_mask,
+                position_ids=positions[:, P:],
+                past_key_values=cache,
+                use_cache=False,
+            ).logits  # (B, T, V)
+            logits = torch.cat([last[:, None].to(logits.dtype), logits[:, :-1]], 1)  # (B, T, V)
+        else:
+            # logits_to_keep: project only the last T+1 positions onto the vocabulary (not the prompt's)
+            logits = model(
+                input_ids=query_responses,
+                attention_mask=attention_mask,
+                logits_to_keep=T + 1,
+                position_ids=positions,
+                use_cache=False,
+            ).logits
+            logits = logits[:, :-1]  # (B, T, V): the logits that predicted each response token
         # the temperature divides inside the helpers, after their float32 cast (bf16 logits / T would round again)
         if with_entropy:  # both in one pass over the (B, T, V) logits
             index = query_responses[:, P:]

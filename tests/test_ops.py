@@ -121,3 +121,90 @@ def test_logprobs_and_entropy_in_one_pass_match_naive():
     (g,) = torch.autograd.grad(ent_g.sum(), [logits])
     (want,) = torch.autograd.grad(entropy_from_logits(logits, temperature=0.7).sum(), [logits])
     assert torch.allclose(g, want, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention of short sequences in low precision (common.ops.small_attention_forward)
+# ---------------------------------------------------------------------------------------------
+def naive_attention(q, k, v, allowed):
+    """float64 loops: head h reads key/value head h // g; allowed[b][i][j] = query i may see key j."""
+    B, H, Q, d = q.shape
+    g = H // k.shape[1]
+    out = np.zeros((B, Q, H, d))
+    for b in range(B):
+        for h in range(H):
+            for i in range(Q):
+                s = np.array([q[b, h, i] @ k[b, h // g, j] / math.sqrt(d) for j in range(k.shape[2])])
+                s = np.where(allowed[b][i], s, -np.inf)
+                p = np.exp(s - s.max())
+                out[b, i, h] = (p / p.sum()) @ v[b, h // g]
+    return out
+
+
+@pytest.mark.parametrize("case", ["padded", "causal", "decode", "suffix"])
+def test_small_attention_matches_plain_loops_under_bf16_autocast(case):
+    """Under bf16 autocast (float32 queries/keys, as rotary embeddings give them; bf16 values) the two-matmul
+    path equals float64 loops to bf16 rounding of the output, with grouped-query heads (6 query heads, 2 kv
+    heads), a padding mask, the implicit causal mask (mask None) with and without a cached prefix, and decoding;
+    a fully masked query row (left padding) stays finite. Gradients match the float64 ones too."""
+    from types import SimpleNamespace
+
+    from common.ops import small_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    Q, K = {"padded": (5, 5), "causal": (5, 5), "decode": (1, 7), "suffix": (2, 6)}[case]
+    q = (torch.randn(3, 6, Q, 8, generator=g) * 2).requires_grad_()
+    k = (torch.randn(3, 2, K, 8, generator=g) * 2).requires_grad_()
+    v = torch.randn(3, 2, K, 8, generator=g).to(torch.bfloat16).requires_grad_()
+    allowed = np.tril(np.ones((Q, K), bool), K - Q)[None].repeat(3, 0)  # causal, query = the last Q positions
+    mask = None
+    if case == "padded":  # row 0 left-padded by 2: its keys 0, 1 are hidden, and its queries 0, 1 see nothing
+        allowed[0, :, :2] = False
+        mask = torch.from_numpy(allowed[:, None].copy())  # (B, 1, Q, K) bool, transformers' sdpa mask
+    module = SimpleNamespace(training=False, num_key_value_groups=3, is_causal=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = small_attention_forward(module, q, k, v, mask, scaling=None)
+    assert out.shape == (3, Q, 6, 8) and out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    want = naive_attention(
+        q.detach().double().numpy(), k.detach().double().numpy(), v.detach().double().numpy(), allowed
+    )
+    seen = allowed.any(-1)  # (B, Q): rows with something to attend to
+    np.testing.assert_allclose(out.float().detach().numpy()[seen], want[seen], atol=2e-2, rtol=2e-2)
+    # gradients of a weighted sum over the rows that see something, against float64 autograd on the same formula
+    w = torch.randn(3, Q, 6, 8, generator=g) * torch.from_numpy(seen)[:, :, None, None]
+    grads = torch.autograd.grad((out.float() * w).sum(), [q, k, v])
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    s = torch.einsum("bhid,bhjd->bhij", q64, k64.repeat_interleave(3, 1)) / math.sqrt(8)
+    s = s.masked_fill(~torch.from_numpy(allowed)[:, None], -torch.inf)
+    o = torch.einsum("bhij,bhjd->bihd", torch.softmax(s, -1).nan_to_num(), v64.repeat_interleave(3, 1))
+    want_grads = torch.autograd.grad((o * w.double()).sum(), [q64, k64, v64])
+    for got, ref in zip(grads, want_grads):
+        assert (got.double() - ref).abs().max() < 3e-2 * ref.abs().max()
+
+
+def test_small_attention_is_sdpa_in_float32_and_beyond_its_size(monkeypatch):
+    """Float32 (no autocast) and score matrices over SMALL_ATTENTION_MAX_SCORES go to transformers' SDPA function
+    unchanged: bit-identical outputs (the float32 training path does not change)."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    import common.ops as O
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (
+        torch.randn(2, 4, 6, 8, generator=g),
+        torch.randn(2, 2, 6, 8, generator=g),
+        torch.randn(2, 2, 6, 8, generator=g),
+    )
+    module = SimpleNamespace(training=False, num_key_value_groups=2, is_causal=True)
+    assert torch.equal(
+        O.small_attention_forward(module, q, k, v, None)[0], sdpa_attention_forward(module, q, k, v, None)[0]
+    )
+    monkeypatch.setattr(O, "SMALL_ATTENTION_MAX_SCORES", 35)  # 6 x 6 = 36 scores: too many
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = (
+            O.small_attention_forward(module, q, k, v, None)[0],
+            sdpa_attention_forward(module, q, k, v, None)[0],
+        )
+    assert torch.equal(got, want)

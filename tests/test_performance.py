@@ -420,3 +420,58 @@ def test_update_guard_marks_parameters_changed_after_a_fused_step():
     acc = SimpleNamespace(clip_grad_norm_=torch.nn.utils.clip_grad_norm_, print=print)
     UpdateGuard(acc).step(m, opt, 1.0, "policy", 1)
     assert all(p._version > v for p, v in zip(m.parameters(), before))
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_pi_old_from_the_rollouts_prompt_cache_equals_a_full_forward(tiny, bf16):
+    """forward_by_micro_batch with Rollout.prompt_cache (PPO's pi_old: the responses' forward over the prompts'
+    KV cache) gives the full forward's log-probs: bit-identical under bf16 autocast, within 2e-5 in float32,
+    with row and packed (prompt- and response-trimmed) micro-batches, distinct and repeated (shared-cache) prompts;
+    the decoding never wrote into the kept cache; no cache unless asked for."""
+    tok = M.load_tokenizer(tiny)
+    model = M.load_causal_lm(tiny, tok)
+    assert model.config._attn_implementation == M.SMALL_ATTENTION
+    texts = [M.apply_chat(tok, "x" * k) for k in (1, 30, 5, 12, 2, 40)]
+    region = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    for batch in (texts, texts[:3] * 2):  # distinct prompts, then each twice (shared_prompt_cache)
+        q, qm = tokenize_queries(tok, batch)
+        with region:
+            ro = generate(model, tok, q, qm, 10, 1.0, seeds=list(range(6)), keep_prompt_cache=True)
+        assert generate(model, tok, q, qm, 2, 1.0, seeds=list(range(6))).prompt_cache is None
+        mask, P, T = ro.response_mask, q.shape[1], ro.responses.shape[1]
+        attn = sequence_attention_mask(qm, T)
+        fn = lambda qr, am, p, **c: forward_logprobs(model, qr, am, p, **c)
+        for micros in (micro_batches(list(range(6)), qm, mask, 2), micro_batches(list(range(6)), qm, mask, 2, 60)):
+            with torch.no_grad(), region:
+                full = forward_by_micro_batch(fn, micros, ro.query_responses, attn, P, T) * mask
+                cached = forward_by_micro_batch(fn, micros, ro.query_responses, attn, P, T, ro.prompt_cache) * mask
+            if bf16:
+                assert torch.equal(cached, full)
+            else:
+                assert (cached - full).abs().max() < 2e-5
+
+
+def test_models_load_with_the_small_attention_and_save_plain_configs(tiny, tmp_path):
+    """Every loader swaps transformers' default SDPA for common.ops' SMALL_ATTENTION (SDPA beyond its sizes and in
+    float32); a saved checkpoint does not name it, so plain transformers loads it with its own default. Under bf16
+    autocast the log-probs agree with SDPA's to bf16 noise."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    tok = M.load_tokenizer(tiny)
+    model = M.load_causal_lm(tiny, tok)
+    critic, rm = M.load_value_model(tiny, tok), M.load_reward_model(tiny, tok)
+    assert {x.config._attn_implementation for x in (model, critic, rm)} == {M.SMALL_ATTENTION}
+    model.save_pretrained(tmp_path)
+    assert "cleanrlhf" not in json.dumps(json.load(open(tmp_path / "config.json")))
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config._attn_implementation == "sdpa"
+    q, qm = tokenize_queries(tok, [M.apply_chat(tok, t) for t in ("hello there", "count to ten please")])
+    ro = generate(model, tok, q, qm, 12, 1.0, seeds=[1, 2])
+    attn, m = sequence_attention_mask(qm, ro.responses.shape[1]), ro.response_mask
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = forward_logprobs(model, ro.query_responses, attn, q.shape[1])
+        model.set_attn_implementation("sdpa")
+        sdpa = forward_logprobs(model, ro.query_responses, attn, q.shape[1])
+    assert not torch.equal(ours, sdpa)  # another kernel ran
+    assert ((ours - sdpa).abs() * m).sum() / m.sum() < 0.01
