@@ -134,6 +134,8 @@ def naive_attention(q, k, v, allowed):
     for b in range(B):
         for h in range(H):
             for i in range(Q):
+                if not allowed[b][i].any():  # a fully masked row: compared nowhere
+                    continue
                 s = np.array([q[b, h, i] @ k[b, h // g, j] / math.sqrt(d) for j in range(k.shape[2])])
                 s = np.where(allowed[b][i], s, -np.inf)
                 p = np.exp(s - s.max())
