@@ -514,9 +514,8 @@ def main(args: Args):
         )
         with torch.no_grad(), accelerator.autocast():  # one region: bf16 weight copies cast once, not per micro-batch
             by_micro = lambda fn, c=None: forward_by_micro_batch(fn, all_micros, query_responses, attn, P, T, c) * mask
-            # pi_old (B, T): the responses' forward over the rollout's prompt KV cache (same weights, same numbers)
             pi_old = lambda qr, am, p, **cache: forward_logprobs(policy, qr, am, p, args.temperature, **cache)
-            logprobs = by_micro(pi_old, rollout.prompt_cache)
+            logprobs = by_micro(pi_old, rollout.prompt_cache)  # (B, T) responses over the rollout's prompt KV cache
             rollout.prompt_cache = None  # its memory back before the update
             values = torch.zeros_like(mask) if values_from_update else by_micro(lambda *a: forward_values(critic, *a))
             ref_logprobs = by_micro(ref_logprobs_of) if use_ref else logprobs
