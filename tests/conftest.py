@@ -1,4 +1,16 @@
-"""Shared fixtures: tiny random models saved to folders and loaded through the users' code path."""
+"""Shared fixtures (tiny random models saved to folders and loaded through the users' code path) and the
+test tiers.
+
+Tiers (pytest.ini): a test that launches a script, a tool or a launcher as a process carries a marker:
+    smoke        one short run per script (the fast tier's only launches: tests/test_smoke.py)
+    e2e          other script or tool runs as processes (resume, learning, pipelines, refusals)
+    distributed  `accelerate launch` / torchrun with 2-4 processes
+    vllm         the vLLM engine
+    slow         the real SmolLM2-135M-Instruct model, or minutes of training
+`python -m pytest -q` (the README's test command) runs the unmarked tests and the smoke runs;
+`python -m pytest -q -m ""` runs everything, as CI does. The guard below fails an unmarked test that
+launches a Python process, so the fast tier cannot grow back into the full suite.
+"""
 
 import json
 import os
@@ -50,6 +62,34 @@ def toy_prompts(tmp_path_factory):
                 + "\n"
             )
     return str(path)
+
+
+TIERS = ("smoke", "e2e", "distributed", "vllm", "slow")
+
+
+def _launches_python(cmd) -> bool:
+    argv = [cmd] if isinstance(cmd, (str, os.PathLike)) else list(cmd)
+    words = " ".join(map(str, argv)).split()
+    first = Path(words[0]).name if words else ""
+    return first.startswith("python") or first in ("accelerate", "torchrun") or str(words[0]) == sys.executable
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_guard(request, monkeypatch):
+    """An unmarked test may not launch a Python process (a script, a tool, a launcher): mark it (TIERS)."""
+    if any(request.node.get_closest_marker(m) for m in TIERS):
+        return
+    real_init = subprocess.Popen.__init__
+
+    def guarded(self, args, *a, **kw):
+        if _launches_python(args):
+            pytest.fail(
+                f"{request.node.nodeid} launches {' '.join(map(str, args))[:120]!r} but carries no tier marker: "
+                "mark it e2e (or distributed, vllm, slow), or test in-process"
+            )
+        return real_init(self, args, *a, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
 
 
 def run_script(script: str, *flags, env=None, timeout=600, check=True):

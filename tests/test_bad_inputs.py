@@ -190,6 +190,7 @@ def test_tool_user_error_is_one_line_exit_2(tiny, tmp_path, monkeypatch, capsys,
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
+@pytest.mark.e2e
 def test_user_error_from_the_command_line(tiny, tmp_path):
     """The same as users see it, in a fresh process: one line on stderr, exit code 2, no traceback."""
     proc = subprocess.run(
@@ -214,6 +215,7 @@ def test_user_error_from_the_command_line(tiny, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.e2e
 def test_yaml_preset_errors_name_the_file(tmp_path):
     for text, fragment in (
         ("learning_rat: 1\n", "unknown key 'learning_rat'"),
@@ -230,6 +232,7 @@ def test_yaml_preset_errors_name_the_file(tmp_path):
         assert proc.returncode == 2 and fragment in proc.stderr and "p.yaml" in proc.stderr, proc.stderr[-1000:]
 
 
+@pytest.mark.e2e
 def test_debug_env_shows_the_traceback(tiny, tmp_path):
     proc = subprocess.run(
         [
@@ -250,6 +253,7 @@ def test_debug_env_shows_the_traceback(tiny, tmp_path):
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "UserError" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tiny_peaky, toy_prompts, tmp_path):
     flags = [
         "--model-name-or-path",
@@ -295,6 +299,7 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tiny_peaky, toy_pr
     assert json.loads((run / "args.json").read_text())["resumes"][0]["from_step"] == stopped_at
 
 
+@pytest.mark.e2e
 def test_max_wall_minutes_ends_the_run_like_total_steps(tiny, toy_prompts, tmp_path):
     """A budget that the first step already passes: that step is the last; it is checkpointed and
     evaluated as a --total-steps end would be, and the run exits 0; --resume continues from it."""
@@ -343,6 +348,7 @@ def test_max_wall_minutes_ends_the_run_like_total_steps(tiny, toy_prompts, tmp_p
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
 
 
+@pytest.mark.e2e
 def test_non_finite_updates_are_skipped_and_never_saved(tiny, toy_prompts, tmp_path):
     """A reward of +-3e38 overflows the loss: every update is skipped and counted, the health check
     fires, the checkpoint holds the untouched (finite) weights; 5 in a row stop the run with exit 2."""
@@ -401,6 +407,7 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.e2e
 def test_planted_pickle_payloads_never_run(tiny, toy_prompts, tmp_path):
     import torch
 

@@ -44,6 +44,7 @@ def test_compare_png_and_table(tmp_path):
     assert rows[("grpo_llm:b", "train/kl")]["best"] == pytest.approx(0.1)  # lower is better for KL
 
 
+@pytest.mark.e2e
 def test_panels_and_cli(tmp_path):
     import matplotlib
 

@@ -34,6 +34,7 @@ TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
 # ---------------------------------------------------------------------------------------------
 # 1. reward models: scored exactly as trained
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_trained_rm_scores_identically_in_rl_and_in_rm_eval(tiny, tmp_path):
     rows = [{"prompt": f"Question {i}?", "chosen": "yes indeed", "rejected": "no way"} for i in range(16)]
     pd.DataFrame(rows).to_parquet(tmp_path / "pairs.parquet")
@@ -210,6 +211,7 @@ def test_temperature_divides_after_the_float32_cast():
     assert (before - want).abs().max() > 1e-3  # what dividing the bf16 logits first cost
 
 
+@pytest.mark.e2e
 def test_grpo_pi_old_source_and_sampler_gap(tiny, toy_prompts, tmp_path):
     common = [
         "--model-name-or-path",
@@ -271,6 +273,7 @@ def test_update_beta_always_clamps():
     assert DKL.update_beta(0.001, 0.1, 0.1, 0.01, 1.0) == 0.01  # inside the band, but below beta_min
 
 
+@pytest.mark.e2e
 def test_dynamic_kl_beta_follows_the_kl_after_the_update(tiny_peaky, toy_prompts, tmp_path):
     run_script(
         "dynamic_kl_ppo.py",
@@ -308,6 +311,7 @@ def test_dynamic_kl_beta_follows_the_kl_after_the_update(tiny_peaky, toy_prompts
         assert r["train/beta"] == pytest.approx(beta)
 
 
+@pytest.mark.e2e
 def test_kl_target_zero_is_refused(tiny, tmp_path):
     for script in ("ppo_llm.py", "dynamic_kl_ppo.py"):
         proc = run_script(script, "--model-name-or-path", tiny, "--kl-target", 0, "--output-dir", tmp_path, check=False)
@@ -391,6 +395,7 @@ def test_gen_preferences_scores_real_lengths(tiny_peaky, toy_prompts, tmp_path, 
 # ---------------------------------------------------------------------------------------------
 # 7. held out means held out
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_builtin_splits_share_no_problem(tiny, tmp_path):
     import subprocess
 

@@ -165,6 +165,7 @@ def test_converters():
         gsm8k_rows([{"question": "q", "answer": "7"}], "train")
 
 
+@pytest.mark.e2e
 def test_prepare_and_inspect_cli(tmp_path, tiny):
     out = tmp_path / "data"
     r = subprocess.run(

@@ -58,6 +58,7 @@ ONLINE_SIZES = {
 
 # ppo_llm.py under FSDP2 and ZeRO-3 runs (longer) in the parity tests below, so not here again; dynamic_kl_ppo.py
 # is ppo_llm.py plus a no-grad forward (the same call as the rollout's), so under DDP only (suite time)
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "script,sizes,kind",
     [(s, sizes, k) for s, sizes in ONLINE_SIZES.items() for k in RUN_ALL_SCRIPTS if s == "grpo_llm.py" or k == "DDP"],
@@ -132,6 +133,7 @@ OFFLINE_FLAGS = [
 
 
 # SFT and RM under DDP are the plain path (suite time): DPO under all three, SFT and RM sharded
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "script,flags,kind",
     [(s, f, k) for s, f in OFFLINE_FLAGS for k in RUN_ALL_SCRIPTS if s == "dpo_llm.py" or k != "DDP"],
@@ -157,6 +159,7 @@ def test_two_processes_offline_scripts(script, flags, kind, tiny, tmp_path):
     assert rows[0]["step"] == 0 and any(r["step"] == 2 for r in rows)
 
 
+@pytest.mark.distributed
 def test_batch_not_divisible_by_processes_names_the_flag(tiny, tmp_path):
     cmd = [
         sys.executable,
@@ -220,6 +223,7 @@ def base_weights(path, value=False):
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.distributed
 def test_grpo_ddp_update_equals_single_process_update(tiny_peaky, tmp_path):
     """Same global batch, one GRPO update (token-mean over the global minibatch): 2 processes (DDP over
     gloo) end with the parameters of 1 process."""
@@ -287,6 +291,7 @@ def ppo_one_update_flags(model, tmp_path):
     ]
 
 
+@pytest.mark.distributed
 def test_ppo_ddp_update_equals_single_process_update(tiny_peaky, tmp_path):
     """One PPO update of policy and critic with advantages whitened over the global batch and the
     token-mean over the global minibatch: 2 processes end where 1 process does. With per-rank
@@ -308,6 +313,7 @@ def test_ppo_ddp_update_equals_single_process_update(tiny_peaky, tmp_path):
     )
 
 
+@pytest.mark.distributed
 def test_fsdp2_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
     """PPO (policy, critic, reference) for 2 iterations under FSDP2 (fully_shard, DTensor parameters and
     optimizer states) ends with the parameters of the DDP run; and FSDP2 1 iteration + resume + 1
@@ -375,6 +381,7 @@ def test_fsdp2_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
         assert a == pytest.approx(b, rel=1e-3, abs=1e-5)
 
 
+@pytest.mark.distributed
 def test_distributed_statistics():
     """masked mean/var/whiten and batch-scaled group advantages with distributed=True over 2 gloo ranks
     holding uneven slices equal numpy over the whole batch."""
@@ -410,6 +417,7 @@ def test_accelerate_configs_are_consistent():
             assert prod == cfg["num_processes"], path
 
 
+@pytest.mark.distributed
 def test_generation_from_fsdp2_sharded_model(tiny):
     """torch's fully_shard (what Accelerate's FSDP2 uses on GPUs) over gloo: unshard once, generate, reshard."""
     cmd = [
@@ -427,6 +435,7 @@ def test_generation_from_fsdp2_sharded_model(tiny):
     assert proc.stdout.count("FSDP2 generation OK") == 2
 
 
+@pytest.mark.distributed
 def test_deepspeed_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
     """PPO (policy, critic, ZeRO-3-partitioned reference) for 2 iterations of 2 minibatches x 2
     micro-batches under ZeRO-2 and ZeRO-3 ends with the parameters and metrics of the DDP run (the
@@ -549,6 +558,7 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.distributed
 def test_online_dpo_two_processes_with_uneven_pairs(tiny_peaky, toy_prompts, tmp_path):
     """--online skips tied groups, so the 2 ranks hold different numbers of pairs (0 to 2 each): every
     rank still runs the same number of backward passes (a weight-0 filler), so DDP does not hang, and
@@ -588,6 +598,7 @@ def test_online_dpo_two_processes_with_uneven_pairs(tiny_peaky, toy_prompts, tmp
     assert any(r["train/pairs"] in (1, 3) for r in rows), rows  # an odd total: the two ranks held different counts
 
 
+@pytest.mark.distributed
 def test_lora_under_fsdp2_and_zero3_equals_ddp(tiny_peaky, toy_prompts, tmp_path):
     """GRPO with LoRA (reference = adapter disabled) for 2 iterations: the adapters saved under FSDP2 and
     ZeRO-3 equal the DDP ones. (Under FSDP2 a peft model generates through its base model, below the
@@ -637,6 +648,7 @@ def test_lora_under_fsdp2_and_zero3_equals_ddp(tiny_peaky, toy_prompts, tmp_path
         assert diff / sum(v.abs().sum().item() for v in ddp.values()) < 1e-5, (kind, diff)
 
 
+@pytest.mark.distributed
 def test_lora_reward_model_export_under_sharding(tiny, tmp_path):
     """rm_llm.py --lora-r exports a merged plain reward model; under FSDP2 and ZeRO-3 the model is sharded,
     so the merge runs on the gathered state dict (merging modules in place wrote empty (0,) tensors under

@@ -67,6 +67,7 @@ def toy_pairs(tmp_path_factory):
     return str(d / "train.parquet"), str(d / "test.parquet")
 
 
+@pytest.mark.e2e
 def test_offline_end_to_end_and_learns_toy_preference(tiny, toy_pairs, tmp_path):
     run_script(
         "dpo_llm.py",
@@ -113,6 +114,7 @@ def test_offline_end_to_end_and_learns_toy_preference(tiny, toy_pairs, tmp_path)
     assert (run / "checkpoints" / "step_10" / "policy" / "model.safetensors").exists()
 
 
+@pytest.mark.e2e
 def test_online_end_to_end(tiny_peaky, toy_prompts, tmp_path):
     run_script(
         "dpo_llm.py",
@@ -147,6 +149,7 @@ def test_online_end_to_end(tiny_peaky, toy_prompts, tmp_path):
     assert any("rewards/accuracy" in r for r in rows)
 
 
+@pytest.mark.e2e
 def test_resume_gives_identical_metrics(tiny, toy_pairs, tmp_path):
     flags = lambda out, n: [
         "--model-name-or-path",
@@ -179,6 +182,7 @@ def test_resume_gives_identical_metrics(tiny, toy_pairs, tmp_path):
     assert straight[-1]["rewards/margin"] != 0 and straight == strip(read_metrics(first))
 
 
+@pytest.mark.e2e
 def test_gen_preferences_writes_pairs_and_reports_ties(tiny_peaky, toy_prompts, tmp_path):
     out = tmp_path / "pairs.parquet"
     import os

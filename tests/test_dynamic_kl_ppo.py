@@ -61,6 +61,7 @@ def _flags(model, prompts, out, steps, *extra):
     ]
 
 
+@pytest.mark.e2e
 def test_end_to_end_logs_beta_and_resumes_exactly(tiny_peaky, toy_prompts, tmp_path):
     env = {"TOY_MODEL": tiny_peaky}
     run_script("dynamic_kl_ppo.py", *_flags(tiny_peaky, toy_prompts, tmp_path / "a", 4), env=env)

@@ -27,6 +27,7 @@ def test_majority_vote_uses_extracted_answers():
     assert majority_correct(["none", "here"], [0.0, 0.0], "abc") == 0.0
 
 
+@pytest.mark.e2e
 def test_evaluate_n_samples_reports_pass_and_maj(tiny, tmp_path):
     rows = [
         {
@@ -65,6 +66,7 @@ def test_evaluate_n_samples_reports_pass_and_maj(tiny, tmp_path):
         assert 0.0 <= res[src]["pass@1"] <= res[src]["pass@3"] <= 1.0
 
 
+@pytest.mark.e2e
 def test_training_eval_per_source_and_save_best(tiny, toy_prompts, tmp_path):
     from conftest import only_run, read_metrics, run_script
 

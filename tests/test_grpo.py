@@ -116,6 +116,7 @@ def _tiny_flags(model, prompts, out, *extra):
     ]
 
 
+@pytest.mark.e2e
 def test_two_iterations_end_to_end(tiny_peaky, toy_prompts, tmp_path):
     run_script(
         "grpo_llm.py",
@@ -158,6 +159,7 @@ def test_two_iterations_end_to_end(tiny_peaky, toy_prompts, tmp_path):
     assert any(not torch.equal(base[k], pol[k]) for k in base)
 
 
+@pytest.mark.e2e
 def test_dapo_and_dr_grpo_flags_run(tiny, tmp_path):
     """Built-in task (rewards mostly 0 for a random model): dynamic sampling must resample and fill."""
     run_script(
@@ -226,6 +228,7 @@ def test_dapo_and_dr_grpo_flags_run(tiny, tmp_path):
     assert read_metrics(only_run(tmp_path / "dr"))[-1]["step"] == 1
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "fast", [[], ["--mixed-precision", "bf16", "--micro-batch-tokens", 40]], ids=["fp32", "bf16-packed"]
 )
@@ -268,6 +271,7 @@ def test_learns_toy_task(tiny_peaky, toy_prompts, tmp_path, fast):
     assert last > first + 0.1, rewards
 
 
+@pytest.mark.e2e
 def test_resume_gives_identical_metrics(tiny_peaky, toy_prompts, tmp_path):
     flags = lambda out, n: _tiny_flags(
         tiny_peaky, toy_prompts, out, "--total-steps", n, "--eval-every", 2, "--learning-rate", 3e-3, "--kl-coef", 0.05

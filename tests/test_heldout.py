@@ -50,6 +50,7 @@ def test_majority_answer_accuracy():
     assert heldout.majority_answer_accuracy(train, test) == ("1", 0.5)
 
 
+@pytest.mark.e2e
 def test_heldout_end_to_end_on_a_tiny_model(tiny, tmp_path):
     """Trains GRPO on the built-in task for one step (budget passed at once), then scores the base model
     and the checkpoint on a test split disjoint by problem from the training file: one JSON line."""

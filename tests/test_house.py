@@ -82,3 +82,20 @@ def test_no_algorithm_in_common():
         names = [n.name for n in ast.parse(path.read_text()).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
         bad = [n for n in names if re.search(r"advantages|_loss$|KLController", n)]
         assert not bad, f"{path.name} defines {bad}"
+
+
+def test_the_fast_tier_guard_fails_an_unmarked_launch():
+    """An unmarked test that starts a Python process fails (conftest's guard), so the fast tier stays fast;
+    other commands (git) are allowed."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from conftest import _launches_python
+
+    assert _launches_python([sys.executable, "algos/ppo_llm.py"]) and _launches_python("torchrun --nproc 2 x.py")
+    assert _launches_python(["accelerate", "launch", "x.py"]) and not _launches_python(["git", "status"])
+    with pytest.raises(pytest.fail.Exception, match="carries no tier marker"):
+        subprocess.run([sys.executable, "-c", "pass"])
+    assert subprocess.run(["git", "--version"], capture_output=True).returncode == 0

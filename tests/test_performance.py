@@ -256,6 +256,7 @@ def test_auto_mixed_precision(tiny, tmp_path, monkeypatch):
     assert D.auto_mixed_precision(str(big)) is None
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not cpu_has_native_bf16(), reason="a CPU without native bf16 matmul: auto stays float32")
 def test_scripts_resolve_auto_mixed_precision(toy_prompts, tmp_path):
     """The default --mixed-precision auto reaches the Accelerator: a hidden-256 model trains under bf16

@@ -39,6 +39,7 @@ def assert_is_model(folder):
     AutoModelForCausalLM.from_pretrained(folder)
 
 
+@pytest.mark.e2e
 def test_sft_ppo_preferences_dpo_evaluate_from_checkpoints(tiny, toy_prompts, tmp_path):
     env = {"TOY_MODEL": tiny}
     rows = [
@@ -182,6 +183,7 @@ def test_sft_ppo_preferences_dpo_evaluate_from_checkpoints(tiny, toy_prompts, tm
     )
 
 
+@pytest.mark.e2e
 def test_resume_continues_the_same_run_folder(tiny_peaky, toy_prompts, tmp_path):
     env = {"TOY_MODEL": tiny_peaky}
     flags = [
@@ -239,6 +241,7 @@ def test_resume_continues_the_same_run_folder(tiny_peaky, toy_prompts, tmp_path)
     assert strip(read_metrics(run)) == strip(read_metrics(only_run(tmp_path / "a")))  # nothing written by the refusals
 
 
+@pytest.mark.e2e
 def test_yaml_preset_values_parse_like_the_cli(tmp_path):
     sys.path.insert(0, str(REPO / "algos"))
     import grpo_llm as G
@@ -286,6 +289,7 @@ def test_prompt_formatting_flags(tiny):
         M.set_prompt_format(tok, chat_template_kwargs="{enable_thinking: false}")
 
 
+@pytest.mark.e2e
 def test_flags_users_bring_from_trl(tiny, toy_prompts, tmp_path):
     # exact equivalents are aliases; the rendered prompt and --system-prompt show at start-up
     proc = run_script(

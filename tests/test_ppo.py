@@ -51,6 +51,7 @@ def test_kl_controllers(script):
     assert c3.value == c.value
 
 
+@pytest.mark.e2e
 def test_two_iterations_write_run_folder_and_change_params(tiny, toy_prompts, tmp_path):
     run_script(
         "ppo_llm.py",
@@ -103,6 +104,7 @@ def test_two_iterations_write_run_folder_and_change_params(tiny, toy_prompts, tm
     AutoModelForTokenClassification.from_pretrained(ckpt / "critic")
 
 
+@pytest.mark.e2e
 def test_default_task_and_lora(tiny, tmp_path):
     """No --train-files: the built-in reasoning-gym task; LoRA policy + critic, reference = adapter off;
     gradient checkpointing on (generation still uses the KV cache: the model is switched to eval mode)."""
@@ -127,6 +129,7 @@ def test_default_task_and_lora(tiny, tmp_path):
     assert (run / "checkpoints" / "step_1" / "policy" / "adapter_config.json").exists()
 
 
+@pytest.mark.e2e
 def test_learns_toy_task(tiny_peaky, toy_prompts, tmp_path):
     """Learns with the default (length-packed micro-batches); bf16 autocast learning is tested on GRPO
     (on this hidden-64 model bf16 is 2.5x slower than float32)."""
@@ -172,6 +175,7 @@ def _no_perf(rows):
     return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
+@pytest.mark.e2e
 def test_resume_gives_identical_metrics(tiny_peaky, toy_prompts, tmp_path):
     common = toy(
         tiny_peaky,
@@ -199,6 +203,7 @@ def test_resume_gives_identical_metrics(tiny_peaky, toy_prompts, tmp_path):
     assert straight == resumed
 
 
+@pytest.mark.e2e
 def test_adaptive_kl_moves_beta_toward_target(tiny_peaky, toy_prompts, tmp_path):
     env = {"TOY_MODEL": tiny_peaky}
     for name, target in (("low", 1e-6), ("high", 100.0)):
@@ -236,6 +241,7 @@ def test_adaptive_kl_moves_beta_toward_target(tiny_peaky, toy_prompts, tmp_path)
             assert rows[-1]["train/kl_coef"] > rows[-2]["train/kl_coef"]  # the "up" case really happened
 
 
+@pytest.mark.e2e
 def test_bad_batch_sizes_name_the_flag(tiny, tmp_path):
     proc = run_script(
         "ppo_llm.py",
@@ -268,6 +274,7 @@ def test_config_preset_loads_and_cli_overrides():
     assert b.total_steps == 5 and b.batch_size == 16 and b.health.kl_max == 0.3
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("script", ["ppo_llm", "dynamic_kl_ppo"])
 def test_values_from_the_update_forward_equal_a_separate_values_pass(script, tiny, toy_prompts, tmp_path):
     """One critic step per batch: V_old taken from the critic's update forward (the default) gives the run a

@@ -123,6 +123,7 @@ def _toy(tmp_path, *args):
     return [sys.executable, str(script), *map(str, args)]
 
 
+@pytest.mark.e2e
 def test_resume_is_bit_identical(tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     subprocess.run(_toy(tmp_path, straight, 6, 0, "-"), check=True, capture_output=True)
@@ -133,6 +134,7 @@ def test_resume_is_bit_identical(tmp_path):
     assert sorted(p.name for p in R.list_checkpoints(split)) == [f"step_{i}" for i in range(1, 7)]
 
 
+@pytest.mark.e2e
 def test_kill_during_checkpoint_write_keeps_previous(tmp_path):
     out = tmp_path / "crash"
     proc = subprocess.Popen(_toy(tmp_path, out, 5, 3, "-", "slow"), stdout=subprocess.PIPE, text=True)

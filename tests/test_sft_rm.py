@@ -51,6 +51,7 @@ def toy_sft(tmp_path_factory):
     return str(d / "train.jsonl"), str(d / "test.jsonl")
 
 
+@pytest.mark.e2e
 def test_sft_learns_and_resumes(tiny, toy_sft, tmp_path):
     flags = lambda out, n: [
         "--model-name-or-path",
@@ -86,6 +87,7 @@ def test_sft_learns_and_resumes(tiny, toy_sft, tmp_path):
     assert strip(rows) == strip(read_metrics(first))
 
 
+@pytest.mark.e2e
 def test_sft_default_task_with_lora(tiny, tmp_path):
     run_script(
         "sft_llm.py",
@@ -123,6 +125,7 @@ def toy_pairs(tmp_path_factory):
     return str(d / "train.parquet"), str(d / "test.parquet")
 
 
+@pytest.mark.e2e
 def test_rm_learns_normalises_and_feeds_ppo(tiny, toy_pairs, toy_prompts, tmp_path):
     run_script(
         "rm_llm.py",
@@ -204,6 +207,7 @@ def test_rm_learns_normalises_and_feeds_ppo(tiny, toy_pairs, toy_prompts, tmp_pa
     assert "reward/model" in read_metrics(only_run(tmp_path / "ppo"))[-1]
 
 
+@pytest.mark.e2e
 def test_rm_resume_gives_identical_metrics(tiny, toy_pairs, tmp_path):
     flags = lambda out, n: [
         "--model-name-or-path",

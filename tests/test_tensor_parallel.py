@@ -21,6 +21,8 @@ from test_distributed import (
 
 from conftest import REPO, only_run, read_metrics, run_script
 
+pytestmark = pytest.mark.distributed
+
 
 def torchrun(nproc, script, *flags, env=None, check=True):
     """`torchrun --standalone --nproc_per_node N algos/SCRIPT ...` (the recipe docs/distributed.md gives for TP)."""

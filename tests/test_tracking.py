@@ -5,9 +5,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, only_run, run_script
 
 
+@pytest.mark.e2e
 def test_wandb_offline_run_holds_the_logged_keys(tiny, tmp_path):
     run_script(
         "grpo_llm.py",
@@ -52,6 +55,7 @@ def test_wandb_offline_run_holds_the_logged_keys(tiny, tmp_path):
     assert (run / "metrics.jsonl").exists()  # the local log is written with W&B too
 
 
+@pytest.mark.e2e
 def test_evaluate_two_models_side_by_side(tiny, tiny_peaky, tmp_path):
     from common.data import write_rows
     from common.tasks import reasoning_gym_rows

@@ -19,6 +19,8 @@ from common.rollout import forward_logprobs, generate, sequence_attention_mask, 
 from common.run import mix_seed  # noqa: E402
 from common.vllm_engine import VLLMEngine  # noqa: E402
 
+pytestmark = pytest.mark.vllm
+
 TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
 
 PROMPTS = ["hi", "count to three please", "yes", "a much longer prompt than the others, with commas, and words"]
