@@ -33,6 +33,8 @@ import torch.nn.functional as F
 import tyro
 
 from common import models as M
+from common.checkpoint import BestKeeper, load_weights, restore_checkpoint, save_checkpoint
+from common.cli import cli
 from common.data import Sampler, encode_prompt_response, load_preferences, load_prompts
 from common.distributed import (
     UpdateGuard,
@@ -42,25 +44,13 @@ from common.distributed import (
     prepare_frozen,
     unwrap_for_generation,
 )
+from common.errors import UserError, mix_seed, seed_everything
 from common.eval import evaluate_policy
-from common.ops import exact_div, global_mean_divisor, selective_log_softmax, sharded_logits
+from common.ops import exact_div, global_mean_divisor, selective_log_softmax
+from common.parallel import sharded_logits
 from common.rewards import Reward, reward_from_args
 from common.rollout import generate, tokenize_queries
-from common.run import (
-    BestKeeper,
-    StopSignal,
-    Tracker,
-    UserError,
-    cli,
-    load_weights,
-    make_run_dir,
-    mix_seed,
-    peak_mem_gb,
-    resolve_resume,
-    restore_checkpoint,
-    save_checkpoint,
-    seed_everything,
-)
+from common.run import StopSignal, Tracker, make_run_dir, peak_mem_gb, resolve_resume
 from common.tasks import default_preference_files, default_task_files
 from common.vllm_engine import make_engine
 
@@ -261,7 +251,7 @@ def encode_pairs(tok, pairs, max_prompt_length, max_completion_length, device):
 
 def response_logps(model, ids, attn, response_mask):
     """Summed and per-token-mean log-probs of the response tokens: (2B,), (2B,). One forward pass."""
-    with sharded_logits():  # --tp-size: each rank keeps its block of the vocabulary (common.ops)
+    with sharded_logits():  # --tp-size: each rank keeps its block of the vocabulary (common.parallel)
         logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]  # (2B, L-1, V)
         logps = selective_log_softmax(logits, ids[:, 1:]) * response_mask[:, 1:]  # (2B, L-1)
     n = response_mask[:, 1:].sum(1).clamp(min=1)

@@ -44,7 +44,9 @@ import torch
 import tyro
 
 from common import models as M
-from common.data import Sampler, load_rl_prompts
+from common.checkpoint import BestKeeper, load_weights, restore_checkpoint, save_checkpoint
+from common.cli import cli
+from common.data import Sampler
 from common.distributed import (
     UpdateGuard,
     backward,
@@ -54,6 +56,7 @@ from common.distributed import (
     prepare_frozen,
     unwrap_for_generation,
 )
+from common.errors import UserError, mix_seed, seed_everything
 from common.eval import evaluate_policy
 from common.health import HealthConfig, HealthMonitor
 from common.ops import all_sum, exact_div, gae, global_mean_divisor, kl_estimate, masked_mean, masked_whiten
@@ -68,22 +71,8 @@ from common.rollout import (
     sequence_attention_mask,
     tokenize_queries,
 )
-from common.run import (
-    BestKeeper,
-    StopSignal,
-    Tracker,
-    UserError,
-    cli,
-    load_weights,
-    make_run_dir,
-    mfu,
-    mix_seed,
-    peak_mem_gb,
-    resolve_resume,
-    restore_checkpoint,
-    save_checkpoint,
-    seed_everything,
-)
+from common.run import StopSignal, Tracker, make_run_dir, mfu, peak_mem_gb, resolve_resume
+from common.tasks import load_rl_prompts
 from common.vllm_engine import make_engine
 
 

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from common import models as M
+from common.checkpoint import BestKeeper, load_weights, restore_checkpoint, save_checkpoint
+from common.cli import cli
 from common.data import Sampler, encode_prompt_response, load_preferences
 from common.distributed import (
     UpdateGuard,
@@ -40,21 +42,10 @@ from common.distributed import (
     reshard,
     saved_by_one_process,
 )
+from common.errors import seed_everything
 from common.ops import exact_div
 from common.rollout import position_ids_from_mask
-from common.run import (
-    BestKeeper,
-    StopSignal,
-    Tracker,
-    cli,
-    load_weights,
-    make_run_dir,
-    peak_mem_gb,
-    resolve_resume,
-    restore_checkpoint,
-    save_checkpoint,
-    seed_everything,
-)
+from common.run import StopSignal, Tracker, make_run_dir, peak_mem_gb, resolve_resume
 from common.tasks import default_preference_files
 
 

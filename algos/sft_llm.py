@@ -27,24 +27,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` impo
 import torch
 
 from common import models as M
+from common.checkpoint import BestKeeper, load_weights, restore_checkpoint, save_checkpoint
+from common.cli import cli
 from common.data import Sampler, encode_prompt_response, load_prompts, load_sft
 from common.distributed import UpdateGuard, backward, configure_deepspeed, make_accelerator
+from common.errors import seed_everything
 from common.eval import evaluate_policy
-from common.ops import exact_div, global_mean_divisor, selective_log_softmax, sharded_logits
+from common.ops import exact_div, global_mean_divisor, selective_log_softmax
+from common.parallel import sharded_logits
 from common.rewards import Reward
-from common.run import (
-    BestKeeper,
-    StopSignal,
-    Tracker,
-    cli,
-    load_weights,
-    make_run_dir,
-    peak_mem_gb,
-    resolve_resume,
-    restore_checkpoint,
-    save_checkpoint,
-    seed_everything,
-)
+from common.run import StopSignal, Tracker, make_run_dir, peak_mem_gb, resolve_resume
 from common.tasks import default_sft_files, default_task_files
 
 
@@ -171,7 +163,7 @@ def encode_examples(tok, examples, max_length, device):
 
 def sft_loss_sum(model, ids, attn, loss_mask):
     """Sum of -log p(token) over loss-masked tokens (shifted by one) and their count."""
-    with sharded_logits():  # --tp-size: each rank keeps its block of the vocabulary (common.ops)
+    with sharded_logits():  # --tp-size: each rank keeps its block of the vocabulary (common.parallel)
         logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]  # (B, L-1, V)
         nll = -selective_log_softmax(logits, ids[:, 1:]) * loss_mask[:, 1:]  # (B, L-1)
     return nll.sum(), loss_mask[:, 1:].sum()

@@ -110,8 +110,8 @@ def train(algo, task, seed, minutes: float, steps: int, tag: str, script_args: l
 def evaluate_run(run: Path, test_size: int, base_cache: dict) -> dict:
     """Before/after greedy accuracy of a finished run on the task's held-out test set."""
     from common import models as M
+    from common.checkpoint import list_checkpoints
     from common.data import load_prompts
-    from common.run import list_checkpoints
     from common.tasks import default_task_files
 
     args = json.loads((run / "args.json").read_text())

@@ -1,5 +1,5 @@
 """Log-probs under tensor parallelism: the LM head's logits gathered on every rank (transformers' plan)
-vs kept split over the vocabulary (common.ops.sharded_logits, what the scripts use). One row per mode:
+vs kept split over the vocabulary (common.parallel.sharded_logits, what the scripts use). One row per mode:
 seconds per forward + backward of `forward_logprobs` (policy log-probs and entropy, as in an update) and
 how much each rank's peak RSS grew over the model's own (ru_maxrss after loading vs after the steps).
 Each mode runs in fresh processes; run it alone on the machine.
@@ -30,14 +30,14 @@ def worker(a) -> None:
     """Under torchrun: one mode, printing rank 0's numbers as a JSON line."""
     import torch
 
-    from common import models, ops
+    from common import models, parallel
     from common.distributed import make_accelerator
     from common.rollout import forward_logprobs
 
     acc = make_accelerator(tp_size=a.tp_size)
     model = models.load_causal_lm(a.model, dtype="float32")
     if a.mode == "gathered":
-        ops.set_tensor_parallel_group(None)  # sharded_logits() is then a no-op: the head gathers (B, T, V)
+        parallel.STATE.tp_group = None  # sharded_logits() is then a no-op: the head gathers (B, T, V)
     g = torch.Generator().manual_seed(0)
     qr = torch.randint(0, 1000, (a.batch, 2 * a.tokens), generator=g)
     attn = torch.ones_like(qr)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from common.errors import UserError, mix_seed
 from common.models import apply_chat
-from common.run import UserError, mix_seed
 
 FORMATS = (".parquet", ".jsonl", ".json", ".arrow")
 
@@ -391,24 +391,3 @@ def write_rows(rows: list[dict], path: str | Path) -> None:
     else:
         raise DataError(f"{path}: write .parquet or .jsonl")
     os.replace(tmp, path)
-
-
-def load_rl_prompts(args, tok, reward, log) -> tuple[list, list]:
-    """The prompts of an RL script's flags: --train-files / --val-files, or the built-in --task (its
-    problem-split train and test files, common.tasks) when --train-files is not given; validation rows
-    cut to --num-eval-prompts. Every data_source must have a reward function (`reward.check`, before any
-    model trains), and the first prompt is printed as the model sees it. Returns (train_rows, val_rows)."""
-    from common.tasks import default_task_files
-
-    train_files, val_files = args.train_files, args.val_files
-    if train_files is None:
-        train_files, default_val = default_task_files(args.task)
-        val_files = val_files or [default_val]
-    load = lambda files: load_prompts(
-        files, tok, args.prompt_key, args.reward_fn_key, args.max_prompt_length, args.truncate_prompts, log
-    )
-    train_rows = load(train_files)
-    val_rows = load(val_files)[: args.num_eval_prompts] if val_files else []
-    reward.check({r.data_source for r in train_rows + val_rows})
-    log(f"[prompt] the first training prompt as the model sees it:\n{train_rows[0].text}")
-    return train_rows, val_rows

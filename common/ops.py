@@ -9,9 +9,10 @@ Never here: losses, training loops, the choice of advantages. Those are the algo
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
+
+from common.errors import UserError
+from common.parallel import STATE
 
 
 # ---------------------------------------------------------------------------------------------
@@ -27,7 +28,7 @@ def selective_log_softmax(
     Naive equivalent: `torch.log_softmax(logits.float() / t, -1).gather(-1, index[..., None])[..., 0]`.
     We loop over `chunk` rows of the batch at a time (a (chunk, T, V) float32 temporary), since
     for V = 49k and T = 1k the full tensor is 200 MB per sequence."""
-    if _VOCAB_PARALLEL[1]:
+    if STATE.logits_sharded:
         return logprobs_and_entropy(logits, index, chunk, temperature)[0]
     out = []
     for lg, ix in zip(logits.split(chunk), index.split(chunk)):
@@ -48,8 +49,8 @@ def logprobs_and_entropy(
     logps, ents = [], []
     for lg, ix in zip(logits.split(chunk), index.split(chunk)):
         lg = lg.float() / temperature if temperature != 1.0 else lg.float()  # (b, T, V)
-        if _VOCAB_PARALLEL[1]:  # lg is this rank's vocabulary block (b, T, V / tp): see sharded_logits
-            lp, ent = _VocabParallelLogProbs.apply(lg, ix, _VOCAB_PARALLEL[0], entropy_grad)
+        if STATE.logits_sharded:  # lg is this rank's vocabulary block (b, T, V / tp): see sharded_logits
+            lp, ent = _VocabParallelLogProbs.apply(lg, ix, STATE.tp_group, entropy_grad)
             logps.append(lp), ents.append(ent if entropy_grad else ent.detach())
             continue
         lse = torch.logsumexp(lg, dim=-1)  # (b, T)
@@ -64,35 +65,6 @@ def logprobs_and_entropy(
 # of the vocabulary. transformers' plan gathers them (every rank then holds the full (B, T, V)); inside
 # `sharded_logits()` the head leaves them sharded (common.models) and the two functions above compute the
 # log-softmax across the blocks (Megatron's vocab-parallel cross-entropy): (B, T, V / tp) per rank.
-_VOCAB_PARALLEL: list = [None, False]  # [the TP process group (set_tensor_parallel_group), inside sharded_logits]
-
-
-def set_tensor_parallel_group(group) -> None:
-    _VOCAB_PARALLEL[0] = group
-
-
-def tensor_parallel_active() -> bool:
-    """--tp-size > 1 in this process (set_tensor_parallel_group was given a group)."""
-    return _VOCAB_PARALLEL[0] is not None
-
-
-def logits_sharded() -> bool:
-    return bool(_VOCAB_PARALLEL[1])
-
-
-@contextlib.contextmanager
-def sharded_logits():
-    """Forwards of the policy inside the block return this rank's vocabulary block of the logits under
-    --tp-size, and selective_log_softmax / logprobs_and_entropy take such blocks. No-op without TP.
-    Only for log-probs: sampling (the rollout) needs whole rows and runs outside the block."""
-    before = _VOCAB_PARALLEL[1]
-    _VOCAB_PARALLEL[1] = _VOCAB_PARALLEL[0] is not None
-    try:
-        yield
-    finally:
-        _VOCAB_PARALLEL[1] = before
-
-
 class _VocabParallelLogProbs(torch.autograd.Function):
     """log softmax(z)[index] and the entropy of softmax(z), z split over the ranks of `group` along the
     vocabulary in equal contiguous blocks (rank r holds ids r*Vl .. (r+1)*Vl-1, DTensor's Shard(-1)).
@@ -146,24 +118,15 @@ def entropy_from_logits(logits: torch.Tensor, chunk: int = 4, temperature: float
 # ---------------------------------------------------------------------------------------------
 # Masked statistics
 # ---------------------------------------------------------------------------------------------
-_DATA_PARALLEL: list = [None]  # under --tp-size: the process group of one rank per TP group (set_data_parallel)
-
-
-def set_data_parallel(group) -> None:
-    """Under tensor parallelism the ranks of a TP group hold the same batch: statistics of "the whole
-    batch" sum over `group` (one rank of each TP group) only. None: over every process."""
-    _DATA_PARALLEL[0] = group
-
-
 def all_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum of `x` over the data-parallel processes (all of them, or one per TP group under --tp-size;
     x itself when not distributed). A new tensor; x is untouched. Used where a statistic must be the
     whole batch's, not one rank's slice of it."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(_DATA_PARALLEL[0]) > 1:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(STATE.dp_group) > 1:
         x = x.clone()
-        dist.all_reduce(x, group=_DATA_PARALLEL[0])
+        dist.all_reduce(x, group=STATE.dp_group)
     return x
 
 
@@ -175,7 +138,7 @@ def global_mean_divisor(count: torch.Tensor) -> torch.Tensor:
     different counts."""
     import torch.distributed as dist
 
-    world = dist.get_world_size(_DATA_PARALLEL[0]) if dist.is_available() and dist.is_initialized() else 1
+    world = dist.get_world_size(STATE.dp_group) if dist.is_available() and dist.is_initialized() else 1
     return all_sum(count.float()).clamp(min=1) / world
 
 
@@ -247,101 +210,6 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
 
 
 # ---------------------------------------------------------------------------------------------
-# Attention of short sequences in low precision
-# ---------------------------------------------------------------------------------------------
-SMALL_ATTENTION = "cleanrlhf_sdpa"  # the name models are loaded with (common.models), registered below
-SMALL_ATTENTION_MAX_SCORES = 192 * 192  # query x key positions up to which the plain matmul path runs
-
-
-def small_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers' attention function (AttentionInterface signature) = its SDPA one, except for bf16/fp16
-    inputs with at most SMALL_ATTENTION_MAX_SCORES query x key positions per head: there two matmuls.
-
-    Why by hand: torch's CPU flash-attention kernel is slow in bf16 at RL's lengths. Measured on 2 cores
-    (SmolLM2 shapes, 9 heads of 64 over 3 key/value heads, 30 layers): 32 prompts x 64 sampled tokens 7.6 s vs
-    5.5 s; a policy forward + backward of 12 rows x 89 tokens 3.3 s vs 2.9 s with 0.04 GB less saved for
-    backward (the probabilities are recomputed there, `_SmallAttention`, so the graph keeps q, k, v as SDPA's
-    does); at 256 x 256 positions SDPA is faster again. The scores and the softmax are float32 (the query and
-    key arrive in float32 under autocast; SDPA casts them to bf16 first): layer-0 weight gradients 6 % off
-    float32's vs SDPA's 9 %. Float32 inputs are SDPA's, bit for bit.
-
-    query: (B, H, q, d); key, value: (B, Hkv, k, d) (grouped-query: H = g * Hkv); attention_mask: bool
-    (B, 1, q, k), True = attend (transformers' sdpa mask), or None = causal (q > 1, the query being the last
-    q of the k positions) / everything (q = 1); a float mask goes to SDPA. Returns ((B, q, H, d), None)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    q_len, k_len = query.shape[2], key.shape[2]
-    device = query.device.type
-    # under autocast the query and key arrive in float32 (rotary embedding in float32), and SDPA runs in bf16
-    low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else value.dtype
-    if (
-        low not in (torch.bfloat16, torch.float16)
-        or q_len * k_len > SMALL_ATTENTION_MAX_SCORES
-        or (dropout and module.training)
-        or kwargs.get("s_aux") is not None  # attention sinks, soft-capping, position biases: SDPA's handling
-        or kwargs.get("softcap") is not None
-        or kwargs.get("position_bias") is not None
-        or kwargs.get("cache") is not None
-        or (attention_mask is not None and attention_mask.dtype != torch.bool)  # a custom additive mask
-    ):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    (B, H, _, d), Hkv = query.shape, key.shape[1]
-    scaling = d**-0.5 if scaling is None else scaling
-    if attention_mask is None and q_len > 1:  # causal: query i (of the last q) sees keys <= its position
-        attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
-    if attention_mask is not None and attention_mask.ndim == 4:  # (B, 1, q, k) -> (B, 1, 1, q, k)
-        attention_mask = attention_mask.unsqueeze(1)
-    # grouped-query heads without copying the keys/values: the g query heads of a key/value head side by side,
-    # (B, H, q, d) -> (B, Hkv, g * q, d), head h = kv * g + i reading key/value head kv = h // g
-    query = query.reshape(B, Hkv, (H // Hkv) * q_len, d)
-    with torch.autocast(device, enabled=False):  # float32 scores (autocast would run their matmul in bf16)
-        out = _SmallAttention.apply(query.float(), key.float(), value.to(low), attention_mask, scaling, H // Hkv)
-    out = out.view(B, H, q_len, d)  # in bf16, as SDPA's under autocast
-    return out.transpose(1, 2).contiguous(), None
-
-
-class _SmallAttention(torch.autograd.Function):
-    """softmax(q k^T * scaling, masked) @ v with the float32 probabilities recomputed in backward instead of
-    saved, so the graph keeps q, k, v (as SDPA's does), not a (B, H, q, k) float32 and a bf16 copy of it.
-    q: (B, Hkv, g * q, d) float32, k: (B, Hkv, k, d) float32, v: (B, Hkv, k, d) bf16, mask: bool broadcasting to
-    (B, Hkv, g, q, k) or None. Returns (B, Hkv, g * q, d) in v's dtype."""
-
-    @staticmethod
-    def probs(q, k, mask, scaling, g):  # (B, Hkv, g * q, k) float32
-        B, Hkv, gq, _ = q.shape
-        scores = (q @ k.transpose(-1, -2)).mul_(scaling).view(B, Hkv, g, gq // g, k.shape[2])
-        if mask is not None:  # finite minimum, not -inf: a fully masked row (left padding) gets finite garbage
-            scores = scores.masked_fill_(~mask, torch.finfo(torch.float32).min)
-        return torch.softmax(scores, -1).view(B, Hkv, gq, -1)
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask, scaling, g):
-        ctx.save_for_backward(q, k, v, mask)
-        ctx.scaling, ctx.g = scaling, g
-        return _SmallAttention.probs(q, k, mask, scaling, g).to(v.dtype) @ v
-
-    @staticmethod
-    def backward(ctx, d_out):
-        q, k, v, mask = ctx.saved_tensors
-        with torch.autocast(q.device.type, enabled=False):
-            p = _SmallAttention.probs(q, k, mask, ctx.scaling, ctx.g)  # as in the forward, bit for bit
-            d_out = d_out.to(v.dtype)
-            d_v = p.to(v.dtype).transpose(-1, -2) @ d_out  # the bf16 matmul's backward, as autograd runs it
-            d_p = (d_out @ v.transpose(-1, -2)).float()
-            d_s = p * (d_p - (p * d_p).sum(-1, keepdim=True)) * ctx.scaling  # softmax's backward; 0 where masked
-            return d_s @ k, d_s.transpose(-1, -2) @ q, d_v, None, None, None
-
-
-def register_small_attention() -> None:
-    """Make SMALL_ATTENTION a transformers attention implementation, with SDPA's mask format."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    AttentionInterface.register(SMALL_ATTENTION, small_attention_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(SMALL_ATTENTION, sdpa_mask)
-
-
-# ---------------------------------------------------------------------------------------------
 # Advantages
 # ---------------------------------------------------------------------------------------------
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95):
@@ -364,8 +232,6 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 
 def exact_div(a: int, b: int, what: str) -> int:
     """a // b, or a UserError (a ValueError) naming the flags (`what`) when b does not divide a."""
-    from common.run import UserError
-
     if b <= 0 or a <= 0 or a % b != 0:
         raise UserError(
             f"{what}: {a} is not divisible by {b}" if a > 0 and b > 0 else f"{what}: sizes must be positive ({a}, {b})"

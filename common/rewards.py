@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from common.run import UserError
+from common.errors import UserError
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 

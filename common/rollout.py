@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.ops import logprobs_and_entropy, selective_log_softmax, sharded_logits, tensor_parallel_active
+from common.ops import logprobs_and_entropy, selective_log_softmax
+from common.parallel import sharded_logits, tensor_parallel_active
 
 
 def tokenize_queries(tok, texts: list[str], device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,7 +331,7 @@ def forward_logprobs(
     only the response positions run."""
     T = query_responses.shape[1] - P
     positions = position_ids_from_mask(attention_mask)
-    with sharded_logits():  # under --tp-size each rank keeps its vocabulary block of the logits (common.ops)
+    with sharded_logits():  # under --tp-size each rank keeps its vocabulary block of the logits (common.parallel)
         if prompt_cache is not None:
             cache, last = prompt_cache
             logits = model(

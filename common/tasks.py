@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common.data import problem_key, read_table, write_rows
+from common.data import load_prompts, problem_key, read_table, write_rows
 
 # The one place the answer format is stated. The reward functions read <answer>...</answer>
 # (common/rewards.py falls back to the last number when the tags are missing). No example answer:
@@ -175,3 +175,22 @@ def default_preference_files(task: str = DEFAULT_TASK, train_size: int = 2000, t
         write_rows(answer_pairs(read_table(train_src), seed), train)
         write_rows(answer_pairs(read_table(test_src), seed + 1), test)
     return str(train), str(test)
+
+
+def load_rl_prompts(args, tok, reward, log) -> tuple[list, list]:
+    """The prompts of an RL script's flags: --train-files / --val-files, or the built-in --task (its
+    problem-split train and test files, common.tasks) when --train-files is not given; validation rows
+    cut to --num-eval-prompts. Every data_source must have a reward function (`reward.check`, before any
+    model trains), and the first prompt is printed as the model sees it. Returns (train_rows, val_rows)."""
+    train_files, val_files = args.train_files, args.val_files
+    if train_files is None:
+        train_files, default_val = default_task_files(args.task)
+        val_files = val_files or [default_val]
+    load = lambda files: load_prompts(
+        files, tok, args.prompt_key, args.reward_fn_key, args.max_prompt_length, args.truncate_prompts, log
+    )
+    train_rows = load(train_files)
+    val_rows = load(val_files)[: args.num_eval_prompts] if val_files else []
+    reward.check({r.data_source for r in train_rows + val_rows})
+    log(f"[prompt] the first training prompt as the model sees it:\n{train_rows[0].text}")
+    return train_rows, val_rows

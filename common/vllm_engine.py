@@ -31,7 +31,7 @@ import os
 
 import torch
 
-from common.run import UserError
+from common.errors import UserError
 
 
 def require_vllm():

@@ -132,7 +132,7 @@ def test_user_error_is_one_line_exit_2_nothing_written(
     flags = [
         f.format(**bad_files) if f.startswith("{") and f.endswith("}") and f[1:-1] in bad_files else f for f in flags
     ]
-    from common.run import cli
+    from common.cli import cli
 
     sys.path.insert(0, str(REPO / "algos"))
     module = importlib.import_module(script[:-3])
@@ -177,7 +177,7 @@ def test_tool_user_error_is_one_line_exit_2(tiny, tmp_path, monkeypatch, capsys,
     """The tools (`python -m tools.X`) run through the same cli: one line, exit 2, nothing written."""
     import importlib
 
-    from common.run import cli
+    from common.cli import cli
 
     module = importlib.import_module(tool)
     monkeypatch.chdir(tmp_path)
@@ -451,7 +451,7 @@ def test_planted_pickle_payloads_never_run(tiny, toy_prompts, tmp_path):
     # model weights are safetensors: a pickle in their place is a format error, never executed
     torch.save(_Payload(marker), ckpt / "policy" / "model.safetensors")
     from common import models as M
-    from common.run import load_weights
+    from common.checkpoint import load_weights
 
     with pytest.raises(Exception):
         load_weights(M.load_causal_lm(tiny), ckpt / "policy")
@@ -484,7 +484,7 @@ def test_deepspeed_engine_files_are_vetted_before_loading(tmp_path):
 def test_rollout_engine_vllm_without_vllm_names_the_install(monkeypatch):
     import sys
 
-    from common.run import UserError
+    from common.errors import UserError
     from common.vllm_engine import require_vllm
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed

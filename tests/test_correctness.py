@@ -23,10 +23,10 @@ import rm_llm as RM  # noqa: E402
 
 from common import models as M  # noqa: E402
 from common.data import PromptRow, encode_prompt_response, load_preferences  # noqa: E402
+from common.errors import UserError
 from common.ops import kl_estimate, selective_log_softmax  # noqa: E402
 from common.rewards import Reward  # noqa: E402
 from common.rollout import forward_logprobs, generate, sequence_attention_mask, tokenize_queries  # noqa: E402
-from common.run import UserError  # noqa: E402
 
 TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
 

@@ -4,6 +4,9 @@ the tools, and the algorithm (losses, advantages, KL controllers) lives in the s
 import ast
 import collections
 import re
+import sys
+
+import pytest
 
 from conftest import REPO
 
@@ -88,9 +91,6 @@ def test_the_fast_tier_guard_fails_an_unmarked_launch():
     """An unmarked test that starts a Python process fails (conftest's guard), so the fast tier stays fast;
     other commands (git) are allowed."""
     import subprocess
-    import sys
-
-    import pytest
 
     from conftest import _launches_python
 
@@ -99,3 +99,70 @@ def test_the_fast_tier_guard_fails_an_unmarked_launch():
     with pytest.raises(pytest.fail.Exception, match="carries no tier marker"):
         subprocess.run([sys.executable, "-c", "pass"])
     assert subprocess.run(["git", "--version"], capture_output=True).returncode == 0
+
+
+# common/ in layers, bottom first (docs/architecture.md): a module imports from its own layer or below, never
+# above, and no two modules import each other, directly or round a longer circle. Imports inside functions
+# count too (a lazy import is still a dependency).
+LAYERS = [
+    ("floor: errors, seeds, process groups", {"errors", "parallel", "health"}),
+    ("tensor functions", {"ops", "attention"}),
+    ("models and data files", {"models", "data"}),
+    ("placement, generation, tasks", {"distributed", "rollout", "tasks", "vllm_engine"}),
+    ("rewards and evaluation", {"rewards", "eval"}),
+    ("run harness: flags, checkpoints, run folder", {"cli", "checkpoint", "run"}),
+]
+
+
+def common_imports() -> dict[str, set[str]]:
+    graph = {}
+    for path in sorted((REPO / "common").glob("*.py")):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "common":
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("common."):
+                deps.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("common.")}
+        graph[path.stem] = deps - {path.stem}
+    return graph
+
+
+def test_common_is_in_layers_without_circles():
+    graph = common_imports()
+    layer = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
+    unplaced = set(graph) - set(layer) - {"__init__"}
+    assert not unplaced, f"common/ modules not in a layer of tests/test_house.LAYERS: {unplaced}"
+    upward = [f"{m} ({LAYERS[layer[m]][0]}) imports {d} ({LAYERS[layer[d]][0]})"
+              for m, deps in graph.items() for d in deps if layer[d] > layer[m]]  # fmt: skip
+    assert not upward, upward
+    # circles: depth-first search for a back edge
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for d in sorted(graph[m]):
+            assert state.get(d) != "open", "import circle: " + " -> ".join(stack[stack.index(d) :] + [d])
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_the_layer_test_finds_a_circle_and_an_upward_import(monkeypatch):
+    """The check above can fail: an upward import and a circle planted in the graph are found."""
+    base = common_imports()
+    graph = {**base, "errors": {"run"}}
+    monkeypatch.setattr(sys.modules[__name__], "common_imports", lambda: graph)
+    with pytest.raises(AssertionError, match="errors .* imports run"):
+        test_common_is_in_layers_without_circles()
+    graph = {**base, "models": base["models"] | {"data"}}  # data imports models, same layer
+    monkeypatch.setattr(sys.modules[__name__], "common_imports", lambda: graph)
+    with pytest.raises(AssertionError, match="import circle"):
+        test_common_is_in_layers_without_circles()

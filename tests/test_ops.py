@@ -124,7 +124,7 @@ def test_logprobs_and_entropy_in_one_pass_match_naive():
 
 
 # ---------------------------------------------------------------------------------------------
-# Attention of short sequences in low precision (common.ops.small_attention_forward)
+# Attention of short sequences in low precision (common.attention.small_attention_forward)
 # ---------------------------------------------------------------------------------------------
 def naive_attention(q, k, v, allowed):
     """float64 loops: head h reads key/value head h // g; allowed[b][i][j] = query i may see key j."""
@@ -151,7 +151,7 @@ def test_small_attention_matches_plain_loops_under_bf16_autocast(case):
     a fully masked query row (left padding) stays finite. Gradients match the float64 ones too."""
     from types import SimpleNamespace
 
-    from common.ops import small_attention_forward
+    from common.attention import small_attention_forward
 
     g = torch.Generator().manual_seed(0)
     Q, K = {"padded": (5, 5), "causal": (5, 5), "decode": (1, 7), "suffix": (2, 6)}[case]
@@ -191,7 +191,7 @@ def test_small_attention_is_sdpa_in_float32_and_beyond_its_size(monkeypatch):
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    import common.ops as O
+    import common.attention as O
 
     g = torch.Generator().manual_seed(1)
     q, k, v = (

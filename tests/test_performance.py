@@ -201,7 +201,7 @@ def test_mfu_arithmetic(tiny, monkeypatch):
 
 def test_micro_batch_budget_under_deepspeed():
     from common.distributed import micro_batch_budget
-    from common.run import UserError
+    from common.errors import UserError
 
     ds, ddp = (
         type("Acc", (), {"distributed_type": t})() for t in ("DistributedType.DEEPSPEED", "DistributedType.MULTI_CPU")
@@ -453,7 +453,7 @@ def test_pi_old_from_the_rollouts_prompt_cache_equals_a_full_forward(tiny, bf16)
 
 
 def test_models_load_with_the_small_attention_and_save_plain_configs(tiny, tmp_path):
-    """Every loader swaps transformers' default SDPA for common.ops' SMALL_ATTENTION (SDPA beyond its sizes and in
+    """Every loader swaps transformers' default SDPA for common.attention's SMALL_ATTENTION (SDPA beyond its sizes and in
     float32); a saved checkpoint does not name it, so plain transformers loads it with its own default. Under bf16
     autocast the log-probs agree with SDPA's to bf16 noise."""
     import json

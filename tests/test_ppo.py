@@ -265,7 +265,7 @@ def test_config_preset_loads_and_cli_overrides():
     sys.path.insert(0, str(REPO / "algos"))
     import ppo_llm
 
-    from common.run import parse_args
+    from common.cli import parse_args
 
     preset = str(REPO / "configs" / "ppo_smollm2_cpu.yaml")
     a = parse_args(ppo_llm.Args, ["--config", preset])

@@ -3,8 +3,8 @@
 import torch
 
 from common import models as M
+from common.errors import mix_seed
 from common.rollout import forward_logprobs, generate, response_masks, sequence_attention_mask, tokenize_queries
-from common.run import mix_seed
 
 
 def _setup(tiny):

@@ -17,6 +17,9 @@ import pytest
 import torch
 from accelerate import Accelerator
 
+from common import checkpoint as C
+from common import cli as CLI
+from common import errors as E
 from common import run as R
 
 
@@ -44,13 +47,13 @@ class ToyArgs:
 def test_config_preset_then_cli_overrides(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("lr: 0.5\nexp-name: from_yaml\n")
-    a = R.parse_args(ToyArgs, ["--config", str(cfg)])
+    a = CLI.parse_args(ToyArgs, ["--config", str(cfg)])
     assert (a.lr, a.exp_name, a.config) == (0.5, "from_yaml", str(cfg))
-    b = R.parse_args(ToyArgs, ["--config", str(cfg), "--lr", "0.25"])
+    b = CLI.parse_args(ToyArgs, ["--config", str(cfg), "--lr", "0.25"])
     assert (b.lr, b.exp_name) == (0.25, "from_yaml")
     cfg.write_text("learning_rate: 1\n")
     with pytest.raises(SystemExit) as e:
-        R.parse_args(ToyArgs, ["--config", str(cfg)])
+        CLI.parse_args(ToyArgs, ["--config", str(cfg)])
     assert e.value.code == 2 and "unknown key 'learning_rate'" in capsys.readouterr().err
 
 
@@ -67,50 +70,50 @@ def test_run_dir_and_args_json(tmp_path):
 
 def test_rng_state_round_trip(tmp_path):
     random.seed(0), np.random.seed(0), torch.manual_seed(0)
-    state = R.rng_state()
+    state = C.rng_state()
     torch.save(state, tmp_path / "s.pt")
     a = (random.random(), np.random.rand(), torch.rand(1).item())
-    R.set_rng_state(torch.load(tmp_path / "s.pt", weights_only=True))
+    C.set_rng_state(torch.load(tmp_path / "s.pt", weights_only=True))
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == a
 
 
 TOY_LOOP = textwrap.dedent('''
     """A toy training loop: a tiny model trained with AdamW on random data drawn from the global RNG,
-    checkpointed with common.run; used to test exact resume and crash safety."""
+    checkpointed with common.checkpoint; used to test exact resume and crash safety."""
     import sys, time
     from pathlib import Path
     sys.path.insert(0, {repo!r})
     import torch
     from accelerate import Accelerator
     from transformers import LlamaConfig, LlamaForCausalLM
-    from common import run as R
+    from common import checkpoint as C
+    from common import errors as E
 
     out, total, stop_at, resume = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     slow_save = len(sys.argv) > 5
     acc = Accelerator(cpu=True)
-    R.seed_everything(0)
+    E.seed_everything(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
     start = 0
     if resume != "-":
-        ckpt = R.resolve_checkpoint(resume)
-        R.load_weights(model, ckpt / "model")
-        st = R.load_trainer_state(ckpt)
-        opt.load_state_dict(st["opt"]); sched.load_state_dict(st["sched"]); R.set_rng_state(st["rng"]); start = st["step"]
+        ckpt = C.resolve_checkpoint(resume)
+        C.load_weights(model, ckpt / "model")
+        st = C.load_trainer_state(ckpt)
+        opt.load_state_dict(st["opt"]); sched.load_state_dict(st["sched"]); C.set_rng_state(st["rng"]); start = st["step"]
     model, opt = acc.prepare(model, opt)
     for step in range(start + 1, total + 1):
         ids = torch.randint(0, 64, (4, 8))
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward(); opt.step(); sched.step(); opt.zero_grad()
         if slow_save and step == stop_at:
-            import common.run
             orig = torch.save
             def slow(obj, path, *a, **k):
                 print("SAVING", flush=True); time.sleep(30); orig(obj, path, *a, **k)
             torch.save = slow
-        R.save_checkpoint(acc, out, step, {{"model": model}}, {{"opt": opt.state_dict(), "sched": sched.state_dict()}})
+        C.save_checkpoint(acc, out, step, {{"model": model}}, {{"opt": opt.state_dict(), "sched": sched.state_dict()}})
         if step == stop_at:
             break
     torch.save({{k: v.detach().clone() for k, v in model.state_dict().items()}}, out / "final.pt")
@@ -131,7 +134,7 @@ def test_resume_is_bit_identical(tmp_path):
     subprocess.run(_toy(tmp_path, split, 6, 0, split), check=True, capture_output=True)  # run folder -> latest (step 3)
     a, b = torch.load(straight / "final.pt"), torch.load(split / "final.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert sorted(p.name for p in R.list_checkpoints(split)) == [f"step_{i}" for i in range(1, 7)]
+    assert sorted(p.name for p in C.list_checkpoints(split)) == [f"step_{i}" for i in range(1, 7)]
 
 
 @pytest.mark.e2e
@@ -146,9 +149,9 @@ def test_kill_during_checkpoint_write_keeps_previous(tmp_path):
     proc.wait()
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert "step_3" not in names and any(n.startswith(".step_3.tmp-") for n in names)  # half-written: temp name only
-    latest = R.resolve_checkpoint(str(out))
+    latest = C.resolve_checkpoint(str(out))
     assert latest.name == "step_2"
-    st = R.load_trainer_state(latest)
+    st = C.load_trainer_state(latest)
     assert st["step"] == 2
     from transformers import AutoModelForCausalLM
 
@@ -169,10 +172,10 @@ def test_keep_last_and_resume_errors(tmp_path):
             torch.save(state_dict, Path(path) / "w.pt")
 
     for step in (1, 2, 3):
-        R.save_checkpoint(acc, tmp_path, step, {"m": Wrap()}, {}, keep_last=2)
-    assert sorted(p.name for p in R.list_checkpoints(tmp_path)) == ["step_2", "step_3"]
+        C.save_checkpoint(acc, tmp_path, step, {"m": Wrap()}, {}, keep_last=2)
+    assert sorted(p.name for p in C.list_checkpoints(tmp_path)) == ["step_2", "step_3"]
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
-        R.resolve_checkpoint(str(tmp_path / "nothing"))
+        C.resolve_checkpoint(str(tmp_path / "nothing"))
 
 
 def test_optimizer_state_is_keyed_by_name_and_loads_old_checkpoints(tiny):
@@ -221,7 +224,7 @@ def test_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatc
             Path(path).mkdir(parents=True)
             torch.save(state_dict, Path(path) / "w.pt")
 
-    R.save_checkpoint(acc, tmp_path, 1, {"m": Wrap()}, {})
+    C.save_checkpoint(acc, tmp_path, 1, {"m": Wrap()}, {})
     mask = os.umask(0o022)
     os.umask(mask)
     assert (tmp_path / "checkpoints/step_1").stat().st_mode & 0o777 == 0o777 & ~mask  # not mkdtemp's 0700
@@ -233,9 +236,9 @@ def test_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatc
         return real_save(obj, f, *a, **k)
 
     monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(R.UserError, match=r"no space left on .* while writing checkpoint step_2; step_1 is intact"):
-        R.save_checkpoint(acc, tmp_path, 2, {"m": Wrap()}, {})
+    with pytest.raises(E.UserError, match=r"no space left on .* while writing checkpoint step_2; step_1 is intact"):
+        C.save_checkpoint(acc, tmp_path, 2, {"m": Wrap()}, {})
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["step_1"]  # no half checkpoint, no temp folder left behind
     (tmp_path / "checkpoints" / ".step_3.tmp-abc").mkdir()  # what a SIGKILL mid-save leaves
-    assert R.remove_stale_temp_checkpoints(tmp_path) == [".step_3.tmp-abc"]
+    assert C.remove_stale_temp_checkpoints(tmp_path) == [".step_3.tmp-abc"]

@@ -45,7 +45,7 @@ def launch_tp(nproc, script, *flags, env=None):
 def test_mesh_arithmetic():
     """(data-parallel, tensor-parallel) sizes of a launch; TP groups are neighbouring ranks."""
     from common.distributed import tp_mesh_shape
-    from common.run import UserError
+    from common.errors import UserError
 
     assert tp_mesh_shape(2, 2) == (1, 2) and tp_mesh_shape(8, 2) == (4, 2) and tp_mesh_shape(8, 4) == (2, 4)
     assert tp_mesh_shape(3, 1) == (3, 1)

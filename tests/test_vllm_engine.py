@@ -15,8 +15,8 @@ from conftest import REPO, only_run, read_metrics, run_script
 pytest.importorskip("vllm", reason="vLLM is part of the CI install (requirements-vllm.txt)")
 
 from common import models as M  # noqa: E402
+from common.errors import mix_seed
 from common.rollout import forward_logprobs, generate, sequence_attention_mask, tokenize_queries  # noqa: E402
-from common.run import mix_seed  # noqa: E402
 from common.vllm_engine import VLLMEngine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -308,7 +308,7 @@ def test_two_processes_sample_what_one_process_samples(peaky_vllm, toy_prompts, 
 
 
 def test_gpu_only_engine_flags_are_refused_on_cpu(tiny_vllm):
-    from common.run import UserError
+    from common.errors import UserError
 
     path, tok, _, _ = tiny_vllm
     with pytest.raises(UserError, match="--vllm-sleep .* needs a GPU"):

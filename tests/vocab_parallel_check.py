@@ -11,11 +11,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from common import ops  # noqa: E402
+from common import ops, parallel  # noqa: E402
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-ops.set_tensor_parallel_group(dist.group.WORLD)
+parallel.STATE.tp_group = dist.group.WORLD  # as make_accelerator(tp_size=2) sets it
 g = torch.Generator().manual_seed(0)
 B, T, V, temp = 5, 3, 12, 0.7  # 5 rows: more than one chunk of 4
 z = torch.randn(B, T, V, generator=g) * 4
@@ -37,7 +37,7 @@ ref_grad = (w_lp.numpy()[..., None] * (onehot - p) - w_ent.numpy()[..., None] * 
 
 block = slice(rank * V // world, (rank + 1) * V // world)
 mine = z[..., block].clone().requires_grad_(True)
-with ops.sharded_logits():
+with parallel.sharded_logits():
     lp, ent = ops.logprobs_and_entropy(mine, index, temperature=temp, entropy_grad=True)
     lp_only = ops.selective_log_softmax(mine.detach(), index, temperature=temp)
 np.testing.assert_allclose(lp.detach().numpy(), ref_lp, rtol=1e-5, atol=1e-5)
@@ -47,7 +47,7 @@ np.testing.assert_allclose(lp_only.numpy(), ref_lp, rtol=1e-5, atol=1e-5)
 np.testing.assert_allclose(mine.grad.numpy(), ref_grad[..., block], rtol=1e-4, atol=1e-6)
 # a detached entropy (the default statistic): the log-prob gradient alone
 mine.grad = None
-with ops.sharded_logits():
+with parallel.sharded_logits():
     lp, ent = ops.logprobs_and_entropy(mine, index, temperature=temp)
 assert not ent.requires_grad
 (w_lp * lp).sum().backward()
@@ -68,18 +68,18 @@ if len(sys.argv) > 1:
 
     acc = make_accelerator(tp_size=2)
     sharded = models.load_causal_lm(sys.argv[1], dtype="float32")
-    models.set_tensor_parallel(None)
+    parallel.STATE.tp_mesh = None  # the next model loads whole
     whole = models.load_causal_lm(sys.argv[1], dtype="float32")
     qr = torch.randint(0, 1000, (3, 10), generator=g)
     attn = torch.ones_like(qr)
     attn[0, :2] = 0  # a left-padded prompt
     V = whole.config.vocab_size
-    with ops.sharded_logits():
+    with parallel.sharded_logits():
         assert sharded(input_ids=qr, attention_mask=attn).logits.shape == (3, 10, V // 2)  # never (B, T, V)
     assert sharded(input_ids=qr, attention_mask=attn).logits.shape == (3, 10, V)  # outside: gathered (sampling)
     results = []
     for m, group in ((sharded, acc.tp_mesh["tp"].get_group()), (whole, None)):
-        ops.set_tensor_parallel_group(group)  # the whole model: sharded_logits() is a no-op
+        parallel.STATE.tp_group = group  # the whole model: sharded_logits() is a no-op
         lp, ent = forward_logprobs(m, qr, attn, P=4, temperature=0.9, with_entropy=True, entropy_grad=True)
         (lp.sum() + 0.1 * ent.sum()).backward()
         results.append((lp.detach(), ent.detach()))

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import tyro
 
-from common.run import UserError
+from common.errors import UserError
 
 DEFAULT_METRICS = ["train/reward", "train/kl", "train/entropy", "train/response_len", "eval/accuracy", "loss/policy"]
 LOWER_IS_BETTER = ("loss/", "train/kl", "perf/step_s")
@@ -206,6 +206,6 @@ def main(args: Args) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from common.run import cli
+    from common.cli import cli
 
     cli(main, Args)  # flags checked, user errors as one line (exit 2)

@@ -136,6 +136,6 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    from common.run import cli
+    from common.cli import cli
 
     cli(main, Args)  # flags checked, user errors as one line (exit 2)

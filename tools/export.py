@@ -22,7 +22,8 @@ from typing import Optional
 
 import tyro
 
-from common.run import UserError, list_checkpoints
+from common.checkpoint import list_checkpoints
+from common.errors import UserError
 
 
 @dataclass
@@ -143,6 +144,6 @@ def main(args: Args) -> Path:
 
 
 if __name__ == "__main__":
-    from common.run import cli
+    from common.cli import cli
 
     cli(main, Args)  # flags checked, user errors as one line (exit 2)

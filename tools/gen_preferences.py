@@ -18,9 +18,9 @@ import tyro
 
 from common import models as M
 from common.data import load_prompts, read_table, write_rows
+from common.errors import UserError
 from common.eval import answer, load_any
 from common.rewards import Reward
-from common.run import UserError
 from common.vllm_engine import tool_engine
 
 
@@ -119,6 +119,6 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    from common.run import cli
+    from common.cli import cli
 
     cli(main, Args)  # flags checked, user errors as one line (exit 2)

@@ -90,7 +90,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from common.run import UserError, user_error
+    from common.errors import UserError, user_error
 
     try:
         main()

@@ -140,7 +140,7 @@ def _read_source(src: str, split: str) -> list[dict]:
 def main(args: Args) -> None:
     from reasoning_gym.factory import DATASETS
 
-    from common.run import UserError
+    from common.errors import UserError
 
     out = Path(args.out)
     unknown = [t for t in args.tasks if t not in TASKS and t not in DATASETS]
@@ -175,6 +175,6 @@ def main(args: Args) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TQDM_DISABLE", "1")
-    from common.run import cli
+    from common.cli import cli
 
     cli(main, Args)  # flags checked, user errors as one line (exit 2)

@@ -1,0 +1,312 @@
+"""Checkpoints: `checkpoints/step_N/` holds every trained model as a complete `save_pretrained` folder plus
+`trainer_state.pt` (optimizers, schedulers, RNG states, step, the script's own state); written to a temp
+name, fsynced and renamed, so a crash never leaves a half checkpoint; loaded with weights_only=True only."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common.errors import UserError
+
+
+def json_args(args) -> dict:
+    """The user-set fields of an Args (runtime fields left out), as plain JSON values."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+    return json.loads(
+        json.dumps(
+            {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in values.items()}, default=str
+        )
+    )
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        # numpy's state holds an ndarray; a tensor keeps torch.load(weights_only=True) possible
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(s: dict) -> None:
+    random.setstate((s["python"][0], tuple(s["python"][1]), s["python"][2]))
+    n = s["numpy"]
+    np.random.set_state((n[0], n[1].numpy().astype(np.uint32), *n[2:]))
+    torch.set_rng_state(s["torch"])
+    if s["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def save_checkpoint(
+    accelerator,
+    run_dir: Path,
+    step: int,
+    models: dict,
+    state: dict,
+    keep_last: int = 0,
+    tokenizer=None,
+    args=None,
+    save_merged: bool = False,
+    label: str | None = None,
+    optimizers: dict | None = None,
+) -> Path:
+    """checkpoints/step_{step}/{name}/ (save_pretrained) for each model + trainer_state.pt.
+
+    trainer_state.pt holds `state` (an object's `state_dict()`, or a plain value) and each optimizer
+    of `optimizers` = {key: (model name, optimizer)} under its key; `restore_checkpoint` is the mirror
+    and takes the same three dicts, so a script writes its state keys once.
+
+    Each model folder is a model: weights, config, generation config and `tokenizer`'s files (chat
+    template included), so `AutoModel*.from_pretrained`, `AutoTokenizer.from_pretrained` and our own
+    `--model-name-or-path` load it as it is. A LoRA model saves its adapter (plus the tokenizer; our
+    loaders merge it onto its base), and with `save_merged` also `{name}_merged/`, the full merged
+    model, for tools without peft (vLLM, TGI). trainer_state.pt records the algorithm and the args.
+    `label` names the folder instead of `step_{step}` (e.g. "best": --save-best).
+
+    Written into a temp folder and renamed at the end, so a crash mid-save leaves the previous
+    checkpoints untouched and no half checkpoint under a step_ name. `keep_last` > 0 deletes older ones."""
+    from accelerate.utils import broadcast_object_list
+
+    from common.distributed import full_tensors, optimizer_state, reshard, save_engine_states, saved_by_one_process
+
+    state = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in state.items()}
+    for key, (name, opt) in (optimizers or {}).items():
+        state[key] = optimizer_state(accelerator, models[name], opt)  # collective under FSDP2
+
+    ckpt_root = run_dir / "checkpoints"
+    final = ckpt_root / (label or f"step_{step}")
+    for m in models.values():
+        reshard(m)  # FSDP2: units left unsharded by a no_grad forward back to DTensor shards
+    state_dicts = {
+        name: _drop_tied_copies(
+            accelerator.unwrap_model(m), full_tensors(accelerator.get_state_dict(m))
+        )  # collective under FSDP/ZeRO-3 and --tp-size
+        for name, m in models.items()
+    }
+    tmp = [None]
+    if accelerator.is_main_process:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        tmp = [tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=ckpt_root)]
+    if accelerator.state.num_processes > 1:
+        broadcast_object_list(tmp, from_process=0)  # DeepSpeed: every rank writes its shards there
+    tmp = Path(tmp[0])
+    save_engine_states(accelerator, tmp, models)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        try:
+            for name, m in models.items():
+                unwrapped = accelerator.unwrap_model(m)
+                with saved_by_one_process(unwrapped):
+                    unwrapped.save_pretrained(tmp / name, state_dict=state_dicts[name], safe_serialization=True)
+                folders = [tmp / name]
+                if save_merged and hasattr(unwrapped, "peft_config"):
+                    from common.models import merge_lora_state_dict
+
+                    cfg = unwrapped.peft_config["default"]
+                    merged = merge_lora_state_dict(state_dicts[name], cfg.lora_alpha / cfg.r)
+                    unwrapped.get_base_model().save_pretrained(
+                        tmp / f"{name}_merged", state_dict=merged, safe_serialization=True
+                    )
+                    folders.append(tmp / f"{name}_merged")
+                for folder in folders if tokenizer is not None else []:
+                    tokenizer.save_pretrained(folder)
+            meta = {"algo": run_dir.name.split("__")[0], "args": json_args(args) if args is not None else {}}
+            torch.save({**state, **meta, "rng": rng_state(), "step": step}, tmp / "trainer_state.pt")
+            _fsync_tree(tmp)  # on disk before the rename makes it the checkpoint
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if e.errno == errno.ENOSPC:
+                intact = max(list_checkpoints(run_dir), key=step_of, default=None)
+                raise UserError(
+                    f"no space left on {ckpt_root} while writing checkpoint {final.name}; "
+                    f"{intact.name + ' is intact' if intact else 'no earlier checkpoint exists'}"
+                ) from e
+            raise
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the folder gets the user's usual permissions
+        old = None
+        if final.exists():  # re-saving the same name (a resume, checkpoints/best): swap, then delete the old one
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.rename(final, old)
+        os.rename(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        if keep_last > 0:
+            for old in sorted(list_checkpoints(run_dir), key=step_of)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+class BestKeeper:
+    """--save-best METRIC: is this evaluation the best so far? Higher is better, except for losses
+    (`loss/...`, `eval/loss`). Its state goes into checkpoints so a resumed run compares alike."""
+
+    def __init__(self, metric: str | None):
+        self.metric, self.best = metric, None
+
+    def improved(self, metrics: dict) -> bool:
+        if not self.metric or self.metric not in metrics:
+            return False
+        value, lower = metrics[self.metric], "loss" in self.metric
+        if self.best is None or (value < self.best if lower else value > self.best):
+            self.best = value
+            return True
+        return False
+
+    def state_dict(self) -> dict:
+        return {"best": self.best}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.best = s["best"]
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def remove_stale_temp_checkpoints(run_dir: Path) -> list[str]:
+    """`.step_N.tmp-*` / `.best.tmp-*` folders left by a crash mid-save (never a checkpoint): removed."""
+    root = Path(run_dir) / "checkpoints"
+    stale = [p for p in root.glob(".*.tmp-*")] + [p for p in root.glob(".*.old-*")] if root.is_dir() else []
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return [p.name for p in stale]
+
+
+def _drop_tied_copies(model, state_dict: dict) -> dict:
+    """Keep one name per tied parameter (e.g. lm_head.weight = embed_tokens.weight). save_pretrained
+    spots ties by shared storage, but under FSDP2 / ZeRO-3 the gathered state dict holds separate
+    copies, so the folder would carry the tensor twice."""
+    first = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+    aliases = {name for name, p in model.named_parameters(remove_duplicate=False) if first[id(p)] != name}
+    return {k: v for k, v in state_dict.items() if k not in aliases} if state_dict is not None else state_dict
+
+
+def step_of(p: Path) -> int:
+    """The step of a checkpoint folder: from its name (step_N), else (checkpoints/best) from its trainer state."""
+    if p.name.startswith("step_") and p.name[5:].isdigit():
+        return int(p.name[5:])
+    return int(torch.load(p / "trainer_state.pt", weights_only=True)["step"])
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return [
+        p
+        for p in root.iterdir()
+        if p.name.startswith("step_") and p.name[5:].isdigit() and (p / "trainer_state.pt").exists()
+    ]
+
+
+def resolve_checkpoint(path: str) -> Path:
+    """A checkpoint folder, or a run folder (its latest complete checkpoint)."""
+    p = Path(path)
+    if (p / "trainer_state.pt").exists():
+        return p
+    ckpts = list_checkpoints(p)
+    if not ckpts:
+        raise FileNotFoundError(f"--resume {path}: no complete checkpoint (checkpoints/step_N/trainer_state.pt) found")
+    return max(ckpts, key=step_of)
+
+
+def load_trainer_state(ckpt: Path) -> dict:
+    """trainer_state.pt, unpickled with weights_only=True: tensors and plain containers only, so a
+    planted payload is refused instead of run."""
+    import pickle
+
+    try:
+        return torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UserError(
+            f"{ckpt / 'trainer_state.pt'}: holds objects other than tensors and plain values "
+            f"({str(e).splitlines()[0][:160]}); refusing to load it"
+        ) from None
+
+
+# Keys added to trainer_state.pt after the first checkpoints were written: an older checkpoint
+# without them resumes with the object's fresh state (which is what it had then).
+STATE_ADDED_LATER = {"best", "guard"}
+
+
+def restore_checkpoint(accelerator, ckpt: Path, models: dict, state: dict, optimizers: dict) -> int:
+    """The mirror of save_checkpoint, called after accelerator.prepare with the same dicts: each
+    optimizer's state, each object's load_state_dict under its key, the RNG streams. Returns the
+    step to continue after. (The weights are loaded before prepare, with load_weights.)"""
+    from common.distributed import load_optimizer_state
+
+    saved = load_trainer_state(ckpt)
+    for key, (name, opt) in optimizers.items():
+        load_optimizer_state(accelerator, models[name], opt, saved[key], ckpt / name)
+    for key, obj in state.items():
+        if key not in saved and key in STATE_ADDED_LATER:
+            continue
+        if key not in saved:
+            raise UserError(
+                f"{ckpt / 'trainer_state.pt'}: no {key!r} state (written by another version of this script?)"
+            )
+        obj.load_state_dict(saved[key])
+    set_rng_state(saved["rng"])
+    return saved["step"]
+
+
+def load_weights(model, folder: Path) -> None:
+    """Load a save_pretrained folder's weights into an already-built (possibly peft) model in place."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no .safetensors weights")
+    sd = {}
+    for f in files:
+        sd.update(load_file(f))
+    if hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        res = set_peft_model_state_dict(model, sd)
+        unexpected = getattr(res, "unexpected_keys", [])
+        if unexpected:
+            raise RuntimeError(f"{folder}: unexpected adapter keys {unexpected[:5]}")
+        return
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    from common.models import full_parameters
+
+    # ZeRO-3: parameters are partitioned from loading on; --tp-size: each DTensor keeps its shard of the full tensor
+    with full_parameters(model, modify=True), implicit_replication():
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or []) | {"lm_head.weight"}
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise RuntimeError(
+            f"{folder}: checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )

@@ -1,0 +1,41 @@
+"""The floor of common/: user errors and seeds. Imports nothing of ours, so every module may import it.
+
+A user error (a bad flag, path, data row or reward function) is a `UserError`; the scripts' entry point
+(common.cli.cli) prints its message as one line and exits 2. Tracebacks are for bugs.
+"""
+
+import random
+import sys
+
+import numpy as np
+import torch
+
+
+def user_error(message: str) -> None:
+    """A user error: one line on stderr, exit code 2 (no traceback)."""
+    print(message, file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+class UserError(ValueError):
+    """Bad input from the user (a flag, a path, a data row, a reward function): `cli` prints its message
+    as one line and exits 2. Tracebacks are for bugs (set CLEANRLHF_DEBUG=1 to see one anyway)."""
+
+
+def mix_seed(*parts: int) -> int:
+    """One seed from several integers, the one formula of the codebase: (run seed, step, sample id)
+    seeds a sample, so a response does not depend on its batch, the rank or a resume; (run seed,
+    step, rank) a minibatch shuffle; (run seed, epoch) the data order. Python's hash() would be
+    salted per process. s <- (s * 1_000_003 + part) mod (2^63 - 1), from s = 0."""
+    s = 0
+    for part in parts:
+        s = (s * 1_000_003 + part) % (2**63 - 1)
+    return s
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank, so models initialise identically; per-sample randomness is derived
+    from (seed, step, sample id) explicitly (common.rollout.sample_seed)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
