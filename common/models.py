@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
@@ -34,6 +35,10 @@ from common.errors import UserError
 from common.parallel import STATE
 
 hf_logging.disable_progress_bar()  # per-file "Loading weights" bars drown the training log
+# transformers' scheduler module imports peft, which imports bitsandbytes, whose CPU backend warns on every start
+# that an optional kernel package is missing: noise before a run's first line. 4-bit weights need CUDA here
+# anyway (--load-in-4bit is refused on CPU with its own message), so only that logger's warnings are dropped.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 register_small_attention()
 
 DEFAULT_MODEL = "smollm2-135m-instruct"

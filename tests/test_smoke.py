@@ -84,7 +84,7 @@ def test_script_runs_two_steps(script, tiny, tiny_peaky, toy_prompts, tmp_path):
             tiny_peaky,
             flags + ["--train-files", toy_prompts, "--val-files", toy_prompts, "--reward-fn", TOY_REWARD],
         )
-    run_script(
+    proc = run_script(
         script,
         "--model-name-or-path",
         tiny,
@@ -98,6 +98,10 @@ def test_script_runs_two_steps(script, tiny, tiny_peaky, toy_prompts, tmp_path):
         env=env,
     )
     run = only_run(tmp_path)
+    # a quiet start: no library noise before (or among) our lines (bitsandbytes' kernel warning, DeepSpeed's
+    # accelerator line, transformers' progress bars)
+    for noise in ("kernels-community", "Setting accelerator", "Loading weights", "Traceback"):
+        assert noise not in proc.stdout + proc.stderr, (noise, proc.stderr[-2000:])
     assert json.loads((run / "args.json").read_text())["total_steps"] == 2
     rows = read_metrics(run)
     assert {1, 2} <= {r["step"] for r in rows}, rows
