@@ -33,7 +33,6 @@ import torch.nn.functional as F
 import tyro
 
 from common import models as M
-from common.checkpoint import BestKeeper, load_weights, restore_checkpoint, save_checkpoint
 from common.cli import cli
 from common.data import Sampler, encode_prompt_response, load_preferences, load_prompts
 from common.distributed import (
@@ -50,7 +49,7 @@ from common.ops import exact_div, global_mean_divisor, selective_log_softmax
 from common.parallel import sharded_logits
 from common.rewards import Reward, reward_from_args
 from common.rollout import generate, tokenize_queries
-from common.run import StopSignal, Tracker, make_run_dir, peak_mem_gb, resolve_resume
+from common.run import Run, peak_mem_gb
 from common.tasks import default_preference_files, default_task_files
 from common.vllm_engine import make_engine
 
@@ -274,7 +273,7 @@ def main(args: Args):
     )
     seed_everything(args.seed)
     log = accelerator.print
-    ckpt = resolve_resume(args, Path(__file__).stem)  # --resume: checked before anything loads; None = fresh run
+    run = Run(accelerator, args, Path(__file__).stem)  # --resume: resolved and checked before anything loads
 
     M.check_context(
         args.model_name_or_path,
@@ -343,22 +342,10 @@ def main(args: Args):
     sched = get_scheduler(
         args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.total_steps
     )
-    best = BestKeeper(args.save_best)  # --save-best
     guard = UpdateGuard(accelerator)  # non-finite gradients: step skipped, never NaN weights
-    if ckpt:
-        load_weights(policy, ckpt / "policy")
+    run.load_weights(policy=policy)  # resumed: the checkpoint's weights
     policy, opt, sched = accelerator.prepare(policy, opt, sched)
-    # what a checkpoint holds, by name: save_checkpoint writes these keys and restore_checkpoint reads them
-    models, optimizers = {"policy": policy}, {"opt": ("policy", opt)}
-    state = {"sched": sched, "sampler": sampler, "best": best, "guard": guard}
-    start_step = restore_checkpoint(accelerator, ckpt, models, state, optimizers) if ckpt else 0
-    if ckpt:
-        log(f"resumed from {ckpt} at step {start_step}")
     engine = make_engine(args, tok, policy, accelerator)  # --rollout-engine vllm: the colocated engine; hf: None
-    run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
-    tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
-    stop = StopSignal(accelerator)
-    log(f"run folder: {run_dir}")
 
     @torch.no_grad()
     def ref_logps(ids, attn, response_mask):
@@ -420,25 +407,16 @@ def main(args: Args):
             metrics.update(m)
         return metrics
 
-    def checkpoint(step, label=None):
-        save_checkpoint(
-            accelerator,
-            run_dir,
-            step,
-            models,
-            state,
-            args.keep_last,
-            tokenizer=tok,
-            args=args,
-            save_merged=args.save_merged,
-            label=label,
-            optimizers=optimizers,
-        )
+    # what a checkpoint holds, by name (restored here when resuming); evaluation before the first step
+    run.begin(
+        tok,
+        models={"policy": policy},
+        optimizers={"opt": ("policy", opt)},
+        state=dict(sched=sched, sampler=sampler, guard=guard),
+        evaluate=evaluate if (val_pairs or eval_prompts) else None,
+    )
 
-    if args.eval_every and start_step == 0 and (val_pairs or eval_prompts):
-        tracker.log(0, evaluate())
-
-    for step in range(start_step + 1, args.total_steps + 1):
+    for step in run.steps():  # after each: checkpoints (periodic, final, on a signal), --max-wall-minutes
         t_step = time.time()
         r = accelerator.process_index
         global_ids = sampler.take(args.batch_size)
@@ -513,9 +491,7 @@ def main(args: Args):
         train_s = time.time() - t_train
 
         # ------------------------------------------------------------------ 3. log, evaluate, checkpoint
-        last = step == args.total_steps or stop.out_of_time(args.max_wall_minutes)  # --max-wall-minutes
-        evaluating = bool(args.eval_every and (step % args.eval_every == 0 or last))
-        if step % args.log_every == 0 or last or evaluating:  # an evaluation step is always logged
+        if run.logging(step):  # --log-every, and every evaluation step and the last
             # pairs per rank differ when --online skips ties: gather padded values with a validity flag
             def gmean(key):
                 x = torch.cat(stats[key]) if stats[key] else torch.zeros(0, device=device)
@@ -552,32 +528,15 @@ def main(args: Args):
                 ).item()
                 metrics["train/reward"] = accelerator.gather(scores.mean(1)).mean().item()
             metrics = {k: v for k, v in metrics.items() if v == v}  # no pairs this step (all tied): no pair metrics
-            if evaluating:
-                metrics.update(evaluate())
             metrics["train/skipped_steps"] = guard.skipped
-            tracker.log(step, metrics)
-            if best.improved(metrics):
-                checkpoint(step, "best")
             as_text = lambda c: c if isinstance(c, str) else tok.decode(c, skip_special_tokens=True)  # --online: ids
-            tracker.samples(
-                step,
-                [
-                    {"prompt": p["prompt"], "chosen": as_text(p["chosen"]), "rejected": as_text(p["rejected"])}
-                    for p in pairs[: args.num_samples_logged]
-                ],
-            )
-        stopping = stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit
-        due = stop.save_due(args.save_every_minutes)
-        if (args.save_every and step % args.save_every == 0) or last or stopping or due:
-            checkpoint(step)
-        if stopping:
-            stop.exit(run_dir, step)
-        if last:
-            break
+            samples = [
+                {"prompt": p["prompt"], "chosen": as_text(p["chosen"]), "rejected": as_text(p["rejected"])}
+                for p in pairs[: args.num_samples_logged]
+            ]
+            run.log(step, metrics, samples)  # + evaluation when due, --save-best
 
-    tracker.close()
-    log(f"done: {run_dir}")
-    return run_dir
+    return run.end()
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ import torch
 import tyro
 
 from common import models as M
-from common.checkpoint import BestKeeper, load_weights, restore_checkpoint, save_checkpoint
 from common.cli import cli
 from common.data import Sampler
 from common.distributed import (
@@ -50,7 +49,7 @@ from common.distributed import (
 )
 from common.errors import UserError, mix_seed, seed_everything
 from common.eval import evaluate_policy
-from common.health import HealthConfig, HealthMonitor
+from common.health import HealthConfig
 from common.ops import all_sum, exact_div, gae, global_mean_divisor, kl_estimate, masked_mean, masked_whiten
 from common.rewards import reward_from_args
 from common.rollout import (
@@ -63,7 +62,7 @@ from common.rollout import (
     sequence_attention_mask,
     tokenize_queries,
 )
-from common.run import StopSignal, Tracker, make_run_dir, mfu, peak_mem_gb, resolve_resume
+from common.run import Run, mfu, peak_mem_gb
 from common.tasks import load_rl_prompts
 from common.vllm_engine import make_engine
 
@@ -334,7 +333,7 @@ def main(args: Args):
         raise UserError(f"--kl-target {args.kl_target}: must be > 0 (omit it for a fixed --kl-coef)")
     seed_everything(args.seed)
     log = accelerator.print
-    ckpt = resolve_resume(args, Path(__file__).stem)  # --resume: checked before anything loads; None = fresh run
+    run = Run(accelerator, args, Path(__file__).stem)  # --resume: resolved and checked before anything loads
 
     M.check_context(
         args.model_name_or_path,
@@ -392,37 +391,23 @@ def main(args: Args):
     kl_ctl = KLController(args.kl_coef, args.kl_target, args.kl_horizon)
 
     # ------------------------------------------------------- checkpoint state, run folder  # TRY NOT TO MODIFY
-    health = HealthMonitor(args.health, log)
-    best = BestKeeper(args.save_best)  # --save-best
     guard = UpdateGuard(accelerator)  # non-finite gradients: step skipped, never NaN weights
-    if ckpt:
-        load_weights(policy, ckpt / "policy")
-        load_weights(critic, ckpt / "critic")
+    run.load_weights(policy=policy, critic=critic)  # resumed: the checkpoint's weights
     # one model per call: FSDP2 pairs it with its optimizer
     policy, opt, sched = accelerator.prepare(policy, opt, sched)
     critic, critic_opt, critic_sched = accelerator.prepare(critic, critic_opt, critic_sched)
-    # what a checkpoint holds, by name: save_checkpoint writes these keys and restore_checkpoint reads them
-    models, optimizers = (
-        {"policy": policy, "critic": critic},
-        {"opt": ("policy", opt), "critic_opt": ("critic", critic_opt)},
-    )
-    state = {
-        "sched": sched,
-        "critic_sched": critic_sched,
-        "sampler": sampler,
-        "kl_ctl": kl_ctl,
-        "health": health,
-        "best": best,
-        "guard": guard,
-    }
-    start_step = restore_checkpoint(accelerator, ckpt, models, state, optimizers) if ckpt else 0
-    if ckpt:
-        log(f"resumed from {ckpt} at step {start_step}")
     engine = make_engine(args, tok, policy, accelerator)  # --rollout-engine vllm: the colocated engine; hf: None
-    run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
-    tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
-    stop = StopSignal(accelerator)
-    log(f"run folder: {run_dir}")
+    evaluate = lambda: evaluate_policy(
+        accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size, engine
+    )
+    # what a checkpoint holds, by name (restored here when resuming); evaluation before the first step
+    run.begin(
+        tok,
+        models={"policy": policy, "critic": critic},
+        optimizers={"opt": ("policy", opt), "critic_opt": ("critic", critic_opt)},
+        state=dict(sched=sched, critic_sched=critic_sched, sampler=sampler, kl_ctl=kl_ctl, guard=guard),
+        evaluate=evaluate if val_rows else None,
+    )
 
     def ref_logprobs_of(query_responses, attn, P):
         if ref_policy is not None:
@@ -431,29 +416,7 @@ def main(args: Args):
         with accelerator.unwrap_model(policy).disable_adapter():
             return forward_logprobs(policy, query_responses, attn, P, args.temperature)
 
-    def checkpoint(step, label=None):
-        save_checkpoint(
-            accelerator,
-            run_dir,
-            step,
-            models,
-            state,
-            args.keep_last,
-            tokenizer=tok,
-            args=args,
-            save_merged=args.save_merged,
-            label=label,
-            optimizers=optimizers,
-        )
-
-    if args.eval_every and val_rows and start_step == 0:
-        metrics, samples = evaluate_policy(
-            accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size, engine
-        )
-        tracker.log(0, {**metrics, **health.check(metrics)})
-        tracker.samples(0, [{**s, "split": "eval"} for s in samples[: args.num_samples_logged]])
-
-    for step in range(start_step + 1, args.total_steps + 1):
+    for step in run.steps():  # after each: checkpoints (periodic, final, on a signal), --max-wall-minutes
         t_step = time.time()
         # ------------------------------------------------------------------ 1. rollout
         global_ids = sampler.take(args.batch_size)  # same on every rank; each takes its slice
@@ -611,9 +574,7 @@ def main(args: Args):
         kl_ctl.update(mean_kl, args.batch_size)
 
         # ------------------------------------------------------------------ 6. log, evaluate, checkpoint
-        last = step == args.total_steps or stop.out_of_time(args.max_wall_minutes)  # --max-wall-minutes
-        evaluating = bool(args.eval_every and val_rows and (step % args.eval_every == 0 or last))
-        if step % args.log_every == 0 or last or evaluating:  # an evaluation step is always logged
+        if run.logging(step):  # --log-every, and every evaluation step and the last
             # each stat holds per-micro-batch parts of a minibatch mean; their sum / #minibatches = mean over minibatches
             n_minibatches = args.update_epochs * len(rows) // args.local_mini_batch_size
             mean_over_minibatches = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
@@ -654,35 +615,14 @@ def main(args: Args):
                 metrics[f"reward/{name}"] = accelerator.gather(v).mean().item()
             if reward.errors:
                 metrics["reward/errors"] = reward.errors
-            if evaluating:
-                eval_metrics, eval_samples = evaluate_policy(
-                    accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size, engine
-                )
-                metrics.update(eval_metrics)
-                tracker.samples(step, [{**s, "split": "eval"} for s in eval_samples[: args.num_samples_logged]])
             metrics["train/skipped_steps"] = guard.skipped
-            tracker.log(step, {**metrics, **health.check(metrics)})
-            if best.improved(metrics):
-                checkpoint(step, "best")
-            tracker.samples(
-                step,
-                [
-                    {"prompt": x.text, "response": t, "reward": float(s), "kl": float(k), "split": "train"}
-                    for x, t, s, k in zip(rows, texts, scores, masked_mean(kl, mask, dim=1))
-                ][: args.num_samples_logged],
-            )
-        stopping = stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit
-        due = stop.save_due(args.save_every_minutes)
-        if (args.save_every and step % args.save_every == 0) or last or stopping or due:
-            checkpoint(step)
-        if stopping:
-            stop.exit(run_dir, step)
-        if last:
-            break
+            samples = [
+                {"prompt": x.text, "response": t, "reward": float(s), "kl": float(k), "split": "train"}
+                for x, t, s, k in zip(rows, texts, scores, masked_mean(kl, mask, dim=1))
+            ]
+            run.log(step, metrics, samples)  # + evaluation when due, health warnings, --save-best
 
-    tracker.close()
-    log(f"done: {run_dir}")
-    return run_dir
+    return run.end()
 
 
 if __name__ == "__main__":

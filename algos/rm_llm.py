@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 
 from common import models as M
-from common.checkpoint import BestKeeper, load_weights, restore_checkpoint, save_checkpoint
 from common.cli import cli
 from common.data import Sampler, encode_prompt_response, load_preferences
 from common.distributed import (
@@ -45,7 +44,7 @@ from common.distributed import (
 from common.errors import seed_everything
 from common.ops import exact_div
 from common.rollout import position_ids_from_mask
-from common.run import StopSignal, Tracker, make_run_dir, peak_mem_gb, resolve_resume
+from common.run import Run, peak_mem_gb
 from common.tasks import default_preference_files
 
 
@@ -188,7 +187,7 @@ def main(args: Args):
     )
     seed_everything(args.seed)
     log = accelerator.print
-    ckpt = resolve_resume(args, Path(__file__).stem)  # --resume: checked before anything loads; None = fresh run
+    run = Run(accelerator, args, Path(__file__).stem)  # --resume: resolved and checked before anything loads
 
     M.check_context(args.model_name_or_path, args.max_length, "--max-length", args.trust_remote_code)
     tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
@@ -227,21 +226,9 @@ def main(args: Args):
     sched = get_scheduler(
         args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.total_steps
     )
-    best = BestKeeper(args.save_best)  # --save-best
     guard = UpdateGuard(accelerator)  # non-finite gradients: step skipped, never NaN weights
-    if ckpt:
-        load_weights(model, ckpt / "model")
+    run.load_weights(model=model)  # resumed: the checkpoint's weights
     model, opt, sched = accelerator.prepare(model, opt, sched)
-    # what a checkpoint holds, by name: save_checkpoint writes these keys and restore_checkpoint reads them
-    models, optimizers = {"model": model}, {"opt": ("model", opt)}
-    state = {"sched": sched, "sampler": sampler, "best": best, "guard": guard}
-    start_step = restore_checkpoint(accelerator, ckpt, models, state, optimizers) if ckpt else 0
-    if ckpt:
-        log(f"resumed from {ckpt} at step {start_step}")
-    run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
-    tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
-    stop = StopSignal(accelerator)
-    log(f"run folder: {run_dir}")
 
     @torch.no_grad()
     def score_pairs(pairs):
@@ -267,25 +254,15 @@ def main(args: Args):
             "eval/loss": bt_loss(chosen, rejected).mean().item(),
         }
 
-    if args.eval_every and start_step == 0:
-        tracker.log(0, evaluate())
-
-    def checkpoint(step, label=None):
-        save_checkpoint(
-            accelerator,
-            run_dir,
-            step,
-            models,
-            state,
-            args.keep_last,
-            tokenizer=tok,
-            args=args,
-            save_merged=args.save_merged,
-            label=label,
-            optimizers=optimizers,
-        )
-
-    for step in range(start_step + 1, args.total_steps + 1):
+    # what a checkpoint holds, by name (restored here when resuming); evaluation before the first step
+    run.begin(
+        tok,
+        models={"model": model},
+        optimizers={"opt": ("model", opt)},
+        state=dict(sched=sched, sampler=sampler, guard=guard),
+        evaluate=evaluate,
+    )
+    for step in run.steps():  # after each: checkpoints (periodic, final, on a signal), --max-wall-minutes
         t_step = time.time()
         # ------------------------------------------------------------------ 1. batch: this rank's slice of the pairs
         rank = accelerator.process_index
@@ -303,9 +280,7 @@ def main(args: Args):
         sched.step()
         opt.zero_grad()
         # ------------------------------------------------------------------ 3. log, evaluate, checkpoint
-        last = step == args.total_steps or stop.out_of_time(args.max_wall_minutes)  # --max-wall-minutes
-        evaluating = bool(args.eval_every and (step % args.eval_every == 0 or last))
-        if step % args.log_every == 0 or last or evaluating:  # an evaluation step is always logged
+        if run.logging(step):  # --log-every, and every evaluation step and the last
             chosen, rejected = (accelerator.gather(torch.cat(stats[k])) for k in ("chosen", "rejected"))
             metrics = {
                 "loss/rm": bt_loss(chosen, rejected).mean().item(),
@@ -315,20 +290,8 @@ def main(args: Args):
                 "perf/step_s": time.time() - t_step,
                 "perf/peak_mem_gb": peak_mem_gb(device),
             }
-            if evaluating:
-                metrics.update(evaluate())
             metrics["train/skipped_steps"] = guard.skipped
-            tracker.log(step, metrics)
-            if best.improved(metrics):
-                checkpoint(step, "best")
-        stopping = stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit
-        due = stop.save_due(args.save_every_minutes)
-        if (args.save_every and step % args.save_every == 0) or last or stopping or due:
-            checkpoint(step)
-        if stopping:
-            stop.exit(run_dir, step)
-        if last:
-            break
+            run.log(step, metrics)  # + evaluation when due, --save-best
 
     # ------------------------------------------------------------------ normalise and save the reward model
     chosen, rejected = score_pairs(train_pairs[: args.num_norm_samples])
@@ -347,10 +310,10 @@ def main(args: Args):
     unwrapped.config.reward_max_length = args.max_length  # the RL scorer truncates as training did
     if accelerator.is_main_process:
         with saved_by_one_process(unwrapped):  # under --tp-size: see common.distributed
-            unwrapped.save_pretrained(run_dir / "reward_model", state_dict=state_dict)
-        tok.save_pretrained(run_dir / "reward_model")
+            unwrapped.save_pretrained(run.dir / "reward_model", state_dict=state_dict)
+        tok.save_pretrained(run.dir / "reward_model")
         norm = ref * gain + bias
-        tracker.log(
+        run.tracker.log(
             args.total_steps,
             {
                 "rm/norm_gain": gain,
@@ -359,9 +322,8 @@ def main(args: Args):
                 "rm/norm_std": norm.std().item(),
             },
         )
-    tracker.close()
-    log(f"reward model: {run_dir / 'reward_model'} (gain {gain:.4g}, bias {bias:.4g})")
-    return run_dir
+    log(f"reward model: {run.dir / 'reward_model'} (gain {gain:.4g}, bias {bias:.4g})")
+    return run.end()
 
 
 if __name__ == "__main__":

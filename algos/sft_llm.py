@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` impo
 import torch
 
 from common import models as M
-from common.checkpoint import BestKeeper, load_weights, restore_checkpoint, save_checkpoint
 from common.cli import cli
 from common.data import Sampler, encode_prompt_response, load_prompts, load_sft
 from common.distributed import UpdateGuard, backward, configure_deepspeed, make_accelerator
@@ -36,7 +35,7 @@ from common.eval import evaluate_policy
 from common.ops import exact_div, global_mean_divisor, selective_log_softmax
 from common.parallel import sharded_logits
 from common.rewards import Reward
-from common.run import StopSignal, Tracker, make_run_dir, peak_mem_gb, resolve_resume
+from common.run import Run, peak_mem_gb
 from common.tasks import default_sft_files, default_task_files
 
 
@@ -183,7 +182,7 @@ def main(args: Args):
     )
     seed_everything(args.seed)
     log = accelerator.print
-    ckpt = resolve_resume(args, Path(__file__).stem)  # --resume: checked before anything loads; None = fresh run
+    run = Run(accelerator, args, Path(__file__).stem)  # --resume: resolved and checked before anything loads
 
     M.check_context(args.model_name_or_path, args.max_length, "--max-length", args.trust_remote_code)
     tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
@@ -228,21 +227,9 @@ def main(args: Args):
     sched = get_scheduler(
         args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.total_steps
     )
-    best = BestKeeper(args.save_best)  # --save-best
     guard = UpdateGuard(accelerator)  # non-finite gradients: step skipped, never NaN weights
-    if ckpt:
-        load_weights(model, ckpt / "policy")
+    run.load_weights(policy=model)  # resumed: the checkpoint's weights
     model, opt, sched = accelerator.prepare(model, opt, sched)
-    # what a checkpoint holds, by name: save_checkpoint writes these keys and restore_checkpoint reads them
-    models, optimizers = {"policy": model}, {"opt": ("policy", opt)}
-    state = {"sched": sched, "sampler": sampler, "best": best, "guard": guard}
-    start_step = restore_checkpoint(accelerator, ckpt, models, state, optimizers) if ckpt else 0
-    if ckpt:
-        log(f"resumed from {ckpt} at step {start_step}")
-    run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued
-    tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)
-    stop = StopSignal(accelerator)
-    log(f"run folder: {run_dir}")
 
     @torch.no_grad()
     def evaluate():
@@ -264,25 +251,15 @@ def main(args: Args):
             metrics.update(m)
         return metrics
 
-    if args.eval_every and start_step == 0:
-        tracker.log(0, evaluate())
-
-    def checkpoint(step, label=None):
-        save_checkpoint(
-            accelerator,
-            run_dir,
-            step,
-            models,
-            state,
-            args.keep_last,
-            tokenizer=tok,
-            args=args,
-            save_merged=args.save_merged,
-            label=label,
-            optimizers=optimizers,
-        )
-
-    for step in range(start_step + 1, args.total_steps + 1):
+    # what a checkpoint holds, by name (restored here when resuming); evaluation before the first step
+    run.begin(
+        tok,
+        models={"policy": model},
+        optimizers={"opt": ("policy", opt)},
+        state=dict(sched=sched, sampler=sampler, guard=guard),
+        evaluate=evaluate,
+    )
+    for step in run.steps():  # after each: checkpoints (periodic, final, on a signal), --max-wall-minutes
         t_step = time.time()
         # ------------------------------------------------------------------ 1. batch: this rank's slice of the examples
         rank = accelerator.process_index
@@ -305,9 +282,7 @@ def main(args: Args):
         sched.step()
         opt.zero_grad()
         # ------------------------------------------------------------------ 3. log, evaluate, checkpoint
-        last = step == args.total_steps or stop.out_of_time(args.max_wall_minutes)  # --max-wall-minutes
-        evaluating = bool(args.eval_every and (step % args.eval_every == 0 or last))
-        if step % args.log_every == 0 or last or evaluating:  # an evaluation step is always logged
+        if run.logging(step):  # --log-every, and every evaluation step and the last
             step_s = time.time() - t_step
             n_global = accelerator.reduce(n_local.clone(), "sum")
             metrics = {
@@ -319,24 +294,10 @@ def main(args: Args):
                 "perf/tokens_per_s": n_global.item() / step_s,
                 "perf/peak_mem_gb": peak_mem_gb(device),
             }
-            if evaluating:
-                metrics.update(evaluate())
             metrics["train/skipped_steps"] = guard.skipped
-            tracker.log(step, metrics)
-            if best.improved(metrics):
-                checkpoint(step, "best")
-        stopping = stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit
-        due = stop.save_due(args.save_every_minutes)
-        if (args.save_every and step % args.save_every == 0) or last or stopping or due:
-            checkpoint(step)
-        if stopping:
-            stop.exit(run_dir, step)
-        if last:
-            break
+            run.log(step, metrics)  # + evaluation when due, --save-best
 
-    tracker.close()
-    log(f"done: {run_dir}")
-    return run_dir
+    return run.end()
 
 
 if __name__ == "__main__":

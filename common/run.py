@@ -1,5 +1,5 @@
-"""Run plumbing shared by every script: config presets, seeding, the run folder, metrics and
-W&B tracking, checkpoints and exact resume.
+"""The run's life, shared by every script (`Run`, at the bottom): resume resolution and its flag guard, the
+run folder, metrics and W&B tracking, stop signals, checkpoint cadence, evaluation cadence; perf metrics.
 
 Run folder: runs/{algo}__{exp_name}__{seed}__{unix_time}/
     args.json        every Args field, world_size, distributed_type, git commit/dirty, library versions
@@ -23,8 +23,19 @@ from pathlib import Path
 
 import torch
 
-from common.checkpoint import json_args, list_checkpoints, remove_stale_temp_checkpoints, resolve_checkpoint, step_of
+from common.checkpoint import (
+    BestKeeper,
+    json_args,
+    list_checkpoints,
+    load_weights,
+    remove_stale_temp_checkpoints,
+    resolve_checkpoint,
+    restore_checkpoint,
+    save_checkpoint,
+    step_of,
+)
 from common.errors import user_error
+from common.health import HealthMonitor
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -439,3 +450,111 @@ def peak_mem_gb(device) -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux -> GiB
     except Exception:
         return math.nan
+
+
+class Run:
+    """The run's life, driven from a script in a few visible lines (the script still says what it saves):
+
+        run = Run(accelerator, args, "ppo_llm")    # --resume resolved and checked before anything loads
+        run.load_weights(policy=policy)             # resumed: the checkpoint's weights, before accelerator.prepare
+        start_step = run.begin(tok, models, optimizers, state, evaluate)  # restore, run folder, tracker, eval at 0
+        for step in run.steps():                    # to --total-steps, --max-wall-minutes, or SIGINT/SIGTERM
+            ...                                     # (after each step: periodic/timed/final/signal checkpoints)
+            if run.logging(step):                   # --log-every, evaluation steps, the last step
+                run.log(step, metrics, samples)     # + evaluation when due, health warnings, the best checkpoint
+        run.end()
+
+    `models` = {name: model} are saved as folders, `optimizers` = {key: (model name, optimizer)} and `state` =
+    {key: object with state_dict()} into trainer_state.pt; the run adds its own `best` (--save-best) and, when
+    Args has `health`, `health` (the training-health monitor). `evaluate()` returns metrics or (metrics, samples)."""
+
+    def __init__(self, accelerator, args, algo: str):
+        self.accelerator, self.args, self.algo, self.log_line = accelerator, args, algo, accelerator.print
+        self.ckpt = resolve_resume(args, algo)  # None: a fresh run
+        self.best = BestKeeper(args.save_best)
+        self.health = HealthMonitor(args.health, self.log_line) if hasattr(args, "health") else None
+        self.start_step, self._last, self.evaluate = 0, None, None
+
+    def load_weights(self, **models) -> None:
+        """Resumed: each model's weights from the checkpoint's folder of that name (before prepare)."""
+        for name, model in models.items():
+            if self.ckpt:
+                load_weights(model, self.ckpt / name)
+
+    def begin(self, tokenizer, models: dict, optimizers: dict, state: dict, evaluate=None) -> int:
+        """Restore the checkpoint's state (resumed), open the run folder (resumed: the same one, continued),
+        the tracker and the stop signals, evaluate before the first step (fresh runs). Returns the start step."""
+        acc, args = self.accelerator, self.args
+        state = {**state, "best": self.best, **({"health": self.health} if self.health else {})}
+        self.tokenizer, self.models, self.optimizers, self.state, self.evaluate = (
+            tokenizer, models, optimizers, state, evaluate
+        )  # fmt: skip
+        if self.ckpt:
+            self.start_step = restore_checkpoint(acc, self.ckpt, models, state, optimizers)
+            self.log_line(f"resumed from {self.ckpt} at step {self.start_step}")
+        self.dir = make_run_dir(acc, self.algo, args, self.ckpt)
+        self.tracker = Tracker(acc, args, self.dir, args.total_steps, self.start_step)
+        self.stop = StopSignal(acc)  # --max-wall-minutes counts from here
+        self.log_line(f"run folder: {self.dir}")
+        if evaluate and args.eval_every and self.start_step == 0:
+            self.log(0, {})
+        return self.start_step
+
+    def steps(self):
+        """start_step + 1 .. --total-steps; after each: a checkpoint when --save-every, --save-every-minutes,
+        the last step or a signal asks for one; a signal then exits (non-zero, with the resume command)."""
+        args = self.args
+        for step in range(self.start_step + 1, args.total_steps + 1):
+            self._last = None
+            yield step
+            last = self.last(step)
+            stopping = self.stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit
+            due = self.stop.save_due(args.save_every_minutes)
+            if (args.save_every and step % args.save_every == 0) or last or stopping or due:
+                self.checkpoint(step)
+            if stopping:
+                self.stop.exit(self.dir, step)
+            if last:
+                break
+
+    def last(self, step: int) -> bool:
+        """--total-steps reached, or --max-wall-minutes passed (decided once per step, alike on every rank)."""
+        if self._last is None:
+            self._last = step == self.args.total_steps or self.stop.out_of_time(self.args.max_wall_minutes)
+        return self._last
+
+    def evaluating(self, step: int) -> bool:
+        every = self.args.eval_every
+        return bool(self.evaluate and every and (step == 0 or step % every == 0 or self.last(step)))
+
+    def logging(self, step: int) -> bool:
+        """Metrics are due: every --log-every steps, and always at an evaluation and the last step."""
+        return step % self.args.log_every == 0 or self.last(step) or self.evaluating(step)
+
+    def log(self, step: int, metrics: dict, samples: list[dict] = ()) -> None:
+        """One metrics row (evaluated first when due; health warnings added), the best checkpoint when
+        --save-best improved, and up to --num-samples-logged samples (eval ones tagged split=eval)."""
+        n = getattr(self.args, "num_samples_logged", 4)
+        if self.evaluating(step):
+            out = self.evaluate()
+            eval_metrics, eval_samples = out if isinstance(out, tuple) else (out, [])
+            metrics = {**metrics, **eval_metrics}
+            self.tracker.samples(step, [{**s, "split": "eval"} for s in eval_samples[:n]])
+        if self.health is not None:
+            metrics = {**metrics, **self.health.check(metrics)}
+        self.tracker.log(step, metrics)
+        if step > 0 and self.best.improved(metrics):
+            self.checkpoint(step, "best")
+        self.tracker.samples(step, list(samples)[:n])
+
+    def checkpoint(self, step: int, label: str | None = None) -> None:
+        args = self.args
+        save_checkpoint(
+            self.accelerator, self.dir, step, self.models, self.state, args.keep_last, tokenizer=self.tokenizer,
+            args=args, save_merged=args.save_merged, label=label, optimizers=self.optimizers,
+        )  # fmt: skip
+
+    def end(self) -> Path:
+        self.tracker.close()
+        self.log_line(f"done: {self.dir}")
+        return self.dir

@@ -13,17 +13,14 @@ from conftest import REPO
 SCRIPTS = sorted((REPO / "algos").glob("*.py"))
 # functions that share a name but differ on purpose: what each script evaluates is its own
 DIFFER_ON_PURPOSE = {"Args", "main", "main.evaluate"}
-# lines every script has, word for word (the resume, run-folder and logging boilerplate)
+# lines every script has, word for word (how each drives the run's life: common.run.Run)
 EVERY_SCRIPT = [
-    "start_step = restore_checkpoint(accelerator, ckpt, models, state, optimizers) if ckpt else 0",
-    'log(f"resumed from {ckpt} at step {start_step}")',
-    "run_dir = make_run_dir(accelerator, Path(__file__).stem, args, ckpt)  # resumed: the same folder, continued",
-    "tracker = Tracker(accelerator, args, run_dir, args.total_steps, start_step)",
-    "stop = StopSignal(accelerator)",
-    "last = step == args.total_steps or stop.out_of_time(args.max_wall_minutes)  # --max-wall-minutes",
-    "if step % args.log_every == 0 or last or evaluating:  # an evaluation step is always logged",
-    "if (args.save_every and step % args.save_every == 0) or last or stopping or due:",
-    "stopping = stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit",
+    "run = Run(accelerator, args, Path(__file__).stem)  # --resume: resolved and checked before anything loads",
+    "guard = UpdateGuard(accelerator)  # non-finite gradients: step skipped, never NaN weights",
+    "# what a checkpoint holds, by name (restored here when resuming); evaluation before the first step",
+    "for step in run.steps():  # after each: checkpoints (periodic, final, on a signal), --max-wall-minutes",
+    "if run.logging(step):  # --log-every, and every evaluation step and the last",
+    "return run.end()",
 ]
 
 
@@ -49,7 +46,7 @@ def test_copied_code_stays_identical():
         for name, src in definitions(path).items():
             by_name[name][path.name] = src
     shared = {n: d for n, d in by_name.items() if len(d) > 1 and n not in DIFFER_ON_PURPOSE}
-    assert {"KLController", "policy_loss", "value_loss", "main.checkpoint"} <= set(shared)
+    assert {"KLController", "policy_loss", "value_loss"} <= set(shared)
     drifted = {n: sorted(d) for n, d in shared.items() if len(set(d.values())) > 1}
     assert not drifted, f"copies that drifted apart: {drifted}"
 
