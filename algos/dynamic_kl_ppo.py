@@ -30,6 +30,8 @@ log pi - log pi_ref per sequence, averaged over the batch: a per-token number, s
         --mini-batch-size 2 --micro-batch-size 2 --max-new-tokens 8                    # then 2 iterations
 
 Legend: B rollouts per rank, P prompt length (left-padded), T response length, V vocabulary.
+        b, t: rows of one micro-batch and its longest response (a micro-batch runs at its own lengths);
+        prefixes mb_ (a minibatch: one optimizer step), micro (a micro-batch: one forward/backward).
 """
 
 import sys
@@ -260,8 +262,7 @@ class Args:
     critic_warmup_steps: int = 0
     """first N iterations train only the critic"""
     values_from_update: bool = True
-    """with one critic step per batch (--update-epochs 1, --mini-batch-size = --batch-size): V_old is the critic's
-    update forward itself (no separate values forward; the same values); --no-values-from-update: a no-grad pass"""
+    """no effect (kept so earlier commands and presets parse): V_old is always the no-grad values pass of phase 2"""
     policy_kl_target: float = 0.1
     """target of KL(pi_old || pi_theta) after each iteration's update (token mean); beta adapts toward it"""
     beta_init: float = 0.5
@@ -487,17 +488,12 @@ def main(args: Args):
         all_micros = micro_batches(
             list(range(len(rows))), query_mask, mask, args.micro_batch_size, micro_batch_tokens, accelerator
         )
-        # one critic step per batch (one epoch, one minibatch): the values before the update are those of the
-        # critic's update forward itself, so they come from it (one forward less), and advantages after it
-        values_from_update = (
-            args.values_from_update and args.update_epochs == 1 and args.mini_batch_size == args.batch_size
-        )
         with torch.no_grad(), accelerator.autocast():  # one region: bf16 weight copies cast once, not per micro-batch
             by_micro = lambda fn, c=None: forward_by_micro_batch(fn, all_micros, query_responses, attn, P, T, c) * mask
             pi_old = lambda qr, am, p, **cache: forward_logprobs(policy, qr, am, p, args.temperature, **cache)
             logprobs = by_micro(pi_old, rollout.prompt_cache)  # (B, T) responses over the rollout's prompt KV cache
             rollout.prompt_cache = None  # its memory back before the update
-            values = torch.zeros_like(mask) if values_from_update else by_micro(lambda *a: forward_values(critic, *a))
+            values = by_micro(lambda *a: forward_values(critic, *a))  # (B, T) V_old
             ref_logprobs = by_micro(ref_logprobs_of) if use_ref else logprobs
         # pi_old is the trainer's recomputed log-probs; the sampler's (KV cache, maybe another precision
         # or engine) can differ: the gap is a metric, and --tis-cap corrects for it
@@ -513,11 +509,9 @@ def main(args: Args):
         # ------------------------------------------------------------------ 3. advantages
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False, distributed=True) * mask  # global batch stats
-        whiten = lambda a: masked_whiten(a, mask, distributed=True) * mask if args.whiten_advantages else a  # global
-        advantages, returns = torch.zeros_like(mask), torch.zeros_like(mask)  # (B, T) each
-        if not values_from_update:
-            advantages, returns = gae(rewards, values, mask, args.gamma, args.lam)
-            advantages = whiten(advantages)
+        advantages, returns = gae(rewards, values, mask, args.gamma, args.lam)  # (B, T) each
+        if args.whiten_advantages:
+            advantages = masked_whiten(advantages, mask, distributed=True) * mask  # global batch stats
 
         # ------------------------------------------------------------------ 4. update
         t_train = time.time()
@@ -541,11 +535,6 @@ def main(args: Args):
                     # this micro-batch's rows at its own lengths: its longest prompt (m.p) and response (t)
                     micro, t, cut = m.ids, m.t, slice(P - m.p, P + m.t)
                     new_values = forward_values(critic, query_responses[micro, cut], attn[micro, cut], m.p)  # (b, t)
-                    if values_from_update:  # V_old is this forward; a row's GAE needs only its own values
-                        values[micro, :t] = new_values.detach() * mask[micro, :t]
-                        advantages[micro, :t], returns[micro, :t] = gae(
-                            rewards[micro, :t], values[micro, :t], mask[micro, :t], args.gamma, args.lam
-                        )
                     vf = value_loss(
                         new_values,
                         values[micro, :t],
@@ -556,8 +545,6 @@ def main(args: Args):
                     )
                     backward(accelerator, critic, args.vf_coef * vf, k == len(micros) - 1)
                     stats["vf"].append(vf.detach())
-                if values_from_update:
-                    advantages = whiten(advantages)  # over the whole batch, as without values_from_update
                 for k, m in enumerate(micros):
                     # this micro-batch's rows at its own lengths: its longest prompt (m.p) and response (t)
                     micro, t, cut = m.ids, m.t, slice(P - m.p, P + m.t)

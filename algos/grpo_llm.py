@@ -19,6 +19,8 @@ or sequence-level averaging (the `--loss-agg` flag), which is where most variant
     accelerate launch --multi_gpu --num_processes 2 algos/grpo_llm.py                 # 2 processes
 
 Legend: N prompts per rank, G samples per prompt, B = N*G sequences, P prompt length, T response length.
+        b, t: rows of one micro-batch and its longest response (a micro-batch runs at its own lengths);
+        prefixes mb_ (a minibatch: one optimizer step), micro (a micro-batch: one forward/backward).
 """
 
 import sys
@@ -489,23 +491,23 @@ def main(args: Args):
         t_step = time.time()
         # ------------------------------------------------------------------ 1. rollout (+ dynamic sampling)
         t_gen = time.time()
-        b = sample_groups(step, 0)
+        batch = sample_groups(step, 0)
         rounds = n_filled = 0
         if args.dynamic_sampling:  # DAPO: keep groups whose rewards differ; all ranks run the same rounds
-            parts = [b]
+            parts = [batch]
             while rounds < args.max_resample_rounds:
                 have = sum(int((p["scores"].view(-1, G).std(1) > 0).sum()) for p in parts)
                 if accelerator.gather(torch.tensor([args.local_num_prompts - have], device=device)).max().item() <= 0:
                     break
                 rounds += 1
                 parts.append(sample_groups(step, rounds))
-            b, n_filled = take_informative_groups(parts, G, args.local_num_prompts, tok.pad_token_id)
+            batch, n_filled = take_informative_groups(parts, G, args.local_num_prompts, tok.pad_token_id)
         gen_s = time.time() - t_gen
-        rows, texts, scores, truncated = b["rows"], b["texts"], b["scores"], b["truncated"]  # B = N*G
-        mask = b["mask"]  # (B, T)
-        P, T = b["queries"].shape[1], b["responses"].shape[1]
-        query_responses = torch.cat([b["queries"], b["responses"]], 1)  # (B, P+T)
-        attn = sequence_attention_mask(b["query_mask"], T)  # (B, P+T)
+        rows, texts, scores, truncated = batch["rows"], batch["texts"], batch["scores"], batch["truncated"]  # B = N*G
+        mask = batch["mask"]  # (B, T)
+        P, T = batch["queries"].shape[1], batch["responses"].shape[1]
+        query_responses = torch.cat([batch["queries"], batch["responses"]], 1)  # (B, P+T)
+        attn = sequence_attention_mask(batch["query_mask"], T)  # (B, P+T)
         lengths = mask.sum(1)  # (B,)
 
         # ------------------------------------------------------------------ 2. reward shaping and advantages
@@ -514,11 +516,11 @@ def main(args: Args):
         loss_mask = mask * (~truncated).float()[:, None] if args.mask_truncated else mask  # (B, T)
         # micro-batches of the no-grad forwards: --micro-batch-size rows, or by --micro-batch-tokens
         all_micros = micro_batches(
-            list(range(len(rows))), b["query_mask"], mask, args.micro_batch_size, micro_batch_tokens, accelerator
+            list(range(len(rows))), batch["query_mask"], mask, args.micro_batch_size, micro_batch_tokens, accelerator
         )
         with torch.no_grad(), accelerator.autocast():  # one region: bf16 weight copies cast once, not per micro-batch
             if args.old_logprobs_from == "sampler":
-                old_logprobs = b["logprobs"]  # on-policy, same numerics: the sampler's log-probs, no extra forward
+                old_logprobs = batch["logprobs"]  # on-policy, same numerics: the sampler's log-probs, no extra forward
             elif args.old_logprobs_from == "current":
                 old_logprobs = torch.zeros_like(mask)  # (B, T) filled by the update's forward below
             else:
@@ -539,11 +541,11 @@ def main(args: Args):
 
         # sampler-vs-trainer gap of pi_old (mean |delta| per token); with the sampler and current paths it
         # is measured on the first minibatch's forward below, before any optimizer step
-        diff_sum, diff_n = ((old_logprobs - b["logprobs"]).abs() * mask).sum(), mask.sum()
+        diff_sum, diff_n = ((old_logprobs - batch["logprobs"]).abs() * mask).sum(), mask.sum()
         if args.old_logprobs_from != "trainer":
             diff_sum, diff_n = torch.zeros_like(diff_sum), torch.zeros_like(diff_n)
         tis_weights = (
-            torch.exp(old_logprobs - b["logprobs"]).clamp(max=args.tis_cap) * mask if args.tis_cap > 0 else None
+            torch.exp(old_logprobs - batch["logprobs"]).clamp(max=args.tis_cap) * mask if args.tis_cap > 0 else None
         )  # (B, T)
 
         # ------------------------------------------------------------------ 3. update
@@ -560,9 +562,9 @@ def main(args: Args):
                 # token-mean is over all ranks' tokens (each rank holds len(mb) sequences: n_seqs needs no reduce)
                 n_tokens, n_seqs = global_mean_divisor(loss_mask[mb].sum()), len(mb)
                 micros = micro_batches(
-                    mb, b["query_mask"], mask, args.micro_batch_size, micro_batch_tokens, accelerator
+                    mb, batch["query_mask"], mask, args.micro_batch_size, micro_batch_tokens, accelerator
                 )
-                padded, real = padding_fraction(micros, b["query_mask"], mask)
+                padded, real = padding_fraction(micros, batch["query_mask"], mask)
                 padded_tokens, real_tokens = padded_tokens + padded, real_tokens + real
                 for k, m in enumerate(micros):
                     # this micro-batch's rows at its own lengths: its longest prompt (p) and response (t)
@@ -587,7 +589,7 @@ def main(args: Args):
                     if tis_weights is not None:
                         token_loss = token_loss * tis_weights[micro, :t]
                     if args.old_logprobs_from != "trainer" and it == 0 and mb_start == 0:  # weights not yet stepped
-                        diff = (new_logprobs.detach() - b["logprobs"][micro, :t]).abs() * mask[micro, :t]
+                        diff = (new_logprobs.detach() - batch["logprobs"][micro, :t]).abs() * mask[micro, :t]
                         diff_sum, diff_n = diff_sum + diff.sum(), diff_n + mask[micro, :t].sum()
                     kl = (
                         kl_estimate(new_logprobs, ref_logprobs[micro, :t], args.kl_estimator)
@@ -646,11 +648,11 @@ def main(args: Args):
                 "perf/mfu": mfu(policy, n_fwd * real_tokens / args.update_epochs, real_tokens, step_s, accelerator),
                 "train/episodes": step * args.num_prompts * G,
             }
-            solved = accelerator.gather(b["solved"]).view(-1, G)  # (all prompts, G) exact-match
+            solved = accelerator.gather(batch["solved"]).view(-1, G)  # (all prompts, G) exact-match
             metrics["train/solve_all"] = (solved.min(1).values == 1).float().mean().item()
             metrics["train/solve_none"] = (solved.max(1).values == 0).float().mean().item()
-            for key in [k for k in b if k.startswith("reward/")]:
-                metrics[key] = accelerator.gather(b[key]).mean().item()
+            for key in [k for k in batch if k.startswith("reward/")]:
+                metrics[key] = accelerator.gather(batch[key]).mean().item()
             sources = sorted({x.data_source for x in rows})
             for src in sources if len(sources) > 1 else []:  # several tasks mixed: reward per data_source
                 sel = torch.tensor([x.data_source == src for x in rows], device=device)
