@@ -160,6 +160,8 @@ POSITIVE = (
     "samples",
     "train_size",
     "test_size",
+    "vllm_kv_cache_gb",
+    "vllm_tensor_parallel_size",
 )
 NON_NEGATIVE = (
     "save_every",
@@ -199,6 +201,14 @@ def check_args(args) -> None:
     def flag(name):
         return "--" + name.replace("_", "-")
 
+    # a float flag is a number a run computes with: nan or inf (a preset's `.inf`) would reach the weights
+    for owner, prefix in [(args, "")] + [
+        (v, f"{f.name}.") for f in dataclasses.fields(args) if dataclasses.is_dataclass(v := getattr(args, f.name))
+    ]:
+        for f in dataclasses.fields(owner):
+            v = getattr(owner, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise UserError(f"{flag(prefix + f.name)} {v}: must be a finite number")
     for name in POSITIVE:
         v = getattr(args, name, None)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and not v > 0:
@@ -207,6 +217,21 @@ def check_args(args) -> None:
         v = getattr(args, name, None)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and not v >= 0:
             raise UserError(f"{flag(name)} {v}: must be >= 0")
+    out = getattr(args, "output_dir", None)
+    if out is not None:
+        p = Path(out)
+        if p.is_symlink() and not p.exists():
+            raise UserError(f"--output-dir {out}: a symlink to nothing ({os.readlink(p)}); point it at a folder")
+        if p.exists() and not p.is_dir():
+            raise UserError(f"--output-dir {out}: a file, not a folder")
+        existing = next((q for q in [p, *p.parents] if q.exists()), None)
+        if existing is not None and existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+            raise UserError(f"--output-dir {out}: {existing} cannot be written (permissions)")
+    if not 0 < getattr(args, "vllm_gpu_memory_utilization", 0.5) <= 1:
+        raise UserError(
+            f"--vllm-gpu-memory-utilization {args.vllm_gpu_memory_utilization}: must be in (0, 1] (a share of "
+            "the GPU's memory)"
+        )
     greedy_at_zero = any(
         f.name == "temperature" and f.default == 0 for f in dataclasses.fields(args)
     )  # evaluate: 0 = greedy
@@ -266,10 +291,15 @@ def _preset_flags(cls, cfg: dict, path: str, prefix: str = "") -> list[str]:
         for meta in getattr(hints.get(name), "__metadata__", ())
         for alias in getattr(meta, "aliases", None) or ()
     }
-    flags = []
+    flags, seen = [], {}
     for key, value in cfg.items():
         name = str(key).replace("-", "_")
         name = aliases.get(name, name)
+        if name in seen:  # YAML keeps the last of two keys for one field without a word: say it
+            user_error(
+                f"--config {path}: keys {prefix + seen[name]!r} and {prefix + str(key)!r} set the same field; keep one"
+            )
+        seen[name] = str(key)
         if name not in fields:
             valid = ", ".join(sorted(fields))
             user_error(f"--config {path}: unknown key {prefix + str(key)!r}; valid keys: {valid}")

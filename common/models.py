@@ -332,8 +332,8 @@ def _quantization_config(load_in_4bit: bool):
     if not load_in_4bit:
         return None
     if not torch.cuda.is_available():
-        raise RuntimeError(
-            "QLoRA (--load-in-4bit) needs a CUDA GPU for bitsandbytes 4-bit weights; this machine has none. "
+        raise UserError(
+            "--load-in-4bit: QLoRA needs a CUDA GPU for bitsandbytes 4-bit weights; this machine has none. "
             "Use plain LoRA (--lora-r 16 without --load-in-4bit) on CPU."
         )
     from transformers import BitsAndBytesConfig

@@ -166,7 +166,10 @@ def load_reward_fn(spec: str):
         raise UserError(f"--reward-fn {spec!r}: file {path} not found")
     mod_spec = importlib.util.spec_from_file_location(f"_user_reward_{Path(path).stem}", path)
     module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
+    try:
+        mod_spec.loader.exec_module(module)
+    except Exception as e:  # the user's file: its own error, one line, naming the file
+        raise UserError(f"--reward-fn {spec!r}: {path} failed to import: {type(e).__name__}: {e}") from e
     if not callable(getattr(module, name, None)):
         raise UserError(f"--reward-fn {spec!r}: {path} has no function {name!r}")
     return getattr(module, name)

@@ -34,7 +34,7 @@ from common.checkpoint import (
     save_checkpoint,
     step_of,
 )
-from common.errors import user_error
+from common.errors import UserError, user_error
 from common.health import HealthMonitor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -190,7 +190,7 @@ def resolve_resume(args, algo: str) -> Path | None:
         )
     recorded = run_dir / "args.json"
     if recorded.exists():
-        before = json.loads(recorded.read_text())
+        before = read_args_json(recorded)
         now = json_args(args)
         changed = {
             k: (before[k], v) for k, v in now.items() if k in before and before[k] != v and k not in RESUME_MAY_CHANGE
@@ -203,6 +203,16 @@ def resolve_resume(args, algo: str) -> Path | None:
                 f"{ckpt}/<model> with --model-name-or-path"
             )
     return ckpt
+
+
+def read_args_json(path: Path) -> dict:
+    try:
+        record = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        user_error(f"{path}: damaged ({type(e).__name__}: {e}); the flags of the run being resumed cannot be checked")
+    if not isinstance(record, dict):
+        user_error(f"{path}: damaged (not a JSON object); the flags of the run being resumed cannot be checked")
+    return record
 
 
 def make_run_dir(accelerator, algo: str, args, resume_from: Path | None = None) -> Path:
@@ -220,8 +230,8 @@ def make_run_dir(accelerator, algo: str, args, resume_from: Path | None = None) 
             if stale:
                 accelerator.print(f"[cleanrlhf] removed half-written checkpoint folders from a crash: {stale}")
             for name in ("metrics.jsonl", "samples.jsonl"):
-                _drop_rows_after(run_dir / name, step)
-            record = json.loads((run_dir / "args.json").read_text()) if (run_dir / "args.json").exists() else {}
+                _drop_rows_after(run_dir / name, step, accelerator.print)
+            record = read_args_json(run_dir / "args.json") if (run_dir / "args.json").exists() else {}
             now = json_args(args)
             changed = {k: [record.get(k), v] for k, v in now.items() if record.get(k) != v and k != "resume"}
             resumes = record.get("resumes", []) + [
@@ -279,12 +289,27 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _drop_rows_after(path: Path, step: int) -> None:
-    """Keep the JSON-lines rows of `path` whose step is <= `step` (in place, atomically)."""
+def json_rows(path: Path, warn=None) -> list[dict]:
+    """The rows of a JSON-lines file (metrics.jsonl, samples.jsonl). A line that does not parse (a crash in the
+    middle of a write tears the last one) is skipped, with `warn(message)` naming the file and line."""
+    rows = []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if warn:
+                warn(f"[cleanrlhf] {path} line {i}: not a complete JSON row (a write cut short by a crash?); skipped")
+    return rows
+
+
+def _drop_rows_after(path: Path, step: int, warn=None) -> None:
+    """Keep the JSON-lines rows of `path` whose step is <= `step` (in place, atomically); torn lines go."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
-    _write_atomic(path, "".join(line + "\n" for line in keep))
+    keep = [r for r in json_rows(path, warn) if r.get("step", 0) <= step]
+    _write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 class Tracker:
@@ -473,7 +498,7 @@ class Run:
         self.ckpt = resolve_resume(args, algo)  # None: a fresh run
         self.best = BestKeeper(args.save_best)
         self.health = HealthMonitor(args.health, self.log_line) if hasattr(args, "health") else None
-        self.start_step, self._last, self.evaluate = 0, None, None
+        self.start_step, self._last, self.evaluate, self._warned_best = 0, None, None, False
 
     def load_weights(self, **models) -> None:
         """Resumed: each model's weights from the checkpoint's folder of that name (before prepare)."""
@@ -489,6 +514,9 @@ class Run:
         self.tokenizer, self.models, self.optimizers, self.state, self.evaluate = (
             tokenizer, models, optimizers, state, evaluate
         )  # fmt: skip
+        if args.save_best and args.save_best.startswith("eval/") and not (evaluate and args.eval_every):
+            why = "--eval-every 0" if not args.eval_every else "no validation data"
+            raise UserError(f"--save-best {args.save_best}: this run never evaluates ({why}), so it would never save")
         if self.ckpt:
             self.start_step = restore_checkpoint(acc, self.ckpt, models, state, optimizers)
             self.log_line(f"resumed from {self.ckpt} at step {self.start_step}")
@@ -543,6 +571,13 @@ class Run:
         if self.health is not None:
             metrics = {**metrics, **self.health.check(metrics)}
         self.tracker.log(step, metrics)
+        wanted = self.args.save_best
+        if wanted and wanted not in metrics and step > 0 and (self.evaluating(step) or not wanted.startswith("eval/")):
+            if not self._warned_best:  # once: an unknown metric name would otherwise never save, silently
+                self.log_line(
+                    f"[cleanrlhf] --save-best {wanted}: not a metric of this run ({', '.join(sorted(metrics))})"
+                )
+            self._warned_best = True
         if step > 0 and self.best.improved(metrics):
             self.checkpoint(step, "best")
         self.tracker.samples(step, list(samples)[:n])

@@ -88,6 +88,16 @@ CASES = [
     ("grpo_llm.py", ["--train-files", "{unknown_source}"], "unknown data_source ['nobody/knows']"),
     ("sft_llm.py", ["--train-files", "{null_response}"], "row 1 column 'response'"),
     ("dpo_llm.py", ["--train-files", "{no_rejected}"], "column(s) ['rejected'] missing"),
+    # issue 38: non-finite numbers, the vLLM engine's ranges, QLoRA without CUDA, a reward file that fails to
+    # import, --save-best that could never save
+    ("ppo_llm.py", ["--learning-rate", "inf"], "--learning-rate inf: must be a finite number"),
+    ("grpo_llm.py", ["--health.kl-max", "nan"], "--health.kl-max nan: must be a finite number"),
+    ("sft_llm.py", ["--max-grad-norm", "-inf"], "--max-grad-norm -inf: must be a finite number"),
+    ("ppo_llm.py", ["--vllm-gpu-memory-utilization", "1.5"], "--vllm-gpu-memory-utilization 1.5: must be in (0, 1]"),
+    ("grpo_llm.py", ["--vllm-kv-cache-gb", "-5"], "--vllm-kv-cache-gb -5.0: must be > 0"),
+    ("grpo_llm.py", ["--reward-fn", "{bad_import}"], "failed to import: ModuleNotFoundError"),
+    ("ppo_llm.py", ["--save-best", "eval/accuracy", "--eval-every", "0"], "never evaluates (--eval-every 0)"),
+    ("sft_llm.py", ["--save-best", "eval/loss", "--eval-every", "0"], "never evaluates (--eval-every 0)"),
     ("rm_llm.py", ["--train-files", "{bad_messages}"], "expected a string or a list of {role, content} messages"),
 ]
 
@@ -118,8 +128,13 @@ def make_bad_files(d):
             "null_response.jsonl", [{"prompt": "q", "response": "a"}, {"prompt": "q", "response": None}]
         ),
         "no_rejected": jsonl("no_rejected.jsonl", [{"prompt": "q", "chosen": "a"}]),
+        "bad_import": (d / "rw_import.py").write_text("import not_a_module_anywhere\n") and f"{d}/rw_import.py:f",
         "bad_messages": jsonl("bad_messages.jsonl", [{"prompt": {"text": "q"}, "chosen": "a", "rejected": "b"}]),
     }
+
+
+if not __import__("torch").cuda.is_available():  # the refusal of a machine without CUDA
+    CASES.append(("sft_llm.py", ["--load-in-4bit", "--lora-r", "4"], "--load-in-4bit: QLoRA needs a CUDA GPU"))
 
 
 @pytest.mark.parametrize("script,flags,fragment", CASES, ids=[f"{c[0]}:{' '.join(c[1])[:40]}" for c in CASES])
@@ -490,3 +505,76 @@ def test_rollout_engine_vllm_without_vllm_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
     with pytest.raises(UserError, match="requirements-vllm.txt.*pip install vllm"):
         require_vllm()
+
+
+def test_output_dir_that_is_a_dangling_symlink_or_a_file(tiny, tmp_path, monkeypatch, capsys):
+    """--output-dir is checked before anything loads: a symlink to nothing, or a file, is one line and exit 2."""
+    import importlib
+
+    from common.cli import cli
+
+    sys.path.insert(0, str(REPO / "algos"))
+    module = importlib.import_module("grpo_llm")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    (tmp_path / "a_file").write_text("x")
+    for out, fragment in (("dangling", "a symlink to nothing"), ("a_file", "a file, not a folder")):
+        monkeypatch.setattr(
+            sys, "argv", ["grpo_llm.py", "--model-name-or-path", tiny, "--output-dir", str(tmp_path / out)]
+        )
+        with pytest.raises(SystemExit) as exit_info:
+            cli(module.main, module.Args)
+        err = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
+        assert exit_info.value.code == 2 and len(err) == 1 and fragment in err[0], err
+    assert not (tmp_path / "gone").exists() and (tmp_path / "a_file").read_text() == "x"
+
+
+def test_a_preset_with_a_name_and_its_alias_for_one_field_is_refused(tmp_path, capsys):
+    """YAML keeps the last of two keys for one field without a word; the preset is refused, naming both."""
+    from common.cli import parse_args
+
+    sys.path.insert(0, str(REPO / "algos"))
+    import grpo_llm
+
+    preset = tmp_path / "p.yaml"
+    preset.write_text("group_size: 4\nnum_generations: 8\n")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(grpo_llm.Args, ["--config", str(preset)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "'group_size' and 'num_generations' set the same field" in err, err
+
+
+def test_a_torn_metrics_line_is_skipped_by_compare_and_dropped_on_resume(tmp_path, capsys):
+    """A crash mid-write tears the last line of metrics.jsonl: tools.compare skips it with a warning, and the
+    resume's clean-up (rows after the checkpoint's step) drops it instead of dying on it."""
+    from common.run import _drop_rows_after
+    from tools.compare import load_run
+
+    run = tmp_path / "ppo_llm__x__1__1"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(
+        '{"step": 1, "train/reward": 0.5}\n{"step": 2, "train/reward": 0.7}\n{"step": 3, "tr'
+    )
+    assert [r["step"] for r in load_run(run)["rows"]] == [1, 2]
+    assert "line 3: not a complete JSON row" in capsys.readouterr().err
+    _drop_rows_after(run / "metrics.jsonl", 2, warn=print)
+    assert (run / "metrics.jsonl").read_text().splitlines() == [
+        '{"step": 1, "train/reward": 0.5}',
+        '{"step": 2, "train/reward": 0.7}',
+    ]
+
+
+def test_a_damaged_args_json_on_resume_is_one_line(tmp_path, capsys):
+    """--resume of a run whose args.json was cut short: one line naming the file, exit 2 (was a JSONDecodeError)."""
+    import types
+
+    from common.run import resolve_resume
+
+    run = tmp_path / "ppo_llm__x__1__1"
+    (run / "checkpoints" / "step_1").mkdir(parents=True)
+    (run / "checkpoints" / "step_1" / "trainer_state.pt").write_bytes(b"")
+    (run / "args.json").write_text('{"seed": 1, "learning_ra')
+    args = types.SimpleNamespace(resume=str(run), output_dir=str(tmp_path), exp_name="x", seed=1, total_steps=5)
+    with pytest.raises(SystemExit) as exit_info:
+        resolve_resume(args, "ppo_llm")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "args.json: damaged" in err and len(err.strip().splitlines()) == 1, err

@@ -76,7 +76,9 @@ def test_gradient_checkpointing_switch(tiny):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error message")
 def test_qlora_on_cpu_is_a_clear_error(tiny):
-    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+    from common.errors import UserError
+
+    with pytest.raises(UserError, match="needs a CUDA GPU"):
         M.load_causal_lm(tiny, None, lora_r=4, load_in_4bit=True)
 
 

@@ -242,3 +242,28 @@ def test_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatc
     assert names == ["step_1"]  # no half checkpoint, no temp folder left behind
     (tmp_path / "checkpoints" / ".step_3.tmp-abc").mkdir()  # what a SIGKILL mid-save leaves
     assert C.remove_stale_temp_checkpoints(tmp_path) == [".step_3.tmp-abc"]
+
+
+def test_save_best_with_a_metric_the_run_never_logs_says_so_once():
+    """--save-best with a name that is not a metric of the run would never save: a warning, once (issue 38)."""
+    import types
+
+    lines, logged = [], []
+    run = R.Run.__new__(R.Run)
+    run.args = types.SimpleNamespace(save_best="eval/acuracy", eval_every=1, log_every=1, total_steps=9)
+    run.log_line, run.health, run.best, run.evaluate, run._last, run._warned_best = (
+        lines.append,
+        None,
+        C.BestKeeper("eval/acuracy"),
+        lambda: {"eval/accuracy": 0.5},
+        False,
+        False,
+    )
+    run.tracker = types.SimpleNamespace(log=lambda step, m: logged.append(m), samples=lambda step, rows: None)
+    for step in (1, 2):
+        run._last = None
+        run.stop = types.SimpleNamespace(out_of_time=lambda minutes: False)
+        run.args.max_wall_minutes = 0
+        run.log(step, {"train/reward": 1.0})
+    assert len(lines) == 1 and "--save-best eval/acuracy: not a metric of this run" in lines[0], lines
+    assert "eval/accuracy" in lines[0] and logged[0]["eval/accuracy"] == 0.5

@@ -11,6 +11,7 @@ number of steps, and the wall-clock seconds. Works on run folders of any algos/ 
 from __future__ import annotations
 
 import json
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ import numpy as np
 import tyro
 
 from common.errors import UserError
+from common.run import json_rows
 
 DEFAULT_METRICS = ["train/reward", "train/kl", "train/entropy", "train/response_len", "eval/accuracy", "loss/policy"]
 LOWER_IS_BETTER = ("loss/", "train/kl", "perf/step_s")
@@ -29,7 +31,7 @@ def load_run(run_dir: str | Path) -> dict:
     f = run_dir / "metrics.jsonl"
     if not f.exists():
         raise UserError(f"{run_dir}: no metrics.jsonl (is this a run folder?)")
-    rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    rows = json_rows(f, warn=lambda message: print(message, file=sys.stderr))  # a torn last line: skipped
     by_step = {}
     for r in rows:  # a step logged twice (rows of a crashed run, recomputed after its resume): the last one counts
         by_step.setdefault(r["step"], {}).update(r)
