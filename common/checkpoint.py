@@ -95,6 +95,16 @@ def save_checkpoint(
         )  # collective under FSDP/ZeRO-3 and --tp-size
         for name, m in models.items()
     }
+    for name, sd in state_dicts.items():  # never a checkpoint of non-finite weights (ZeRO-3: rank 0 holds them)
+        bad = [
+            k for k, v in (sd or {}).items() if torch.is_tensor(v) and v.is_floating_point() and not v.isfinite().all()
+        ]
+        if bad:
+            intact = max(list_checkpoints(run_dir), key=step_of, default=None)
+            raise RuntimeError(
+                f"step {step}: {name} has non-finite weights ({len(bad)} tensors, e.g. {bad[0]}), so checkpoint "
+                f"{final.name} is not written; {intact.name + ' is intact' if intact else 'no earlier checkpoint exists'}"
+            )
     tmp = [None]
     if accelerator.is_main_process:
         ckpt_root.mkdir(parents=True, exist_ok=True)
@@ -125,9 +135,13 @@ def save_checkpoint(
             meta = {"algo": run_dir.name.split("__")[0], "args": json_args(args) if args is not None else {}}
             torch.save({**state, **meta, "rng": rng_state(), "step": step}, tmp / "trainer_state.pt")
             _fsync_tree(tmp)  # on disk before the rename makes it the checkpoint
-        except OSError as e:
+        except BaseException as e:  # whatever stopped the write, the half-written folder goes
             shutil.rmtree(tmp, ignore_errors=True)
-            if e.errno == errno.ENOSPC:
+            # torch.save on a full disk raises RuntimeError ("unexpected pos ..."), not OSError(ENOSPC)
+            full = getattr(e, "errno", None) == errno.ENOSPC or (
+                isinstance(e, RuntimeError) and ("unexpected pos" in str(e) or _nearly_full(ckpt_root))
+            )
+            if full:
                 intact = max(list_checkpoints(run_dir), key=step_of, default=None)
                 raise UserError(
                     f"no space left on {ckpt_root} while writing checkpoint {final.name}; "
@@ -170,6 +184,13 @@ class BestKeeper:
 
     def load_state_dict(self, s: dict) -> None:
         self.best = s["best"]
+
+
+def _nearly_full(folder: Path) -> bool:
+    try:
+        return shutil.disk_usage(folder).free < 64 * 2**20
+    except OSError:
+        return False
 
 
 def _fsync_tree(root: Path) -> None:
@@ -288,7 +309,15 @@ def load_weights(model, folder: Path) -> None:
         raise FileNotFoundError(f"{folder}: no .safetensors weights")
     sd = {}
     for f in files:
-        sd.update(load_file(f))
+        try:
+            sd.update(load_file(f))
+        except Exception as e:  # a truncated or overwritten file: name it (safetensors' own text is cryptic)
+            raise UserError(
+                f"{f}: damaged weights file ({type(e).__name__}: {e}); resume from an earlier checkpoint"
+            ) from e
+    bad = [k for k, v in sd.items() if v.is_floating_point() and not v.isfinite().all()]
+    if bad:
+        raise UserError(f"{folder}: {len(bad)} weight tensors are not finite (e.g. {bad[0]}); not loaded")
     if hasattr(model, "peft_config"):
         from peft import set_peft_model_state_dict
 
@@ -303,10 +332,17 @@ def load_weights(model, folder: Path) -> None:
 
     # ZeRO-3: parameters are partitioned from loading on; --tp-size: each DTensor keeps its shard of the full tensor
     with full_parameters(model, modify=True), implicit_replication():
-        missing, unexpected = model.load_state_dict(sd, strict=False)
+        try:
+            missing, unexpected = model.load_state_dict(sd, strict=False)
+        except RuntimeError as e:  # "size mismatch for ...": weights of another model
+            first = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), str(e)[:200])
+            raise UserError(
+                f"{folder}: these weights are of another model than --model-name-or-path ({first}); pass the "
+                "model the run started from"
+            ) from e
     tied = set(getattr(model, "_tied_weights_keys", None) or []) | {"lm_head.weight"}
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
-        raise RuntimeError(
+        raise UserError(
             f"{folder}: checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )

@@ -215,6 +215,27 @@ def read_args_json(path: Path) -> dict:
     return record
 
 
+_HELD_LOCKS: list = []  # this process's run-folder locks, held open until it exits
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Hold an exclusive lock on run_dir/.lock for the life of this process (the main one): two processes
+    continuing one run folder would write its steps twice into metrics.jsonl and overwrite each other's
+    checkpoints. The lock goes with the process, also on a crash or kill -9 (flock)."""
+    import fcntl
+
+    f = open(Path(run_dir) / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise UserError(f"{run_dir}: in use by {holder}; one run folder takes one run at a time") from None
+    f.seek(0), f.truncate(), f.write(f"pid {os.getpid()}\n"), f.flush()
+    _HELD_LOCKS.append(f)
+
+
 def make_run_dir(accelerator, algo: str, args, resume_from: Path | None = None) -> Path:
     """The run folder: a new one, named once on the main process (its clock) and shared with every
     rank; or, when resuming, the checkpoint's own run folder, continued in place: its metrics and
@@ -225,6 +246,7 @@ def make_run_dir(accelerator, algo: str, args, resume_from: Path | None = None) 
     if resume_from is not None:
         run_dir = Path(resume_from).parent.parent
         if accelerator.is_main_process:
+            lock_run_dir(run_dir)  # before its files are touched: a second resume of the same run stops here
             step = step_of(Path(resume_from))
             stale = remove_stale_temp_checkpoints(run_dir)
             if stale:
@@ -258,6 +280,7 @@ def make_run_dir(accelerator, algo: str, args, resume_from: Path | None = None) 
             candidate = Path(args.output_dir) / (base if k == 0 else f"{base}-{k}")
             try:
                 candidate.mkdir()
+                lock_run_dir(candidate)
                 name = [candidate.name]
                 break
             except FileExistsError:

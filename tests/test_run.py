@@ -267,3 +267,101 @@ def test_save_best_with_a_metric_the_run_never_logs_says_so_once():
         run.log(step, {"train/reward": 1.0})
     assert len(lines) == 1 and "--save-best eval/acuracy: not a metric of this run" in lines[0], lines
     assert "eval/accuracy" in lines[0] and logged[0]["eval/accuracy"] == 0.5
+
+
+class _Wrap(torch.nn.Module):
+    """A minimal savable model for checkpoint tests."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+
+    def save_pretrained(self, path, state_dict=None, safe_serialization=True):
+        Path(path).mkdir(parents=True)
+        torch.save(state_dict, Path(path) / "w.pt")
+
+
+def test_a_checkpoint_of_non_finite_weights_is_never_written(tmp_path):
+    acc = Accelerator(cpu=True)
+    model = _Wrap()
+    C.save_checkpoint(acc, tmp_path, 1, {"m": model}, {})
+    with torch.no_grad():
+        model.lin.weight[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match=r"step 2: m has non-finite weights .* step_1 is intact"):
+        C.save_checkpoint(acc, tmp_path, 2, {"m": model}, {})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
+
+
+def test_torch_save_on_a_full_disk_is_named_and_cleans_up(tmp_path, monkeypatch):
+    """torch.save on a full filesystem raises RuntimeError ('unexpected pos'), not OSError: still the one-line
+    no-space error, and no temp folder left behind to keep the disk full (issue 38)."""
+    acc = Accelerator(cpu=True)
+    C.save_checkpoint(acc, tmp_path, 1, {"m": _Wrap()}, {})
+    real_save = torch.save
+
+    def full_disk(obj, f, *a, **k):
+        if str(f).endswith("trainer_state.pt"):
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 3200 vs 3104")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(E.UserError, match="no space left on .* step_1 is intact"):
+        C.save_checkpoint(acc, tmp_path, 2, {"m": _Wrap()}, {})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
+
+
+def test_damaged_foreign_or_non_finite_weights_are_one_line(tiny, tmp_path):
+    """load_weights (what --resume runs): a truncated safetensors file, weights of another model and non-finite
+    weights are each a UserError naming the folder or file (issue 38)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from common import models as M
+
+    model = M.load_causal_lm(tiny, None)
+    good = tmp_path / "good"
+    shutil.copytree(tiny, good)
+    C.load_weights(model, good)  # the same model: fine
+    torn = tmp_path / "torn"
+    shutil.copytree(tiny, torn)
+    data = (torn / "model.safetensors").read_bytes()
+    (torn / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(E.UserError, match="model.safetensors: damaged weights file"):
+        C.load_weights(model, torn)
+    sd = load_file(good / "model.safetensors")
+    other = tmp_path / "other"
+    other.mkdir()
+    save_file(
+        {k: torch.zeros(3, *v.shape[1:]) if v.dim() > 1 else v for k, v in sd.items()}, other / "model.safetensors"
+    )
+    with pytest.raises(E.UserError, match="weights are of another model"):
+        C.load_weights(model, other)
+    nan = tmp_path / "nan"
+    nan.mkdir()
+    sd = {k: v.clone() for k, v in sd.items()}
+    next(iter(sd.values()))[0] = float("nan")
+    save_file(sd, nan / "model.safetensors")
+    with pytest.raises(E.UserError, match="weight tensors are not finite"):
+        C.load_weights(model, nan)
+
+
+def test_a_run_folder_takes_one_run_at_a_time(tmp_path):
+    """Two resumes of one run folder at once would write each step twice: the second is refused by name, before
+    it touches the folder's files (issue 38). The lock is flock's, so it goes with its process."""
+    import fcntl
+    import types
+
+    run = tmp_path / "ppo_llm__x__1__1"
+    (run / "checkpoints" / "step_1").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    held = open(run / ".lock", "a+")  # another process's lock (flock: per open file, so this stands in for it)
+    held.write("pid 4242\n"), held.flush()
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    acc = types.SimpleNamespace(is_main_process=True, print=print, wait_for_everyone=lambda: None)
+    with pytest.raises(E.UserError, match="in use by pid 4242"):
+        R.make_run_dir(acc, "ppo_llm", None, run / "checkpoints" / "step_1")
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'  # untouched
+    held.close()  # the other run ended: its lock went with it
+    R.lock_run_dir(run)
+    assert "pid" in (run / ".lock").read_text()
