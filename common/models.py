@@ -269,6 +269,18 @@ def default_dtype(device: torch.device | str | None = None, override: str = "aut
     return torch.float32
 
 
+@contextlib.contextmanager
+def _only_tensors(path: str):
+    """A weights file that would run code when unpickled (a `pytorch_model.bin` with a payload) is refused by
+    torch's weights_only loading; say so in one line instead of torch's migration text."""
+    import pickle
+
+    try:
+        yield
+    except pickle.UnpicklingError as e:
+        raise UserError(f"model {path}: a weights file holds code, not only tensors; refused (weights_only)") from e
+
+
 class _quiet_load:
     """Silence transformers' load report while adding a new head ("score.weight MISSING" is expected)."""
 
@@ -441,14 +453,15 @@ def load_causal_lm(
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(
-        path,
-        config=_config(path, trust_remote_code),
-        dtype=default_dtype(override=dtype),
-        trust_remote_code=trust_remote_code,
-        quantization_config=_quantization_config(load_in_4bit),
-        **_tp_kwargs(path, lora_r, load_in_4bit),
-    )
+    with _only_tensors(path):
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            config=_config(path, trust_remote_code),
+            dtype=default_dtype(override=dtype),
+            trust_remote_code=trust_remote_code,
+            quantization_config=_quantization_config(load_in_4bit),
+            **_tp_kwargs(path, lora_r, load_in_4bit),
+        )
     model.generation_config.pad_token_id = tok.pad_token_id if tok is not None else None
     if STATE.tp_mesh is not None:
         _vocab_parallel_head(model.get_output_embeddings(), STATE.tp_mesh)
@@ -496,7 +509,7 @@ def load_value_model(
     config = _config(path, trust_remote_code)
     fresh_head = config.num_labels != 1 or not (config.architectures or [""])[0].endswith("TokenClassification")
     config.num_labels, config.classifier_dropout = 1, 0.0  # no dropout in RL: it would bias the values
-    with _quiet_load():
+    with _quiet_load(), _only_tensors(path):
         model = AutoModelForTokenClassification.from_pretrained(
             path,
             config=config,
@@ -531,7 +544,7 @@ def load_reward_model(name_or_path: str, tok=None, dtype: str = "auto", trust_re
     path = resolve_model_path(name_or_path)
     config = _config(path, trust_remote_code)
     config.num_labels = 1
-    with _quiet_load():
+    with _quiet_load(), _only_tensors(path):
         model = AutoModelForSequenceClassification.from_pretrained(
             path,
             config=config,

@@ -214,7 +214,8 @@ def score_row(fns, timeout: float, data_source, response, ground_truth, extra_in
     for fn in fns:
         try:
             outs.append((True, call_with_timeout(fn, timeout, data_source, response, ground_truth, extra_info)))
-        except Exception as e:  # any failure of user code is data for the caller, not a crash here
+        except (Exception, SystemExit) as e:  # any failure of user code is data for the caller, not a crash here
+            # (a sys.exit() inside a reward function is that function failing, not a request to stop training)
             outs.append((False, repr(e)))
     return outs
 

@@ -578,3 +578,24 @@ def test_a_damaged_args_json_on_resume_is_one_line(tmp_path, capsys):
         resolve_resume(args, "ppo_llm")
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "args.json: damaged" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_model_folder_whose_bin_holds_code_is_one_line(tiny, tmp_path):
+    """A model folder whose pytorch_model.bin holds a pickle payload: refused by weights_only loading, as one
+    UserError naming the folder (was an UnpicklingError traceback quoting torch's migration text); never run."""
+    import shutil
+
+    import torch
+
+    from common import models as M
+    from common.errors import UserError
+
+    folder = tmp_path / "evil_model"
+    shutil.copytree(tiny, folder)
+    (folder / "model.safetensors").unlink()
+    marker = tmp_path / "PWNED"
+    torch.save({"model.norm.weight": _Payload(marker)}, folder / "pytorch_model.bin")
+    for load in (M.load_causal_lm, M.load_reward_model):
+        with pytest.raises(UserError, match="a weights file holds code, not only tensors; refused"):
+            load(str(folder))
+    assert not marker.exists()

@@ -218,3 +218,20 @@ def test_a_crashing_or_unresponsive_reward_function_costs_a_row_not_the_run(tmp_
     assert scores.tolist() == [1.0, 0.0, 1.0] and r.errors == 1 and time.monotonic() - start < 15
     assert r(rows, ["ok", "ok", "ok"], torch.ones(3))[0].tolist() == [1.0, 1.0, 1.0]
     r.pool.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_reward_function_calling_sys_exit_is_that_functions_error(tmp_path, workers):
+    """sys.exit(3) inside user code used to end the training run with exit 3 and no message (issue 38): it is
+    the function failing on that row (an error naming it, or --reward-fallback)."""
+    (tmp_path / "quits.py").write_text(
+        "import sys\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if 'quit' in solution_str:\n        sys.exit(3)\n    return 1.0\n"
+    )
+    rows = [PromptRow("p", "x", None, {}, i) for i in range(2)]
+    r = Reward("rule:1.0", f"{tmp_path}/quits.py:score", timeout=10, workers=workers)
+    with pytest.raises(RewardError, match=r"row 1.*SystemExit\(3\)"):
+        r(rows, ["fine", "quit now"], torch.ones(2))
+    r = Reward("rule:1.0", f"{tmp_path}/quits.py:score", timeout=10, fallback=-1.0, workers=workers)
+    scores, _, _ = r(rows, ["fine", "quit now"], torch.ones(2))
+    assert scores.tolist() == [1.0, -1.0] and r.errors == 1
