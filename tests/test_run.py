@@ -158,21 +158,22 @@ def test_kill_during_checkpoint_write_keeps_previous(tmp_path):
     AutoModelForCausalLM.from_pretrained(latest / "model")  # loads with plain transformers
 
 
+class _Wrap(torch.nn.Module):
+    """A minimal savable model for checkpoint tests."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+
+    def save_pretrained(self, path, state_dict=None, safe_serialization=True):
+        Path(path).mkdir(parents=True)
+        torch.save(state_dict, Path(path) / "w.pt")
+
+
 def test_keep_last_and_resume_errors(tmp_path):
     acc = Accelerator(cpu=True)
-    model = torch.nn.Linear(2, 2)
-
-    class Wrap(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = model
-
-        def save_pretrained(self, path, state_dict=None, safe_serialization=True):
-            Path(path).mkdir(parents=True)
-            torch.save(state_dict, Path(path) / "w.pt")
-
     for step in (1, 2, 3):
-        C.save_checkpoint(acc, tmp_path, step, {"m": Wrap()}, {}, keep_last=2)
+        C.save_checkpoint(acc, tmp_path, step, {"m": _Wrap()}, {}, keep_last=2)
     assert sorted(p.name for p in C.list_checkpoints(tmp_path)) == ["step_2", "step_3"]
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         C.resolve_checkpoint(str(tmp_path / "nothing"))
@@ -214,17 +215,7 @@ def test_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatc
     import errno
 
     acc = Accelerator(cpu=True)
-
-    class Wrap(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(2, 2)
-
-        def save_pretrained(self, path, state_dict=None, safe_serialization=True):
-            Path(path).mkdir(parents=True)
-            torch.save(state_dict, Path(path) / "w.pt")
-
-    C.save_checkpoint(acc, tmp_path, 1, {"m": Wrap()}, {})
+    C.save_checkpoint(acc, tmp_path, 1, {"m": _Wrap()}, {})
     mask = os.umask(0o022)
     os.umask(mask)
     assert (tmp_path / "checkpoints/step_1").stat().st_mode & 0o777 == 0o777 & ~mask  # not mkdtemp's 0700
@@ -237,7 +228,7 @@ def test_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatc
 
     monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(E.UserError, match=r"no space left on .* while writing checkpoint step_2; step_1 is intact"):
-        C.save_checkpoint(acc, tmp_path, 2, {"m": Wrap()}, {})
+        C.save_checkpoint(acc, tmp_path, 2, {"m": _Wrap()}, {})
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["step_1"]  # no half checkpoint, no temp folder left behind
     (tmp_path / "checkpoints" / ".step_3.tmp-abc").mkdir()  # what a SIGKILL mid-save leaves
@@ -267,18 +258,6 @@ def test_save_best_with_a_metric_the_run_never_logs_says_so_once():
         run.log(step, {"train/reward": 1.0})
     assert len(lines) == 1 and "--save-best eval/acuracy: not a metric of this run" in lines[0], lines
     assert "eval/accuracy" in lines[0] and logged[0]["eval/accuracy"] == 0.5
-
-
-class _Wrap(torch.nn.Module):
-    """A minimal savable model for checkpoint tests."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(2, 2)
-
-    def save_pretrained(self, path, state_dict=None, safe_serialization=True):
-        Path(path).mkdir(parents=True)
-        torch.save(state_dict, Path(path) / "w.pt")
 
 
 def test_a_checkpoint_of_non_finite_weights_is_never_written(tmp_path):
