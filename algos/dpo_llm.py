@@ -47,9 +47,10 @@ from common.errors import UserError, mix_seed, seed_everything
 from common.eval import evaluate_policy
 from common.ops import exact_div, global_mean_divisor, selective_log_softmax
 from common.parallel import sharded_logits
+from common.perf import peak_mem_gb
 from common.rewards import Reward, reward_from_args
 from common.rollout import generate, tokenize_queries
-from common.run import Run, peak_mem_gb
+from common.run import Run
 from common.tasks import default_preference_files, default_task_files
 from common.vllm_engine import make_engine
 

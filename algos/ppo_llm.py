@@ -53,6 +53,7 @@ from common.errors import UserError, mix_seed, seed_everything
 from common.eval import evaluate_policy
 from common.health import HealthConfig
 from common.ops import all_sum, exact_div, gae, global_mean_divisor, kl_estimate, masked_mean, masked_whiten
+from common.perf import mfu, peak_mem_gb
 from common.rewards import reward_from_args
 from common.rollout import (
     forward_by_micro_batch,
@@ -64,7 +65,7 @@ from common.rollout import (
     sequence_attention_mask,
     tokenize_queries,
 )
-from common.run import Run, mfu, peak_mem_gb
+from common.run import Run
 from common.tasks import load_rl_prompts
 from common.vllm_engine import make_engine
 

@@ -43,8 +43,9 @@ from common.distributed import (
 )
 from common.errors import seed_everything
 from common.ops import exact_div
+from common.perf import peak_mem_gb
 from common.rollout import position_ids_from_mask
-from common.run import Run, peak_mem_gb
+from common.run import Run
 from common.tasks import default_preference_files
 
 

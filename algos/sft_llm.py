@@ -34,8 +34,9 @@ from common.errors import seed_everything
 from common.eval import evaluate_policy
 from common.ops import exact_div, global_mean_divisor, selective_log_softmax
 from common.parallel import sharded_logits
+from common.perf import peak_mem_gb
 from common.rewards import Reward
-from common.run import Run, peak_mem_gb
+from common.run import Run
 from common.tasks import default_sft_files, default_task_files
 
 

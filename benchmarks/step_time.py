@@ -13,7 +13,7 @@ rollout alone); `bf16` --mixed-precision bf16 alone; `packed` --micro-batch-toke
 micro-batches) alone; `default` this checkout as it ships (--mixed-precision auto: bf16 on a CPU with
 native bf16, and packed micro-batches). Each row is a fresh process; times are medians over
 the steps after the first (warm-up). MFU is against the measured matmul peak of the compute dtype
-(common.run.matmul_peak_flops); peak RSS is the process's maximum resident set (ru_maxrss).
+(common.perf.matmul_peak_flops); peak RSS is the process's maximum resident set (ru_maxrss).
 """
 
 import argparse

@@ -107,7 +107,7 @@ LAYERS = [
     ("models and data files", {"models", "data"}),
     ("placement, generation, tasks", {"distributed", "rollout", "tasks", "vllm_engine"}),
     ("rewards and evaluation", {"rewards", "eval"}),
-    ("run harness: flags, checkpoints, run folder", {"cli", "checkpoint", "run"}),
+    ("run harness: flags, checkpoints, run folder, perf metrics", {"cli", "checkpoint", "run", "perf"}),
 ]
 
 

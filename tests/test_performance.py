@@ -188,15 +188,15 @@ def test_bf16_autocast_log_probs_within_tolerance(tiny):
 
 
 def test_mfu_arithmetic(tiny, monkeypatch):
-    import common.run as run
+    import common.perf as perf
 
     model = M.load_causal_lm(tiny, M.load_tokenizer(tiny))
-    monkeypatch.setattr(run, "matmul_peak_flops", lambda device, dtype: 1e9)
+    monkeypatch.setattr(perf, "matmul_peak_flops", lambda device, dtype: 1e9)
     n = sum(p.numel() for p in model.parameters())
     if model.get_input_embeddings().weight is not model.get_output_embeddings().weight:
         n -= model.get_input_embeddings().weight.numel()
     acc = type("Acc", (), {"mixed_precision": "no", "device": "cpu"})()
-    assert run.mfu(model, 100, 10, 2.0, acc) == pytest.approx((2 * n * 100 + 6 * n * 10) / 2.0 / 1e9)
+    assert perf.mfu(model, 100, 10, 2.0, acc) == pytest.approx((2 * n * 100 + 6 * n * 10) / 2.0 / 1e9)
 
 
 def test_micro_batch_budget_under_deepspeed():
