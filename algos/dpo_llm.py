@@ -22,7 +22,7 @@ Legend: B pairs per rank, L = prompt + response length, V vocabulary.
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
@@ -33,14 +33,30 @@ import torch.nn.functional as F
 import tyro
 
 from common import models as M
+from common.args import (
+    Check,
+    DataArgs,
+    Group,
+    ModelArgs,
+    NonNegFloat,
+    NonNegInt,
+    OnlineGenerationArgs,
+    OptimArgs,
+    PositiveFloat,
+    PositiveInt,
+    RewardArgs,
+    RunArgs,
+    group,
+)
 from common.cli import cli
 from common.data import Sampler, encode_prompt_response, load_preferences, load_prompts
 from common.distributed import (
     UpdateGuard,
+    adamw,
     backward,
     configure_deepspeed,
+    frozen_reference,
     make_accelerator,
-    prepare_frozen,
     unwrap_for_generation,
 )
 from common.errors import UserError, mix_seed, seed_everything
@@ -57,158 +73,53 @@ from common.vllm_engine import make_engine
 
 @dataclass
 class Args:
-    # --- experiment
-    exp_name: str = Path(__file__).stem
-    """name of this experiment (W&B group; part of the run folder name)"""
-    seed: int = 1
-    """seed of model init, pair order and sampling"""
-    track: bool = False
-    """log to Weights & Biases (works with WANDB_MODE=offline)"""
-    wandb_project_name: str = "cleanrlhf"
-    """W&B project"""
-    wandb_entity: Optional[str] = None
-    """W&B entity (team or user)"""
-    config: Optional[str] = None
-    """YAML preset (keys = these field names); CLI flags override it"""
-    output_dir: str = "runs"
-    """where run folders are created"""
-    resume: Optional[str] = None
-    """checkpoint folder or run folder (its latest checkpoint) to continue exactly, in that run's folder; 'auto': the latest run of this exp_name/seed if any"""
-    save_every: int = 0
-    """save a checkpoint every N steps (0: only at the end)"""
-    save_every_minutes: float = 30.0
-    """also save when this many minutes have passed since the last save (0: off), so a pre-empted run loses little"""
-    max_wall_minutes: float = 0.0
-    """stop after the step that passes this many minutes of wall time since setup ended (checkpoint and final
-    evaluation as at --total-steps), so recipes compare at equal cost; 0: no limit"""
-    keep_last: int = 0
-    """keep only the last K checkpoints (0: keep all)"""
-    save_merged: bool = False
-    """LoRA: each checkpoint also holds {model}_merged/, the full merged model (loads without peft: vLLM, TGI)"""
-    save_best: Optional[str] = None
-    """keep checkpoints/best/, the checkpoint of the best value so far of this metric (e.g. eval/accuracy; losses: lowest)"""
-    eval_every: int = 10
-    """evaluate every N steps (and before the first and after the last; 0: never)"""
-    log_every: int = 1
-    """write metrics every N steps"""
-    num_samples_logged: int = 4
-    """pairs written to samples.jsonl per log interval"""
-
-    # --- model
-    model_name_or_path: str = M.DEFAULT_MODEL
-    """policy (and reference): hub id, local folder, or the offline default alias"""
-    reward_model: Optional[str] = None
-    """sequence-classification reward model (--online with a 'model' term in --reward)"""
-    trust_remote_code: bool = False
-    """allow model code from the hub"""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """weights dtype (auto: float32 on CPU, bfloat16 on GPUs that support it)"""
-    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
-    """bf16: autocast forward/backward in bfloat16 (float32 weights, optimizer, log-softmax); auto: bf16 where it
-    pays (float32 weights, a CPU with native bf16 matmul, hidden size >= 256: docs/performance.md), else as
-    `accelerate launch --mixed_precision` says; no: float32"""
-    tp_size: int = 1
-    """tensor parallelism: each model sharded over groups of this many processes (launch tp_size x data-parallel
-    processes with torchrun / accelerate launch; batch flags count data-parallel ranks): docs/distributed.md"""
-    lora_r: int = 0
-    """LoRA rank (0 = full fine-tuning); the reference is the adapter disabled"""
-    lora_alpha: int = 32
-    """LoRA alpha"""
-    load_in_4bit: bool = False
-    """QLoRA: 4-bit base weights (needs CUDA and --lora-r > 0)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
-
-    # --- data
-    train_files: Optional[list[str]] = None
-    """preference files (prompt, chosen, rejected); with --online, prompt files; default: built-in task"""
-    val_files: Optional[list[str]] = None
-    """held-out preference files (default: the built-in task's test pairs)"""
-    eval_prompt_files: Optional[list[str]] = None
-    """prompt files for eval/accuracy by greedy decoding (default: the built-in task's test split)"""
-    task: str = "chain_sum_1d"
-    """built-in reasoning-gym task used when no files are given"""
-    apply_chat_template: bool = True
-    """render prompts with the tokenizer's chat template (--no-apply-chat-template: raw text, for base models)"""
-    chat_template_kwargs: Optional[str] = None
-    """JSON keyword arguments for apply_chat_template, e.g. '{"enable_thinking": false}'"""
-    system_prompt: Optional[str] = None
-    """system message put first in every prompt (default: none beyond what the chat template adds)"""
-    max_prompt_length: int = 256
-    """prompt tokens kept (the last ones)"""
-    max_completion_length: int = 64
-    """response tokens kept (the first ones)"""
-    num_eval_pairs: int = 64
-    """held-out pairs per evaluation"""
-    num_eval_prompts: int = 64
-    """prompts per greedy evaluation"""
-
-    # --- online
-    online: bool = False
-    """sample pairs from the current policy each step (best vs worst by the reward)"""
-    group_size: Annotated[int, tyro.conf.arg(aliases=("--num-samples",))] = 4
-    """G: responses sampled per prompt when --online (>= 2), as in grpo_llm.py"""
-    temperature: float = 1.0
-    """sampling temperature when --online"""
-    max_new_tokens: int = 64
-    """response length limit when --online and in evaluation"""
-    rollout_engine: Literal["hf", "vllm"] = "hf"
-    """hf: our decoding loop on the policy (exactly reproducible); vllm: a vLLM engine in this process, the
-    policy's weights pushed into it after each update (docs/rollout.md); for --online sampling and evaluation"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """vllm on GPUs: the share of GPU memory the engine may take (weights + KV cache), next to training"""
-    vllm_kv_cache_gb: float = 1.0
-    """vllm on CPU: KV-cache space (GiB)"""
-    vllm_tensor_parallel_size: int = 1
-    """vllm on GPUs: devices one engine spans (tensor-parallel generation)"""
-    vllm_sleep: bool = False
-    """vllm on GPUs: free the engine's memory during each update (sleep after a rollout, wake before the next)"""
-    reward: str = "rule:1.0"
-    """weighted reward sources for --online ranking"""
-    reward_fn: Optional[list[str]] = None
-    """path/to/file.py:fn replacing the data_source registry for every row; repeat for several (summed with --reward-weights)"""
-    reward_weights: Optional[list[float]] = None
-    """weights of the --reward-fn functions, in order (default: 1 each); each is logged as reward/<fn>"""
-    reward_fallback: Optional[float] = None
-    """score given when a reward function fails (default: stop with an error naming the row)"""
-    reward_timeout: float = 60.0
-    """seconds one reward-function call may take before it counts as failed (error naming the row, or --reward-fallback; 0: no limit)"""
-    reward_workers: int = 2
-    """processes that run --reward-fn functions off the training loop (a crash or hang there costs a row, not the run); 0: in this process"""
-
-    # --- optimisation
-    total_steps: int = 100
-    """optimizer steps"""
-    batch_size: int = 16
-    """pairs (offline) or prompts (online) per step, over all processes"""
-    micro_batch_size: int = 4
-    """pairs per forward/backward on one process"""
-    learning_rate: float = 5e-7
-    """learning rate"""
-    lr_scheduler: str = "constant_with_warmup"
-    """transformers scheduler name"""
-    warmup_steps: int = 0
-    """optimizer steps of linear warm-up"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping"""
-
     # --- algorithm
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
     """sigmoid (DPO), ipo (length-normalised log-ratios), hinge (SLiC), robust (noisy labels)"""
-    beta: float = 0.1
+    beta: PositiveFloat = 0.1
     """inverse temperature of the implicit reward"""
-    label_smoothing: float = 0.0
+    label_smoothing: Annotated[NonNegFloat, Check(lt=0.5)] = 0.0
     """assumed probability that a label is flipped (conservative DPO for sigmoid; robust DPO's epsilon)"""
-    sft_coef: float = 0.0
+    sft_coef: NonNegFloat = 0.0
     """weight of an SFT (NLL per token) term on the chosen response (RPO)"""
+    batch_size: PositiveInt = 16
+    """pairs (offline) or prompts (online) per step, over all processes"""
+    online: bool = False
+    """sample pairs from the current policy each step (best vs worst by the reward)"""
+    group_size: Annotated[PositiveInt, tyro.conf.arg(aliases=("--num-samples",))] = 4
+    """G: responses sampled per prompt when --online (>= 2), as in grpo_llm.py"""
     precompute_ref: bool = False
     """compute reference log-probs of all offline pairs once before training"""
 
-    # --- filled at runtime
-    world_size: int = field(default=1, init=False)
-    local_batch_size: int = field(default=0, init=False)
+    # --- pairs and evaluation
+    max_prompt_length: PositiveInt = 256
+    """prompt tokens kept (the last ones)"""
+    max_completion_length: PositiveInt = 64
+    """response tokens kept (the first ones)"""
+    eval_prompt_files: Optional[list[str]] = None
+    """prompt files for eval/accuracy by greedy decoding (default: the built-in task's test split)"""
+    num_eval_pairs: NonNegInt = 64
+    """held-out pairs per evaluation"""
+    num_eval_prompts: NonNegInt = 64
+    """prompts per greedy evaluation"""
+
+    # --- memory
+    micro_batch_size: PositiveInt = 4
+    """pairs per forward/backward on one process"""
+
+    # --- the flags every script shares (common/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
+    run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=100)
+    """experiment, run folder, checkpoints, evaluation cadence, tracking"""
+    model: Group[ModelArgs] = group(ModelArgs)
+    """the policy (and its reference): weights, precision, LoRA, parallelism"""
+    data: Group[DataArgs] = group(DataArgs)
+    """preference files (prompt, chosen, rejected); with --online, prompt files (verl schema)"""
+    rewards: Group[RewardArgs] = group(RewardArgs)
+    """--online: the reward that ranks the samples"""
+    gen: Group[OnlineGenerationArgs] = group(OnlineGenerationArgs)
+    """--online sampling and evaluation, the rollout engine"""
+    optim: Group[OptimArgs] = group(OptimArgs, learning_rate=5e-7)
+    """the policy's optimizer"""
 
 
 # ALGO LOGIC: the DPO losses
@@ -260,56 +171,35 @@ def response_logps(model, ids, attn, response_mask):
 
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
-    # as launched: DDP, FSDP2 or DeepSpeed; without GPU, CPU processes over gloo; --mixed-precision
-    accelerator = make_accelerator(args.mixed_precision, args.model_name_or_path, args.dtype, args.tp_size)
-    device = accelerator.device
-    args.world_size = accelerator.num_processes
-    args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")
-    exact_div(args.local_batch_size, args.micro_batch_size, "--batch-size per process over --micro-batch-size")
+    accelerator = make_accelerator(args.model)  # as launched: DDP, FSDP2, DeepSpeed or TP; --mixed-precision
+    device, W = accelerator.device, accelerator.num_processes
+    local_batch_size = exact_div(args.batch_size, W, "--batch-size over the number of processes")
+    exact_div(local_batch_size, args.micro_batch_size, "--batch-size per process over --micro-batch-size")
     if args.online and args.group_size < 2:
         raise UserError("--online needs --group-size >= 2 to form a pair")
     # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
     configure_deepspeed(
-        accelerator, args.micro_batch_size, args.local_batch_size // args.micro_batch_size, args.max_grad_norm
+        accelerator, args.micro_batch_size, local_batch_size // args.micro_batch_size, args.optim.max_grad_norm
     )
-    seed_everything(args.seed)
+    seed_everything(args.run.seed)
     log = accelerator.print
     run = Run(accelerator, args, Path(__file__).stem)  # --resume: resolved and checked before anything loads
 
-    M.check_context(
-        args.model_name_or_path,
-        args.max_prompt_length + max(args.max_completion_length, args.max_new_tokens),
-        "--max-prompt-length + --max-completion-length",
-        args.trust_remote_code,
-    )
-    tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
-    M.set_prompt_format(tok, args.apply_chat_template, args.chat_template_kwargs, args.system_prompt)
-    policy = M.load_causal_lm(
-        args.model_name_or_path,
-        tok,
-        lora_r=args.lora_r,
-        lora_alpha=args.lora_alpha,
-        gradient_checkpointing=args.gradient_checkpointing,
-        load_in_4bit=args.load_in_4bit,
-        dtype=args.dtype,
-        trust_remote_code=args.trust_remote_code,
-    )
-    ref_policy = None  # with LoRA: the policy with its adapter disabled
-    if args.lora_r == 0:
-        ref_policy = prepare_frozen(
-            accelerator,
-            M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype, trust_remote_code=args.trust_remote_code),
-            under_autocast=True,  # run inside accelerator.autocast(): bf16 matmul weights stored as bf16
-        )
+    max_len = args.max_prompt_length + max(args.max_completion_length, args.gen.max_new_tokens)
+    tok = M.prompt_tokenizer(args.model, args.data, max_len, "--max-prompt-length + --max-completion-length")
+    policy = M.load_causal_lm(args.model.model_name_or_path, tok, **M.train_kwargs(args.model))
+    # with LoRA: the policy with its adapter disabled
+    ref_policy = frozen_reference(accelerator, args.model, tok) if not args.model.lora_r else None
 
-    train_files, val_files, eval_prompt_files = args.train_files, args.val_files, args.eval_prompt_files
+    train_files, val_files, eval_prompt_files = args.data.train_files, args.data.val_files, args.eval_prompt_files
     if train_files is None:
-        train_files = [default_task_files(args.task)[0]] if args.online else [default_preference_files(args.task)[0]]
-        val_files = val_files or [default_preference_files(args.task)[1]]
-        eval_prompt_files = eval_prompt_files or [default_task_files(args.task)[1]]
+        task = args.data.task
+        train_files = [default_task_files(task)[0]] if args.online else [default_preference_files(task)[0]]
+        val_files = val_files or [default_preference_files(task)[1]]
+        eval_prompt_files = eval_prompt_files or [default_task_files(task)[1]]
     reward = None
-    if args.online:
-        reward = reward_from_args(args, accelerator)  # rules, a reward model (its own tokenizer), weighted mixes
+    if args.online:  # rules, a reward model (its own tokenizer), weighted mixes
+        reward = reward_from_args(args.rewards, args.model, args.gen.max_new_tokens, accelerator)
         train_rows = load_prompts(train_files, tok, max_prompt_length=args.max_prompt_length, log=log)
         reward.check({r.data_source for r in train_rows})
     else:
@@ -322,31 +212,21 @@ def main(args: Args):
         if eval_prompt_files
         else []
     )
+    rw = args.rewards
     eval_reward = reward or (
-        Reward(args.reward, args.reward_fn, max_new_tokens=args.max_new_tokens, reward_weights=args.reward_weights)
+        Reward(rw.reward, rw.reward_fn, max_new_tokens=args.gen.max_new_tokens, reward_weights=rw.reward_weights)
         if eval_prompts
         else None
     )
     if eval_prompts:
         eval_reward.check({r.data_source for r in eval_prompts})
-    sampler = Sampler(len(train_rows), args.seed)
-
-    from transformers import get_scheduler
-
-    # fused: one kernel per step over all parameters (5-9x faster than foreach on CPU: docs/performance.md)
-    opt = torch.optim.AdamW(
-        [p for p in policy.parameters() if p.requires_grad],
-        lr=args.learning_rate,
-        weight_decay=args.weight_decay,
-        fused=True,
-    )
-    sched = get_scheduler(
-        args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.total_steps
-    )
+    sampler = Sampler(len(train_rows), args.run.seed)
+    opt, sched = adamw(policy, args.optim, args.run.total_steps)
     guard = UpdateGuard(accelerator)  # non-finite gradients: step skipped, never NaN weights
     run.load_weights(policy=policy)  # resumed: the checkpoint's weights
     policy, opt, sched = accelerator.prepare(policy, opt, sched)
-    engine = make_engine(args, tok, policy, accelerator)  # --rollout-engine vllm: the colocated engine; hf: None
+    # --rollout-engine vllm: the colocated engine; hf: None
+    engine = make_engine(args.gen, args.model, tok, policy, accelerator, max_len, args.run.seed)
 
     @torch.no_grad()
     def ref_logps(ids, attn, response_mask):
@@ -403,7 +283,14 @@ def main(args: Args):
             metrics["eval/loss"] = accelerator.gather(torch.cat(loss)).mean().item()
         if eval_prompts:
             m, _ = evaluate_policy(
-                accelerator, policy, tok, eval_reward, eval_prompts, args.max_new_tokens, args.micro_batch_size, engine
+                accelerator,
+                policy,
+                tok,
+                eval_reward,
+                eval_prompts,
+                args.gen.max_new_tokens,
+                args.micro_batch_size,
+                engine,
             )
             metrics.update(m)
         return metrics
@@ -420,8 +307,7 @@ def main(args: Args):
     for step in run.steps():  # after each: checkpoints (periodic, final, on a signal), --max-wall-minutes
         t_step = time.time()
         r = accelerator.process_index
-        global_ids = sampler.take(args.batch_size)
-        ids = global_ids[r * args.local_batch_size : (r + 1) * args.local_batch_size]
+        ids = sampler.take(args.batch_size)[r * local_batch_size : (r + 1) * local_batch_size]  # this rank's slice
         ties, gen_s = 0, 0.0
         # ------------------------------------------------------------------ 1. pairs (offline, or sampled + ranked)
         if args.online:
@@ -429,12 +315,10 @@ def main(args: Args):
             rows = [train_rows[i] for i in ids for _ in range(args.group_size)]  # (B*K,) a prompt's samples adjacent
             q, qm = tokenize_queries(tok, [x.text for x in rows], device)
             seeds = [
-                mix_seed(args.seed, step, (r * args.local_batch_size) * args.group_size + j) for j in range(len(rows))
+                mix_seed(args.run.seed, step, r * local_batch_size * args.group_size + j) for j in range(len(rows))
             ]
             with unwrap_for_generation(accelerator, policy) as gen_model:
-                rollout = generate(
-                    gen_model, tok, q, qm, args.max_new_tokens, args.temperature, seeds=seeds, engine=engine
-                )
+                rollout = generate(gen_model, tok, q, qm, **args.gen.sampling(), seeds=seeds, engine=engine)
             texts = tok.batch_decode(rollout.responses, skip_special_tokens=True)
             # the pairs train on the generated ids (EOS only where the policy emitted it), not on re-tokenised text
             response_ids = [
@@ -448,19 +332,10 @@ def main(args: Args):
                 if scores[k, best_i] == scores[k, worst_i]:
                     ties += 1
                     continue
-                pairs.append(
-                    {
-                        "prompt": train_rows[i].text,
-                        "chosen": response_ids[k * args.group_size + best_i],
-                        "rejected": response_ids[k * args.group_size + worst_i],
-                    }
-                )
+                best, worst = response_ids[k * args.group_size + best_i], response_ids[k * args.group_size + worst_i]
+                pairs.append({"prompt": train_rows[i].text, "chosen": best, "rejected": worst})
             pair_ids = None
-            filler = {
-                "prompt": rows[0].text,
-                "chosen": response_ids[0],
-                "rejected": response_ids[0],
-            }  # see the update below
+            filler = {"prompt": rows[0].text, "chosen": response_ids[0], "rejected": response_ids[0]}  # see the update
             gen_s = time.time() - t_gen
         else:
             pairs, pair_ids = [train_rows[i] for i in ids], ids
@@ -468,9 +343,9 @@ def main(args: Args):
         # ------------------------------------------------------------------ 2. update
         t_train = time.time()
         stats = {k: [] for k in ("loss", "sft", "chosen", "rejected", "logps_c", "logps_r")}
-        # mean over all ranks' pairs (global_mean_divisor). --online skips ties, so ranks can hold different numbers of pairs; every rank still runs the
-        # same number of backward passes (DDP and DeepSpeed reduce inside them), a short rank running
-        # a filler pair with weight 0
+        # mean over all ranks' pairs (global_mean_divisor). --online skips ties, so ranks can hold different numbers
+        # of pairs; every rank still runs the same number of backward passes (DDP and DeepSpeed reduce inside them),
+        # a short rank running a filler pair with weight 0
         divisor = global_mean_divisor(torch.tensor(float(len(pairs)), device=device))
         n_micro = int(accelerator.gather(torch.tensor([-(-len(pairs) // args.micro_batch_size)], device=device)).max())
         for j in range(n_micro):
@@ -486,7 +361,7 @@ def main(args: Args):
                 for key, v in zip(stats, (losses, nll, c, rj, lc, lr_)):
                     stats[key].append(v.detach())
         if n_micro > 0:  # some rank has a pair
-            guard.step(policy, opt, args.max_grad_norm, "policy", step)
+            guard.step(policy, opt, args.optim.max_grad_norm, "policy", step)
         sched.step()
         opt.zero_grad()
         train_s = time.time() - t_train
@@ -496,7 +371,7 @@ def main(args: Args):
             # pairs per rank differ when --online skips ties: gather padded values with a validity flag
             def gmean(key):
                 x = torch.cat(stats[key]) if stats[key] else torch.zeros(0, device=device)
-                x = F.pad(x, (0, args.local_batch_size - len(x)), value=float("nan"))
+                x = F.pad(x, (0, local_batch_size - len(x)), value=float("nan"))
                 x = accelerator.gather(x)
                 x = x[~torch.isnan(x)]
                 return x.mean().item() if len(x) else float("nan")
@@ -504,7 +379,7 @@ def main(args: Args):
             c_all, r_all = [
                 torch.cat(stats[k]) if stats[k] else torch.zeros(0, device=device) for k in ("chosen", "rejected")
             ]
-            acc = F.pad((c_all > r_all).float(), (0, args.local_batch_size - len(c_all)), value=float("nan"))
+            acc = F.pad((c_all > r_all).float(), (0, local_batch_size - len(c_all)), value=float("nan"))
             acc = accelerator.gather(acc)
             step_s = time.time() - t_step
             metrics = {
@@ -533,7 +408,7 @@ def main(args: Args):
             as_text = lambda c: c if isinstance(c, str) else tok.decode(c, skip_special_tokens=True)  # --online: ids
             samples = [
                 {"prompt": p["prompt"], "chosen": as_text(p["chosen"]), "rejected": as_text(p["rejected"])}
-                for p in pairs[: args.num_samples_logged]
+                for p in pairs[: args.run.num_samples_logged]
             ]
             run.log(step, metrics, samples)  # + evaluation when due, --save-best
 

@@ -46,18 +46,35 @@ import torch
 import tyro
 
 from common import models as M
+from common.args import (
+    Check,
+    GenerationArgs,
+    Group,
+    ModelArgs,
+    NonNegFloat,
+    NonNegInt,
+    OptimArgs,
+    PositiveFloat,
+    PositiveInt,
+    PromptArgs,
+    RewardArgs,
+    RunArgs,
+    UnitFloat,
+    group,
+)  # fmt: skip
 from common.cli import cli
 from common.data import Sampler
 from common.distributed import (
     UpdateGuard,
+    adamw,
     backward,
     configure_deepspeed,
+    frozen_reference,
     make_accelerator,
     micro_batch_budget,
-    prepare_frozen,
     unwrap_for_generation,
 )
-from common.errors import UserError, mix_seed, seed_everything
+from common.errors import mix_seed, seed_everything
 from common.eval import evaluate_policy
 from common.health import HealthConfig
 from common.ops import all_sum, exact_div, gae, global_mean_divisor, kl_estimate, masked_mean, masked_whiten
@@ -70,6 +87,7 @@ from common.rollout import (
     generate,
     micro_batches,
     padding_fraction,
+    reference_logprobs,
     sequence_attention_mask,
     tokenize_queries,
 )
@@ -80,208 +98,85 @@ from common.vllm_engine import make_engine
 
 @dataclass
 class Args:
-    # --- experiment
-    exp_name: str = Path(__file__).stem
-    """name of this experiment (W&B group; part of the run folder name)"""
-    seed: int = 1
-    """seed of model init, prompt order, sampling and minibatch shuffling"""
-    track: bool = False
-    """log to Weights & Biases (works with WANDB_MODE=offline)"""
-    wandb_project_name: str = "cleanrlhf"
-    """W&B project"""
-    wandb_entity: Optional[str] = None
-    """W&B entity (team or user)"""
-    config: Optional[str] = None
-    """YAML preset (keys = these field names); CLI flags override it"""
-    output_dir: str = "runs"
-    """where run folders are created"""
-    resume: Optional[str] = None
-    """checkpoint folder or run folder (its latest checkpoint) to continue exactly, in that run's folder; 'auto': the latest run of this exp_name/seed if any"""
-    save_every: int = 0
-    """save a checkpoint every N steps (0: only at the end)"""
-    save_every_minutes: float = 30.0
-    """also save when this many minutes have passed since the last save (0: off), so a pre-empted run loses little"""
-    max_wall_minutes: float = 0.0
-    """stop after the step that passes this many minutes of wall time since setup ended (checkpoint and final
-    evaluation as at --total-steps), so recipes compare at equal cost; 0: no limit"""
-    keep_last: int = 0
-    """keep only the last K checkpoints (0: keep all)"""
-    save_merged: bool = False
-    """LoRA: each checkpoint also holds {model}_merged/, the full merged model (loads without peft: vLLM, TGI)"""
-    save_best: Optional[str] = None
-    """keep checkpoints/best/, the checkpoint of the best value so far of this metric (e.g. eval/accuracy; losses: lowest)"""
-    eval_every: int = 10
-    """evaluate every N steps (and before the first and after the last; 0: never)"""
-    log_every: int = 1
-    """write metrics every N steps"""
-    num_samples_logged: int = 4
-    """rollouts written to samples.jsonl (and a W&B table) per log interval"""
-
-    # --- model
-    model_name_or_path: str = M.DEFAULT_MODEL
-    """policy: hub id, local folder, or the offline default alias"""
-    critic_model: Optional[str] = None
-    """critic body (default: the policy's weights); its value head starts at zero"""
-    reward_model: Optional[str] = None
-    """sequence-classification reward model (used by a 'model' term in --reward)"""
-    trust_remote_code: bool = False
-    """allow model code from the hub"""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """weights dtype (auto: float32 on CPU, bfloat16 on GPUs that support it)"""
-    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
-    """bf16: autocast forward/backward in bfloat16 (float32 weights, optimizer, log-softmax); auto: bf16 where it
-    pays (float32 weights, a CPU with native bf16 matmul, hidden size >= 256: docs/performance.md), else as
-    `accelerate launch --mixed_precision` says; no: float32"""
-    tp_size: int = 1
-    """tensor parallelism: each model sharded over groups of this many processes (launch tp_size x data-parallel
-    processes with torchrun / accelerate launch; batch flags count data-parallel ranks): docs/distributed.md"""
-    lora_r: int = 0
-    """LoRA rank for policy and critic (0 = full fine-tuning); the reference is the adapter disabled"""
-    lora_alpha: int = 32
-    """LoRA alpha"""
-    load_in_4bit: bool = False
-    """QLoRA: 4-bit base weights (needs CUDA and --lora-r > 0)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
-
-    # --- data and reward
-    train_files: Optional[list[str]] = None
-    """prompt files (parquet/jsonl/arrow or hub id); default: the built-in task"""
-    val_files: Optional[list[str]] = None
-    """validation prompt files; default: the built-in task's test split"""
-    task: str = "chain_sum_1d"
-    """built-in reasoning-gym task used when no --train-files are given"""
-    apply_chat_template: bool = True
-    """render prompts with the tokenizer's chat template (--no-apply-chat-template: raw text, for base models)"""
-    chat_template_kwargs: Optional[str] = None
-    """JSON keyword arguments for apply_chat_template, e.g. '{"enable_thinking": false}'"""
-    system_prompt: Optional[str] = None
-    """system message put first in every prompt (default: none beyond what the chat template adds)"""
-    prompt_key: str = "prompt"
-    """column holding the prompt"""
-    reward_fn_key: str = "data_source"
-    """column selecting the reward function"""
-    max_prompt_length: int = 256
-    """prompts longer than this (tokens) are dropped, or cut with --truncate-prompts"""
-    truncate_prompts: bool = False
-    """keep the last --max-prompt-length tokens of long prompts instead of dropping them"""
-    reward: str = "rule:1.0"
-    """weighted reward sources, e.g. 'rule:1.0,model:0.5,format:0.1,length:0.1'"""
-    reward_fn: Optional[list[str]] = None
-    """path/to/file.py:fn replacing the data_source registry for every row; repeat for several (summed with --reward-weights)"""
-    reward_weights: Optional[list[float]] = None
-    """weights of the --reward-fn functions, in order (default: 1 each); each is logged as reward/<fn>"""
-    reward_fallback: Optional[float] = None
-    """score given when a reward function fails (default: stop with an error naming the row)"""
-    reward_timeout: float = 60.0
-    """seconds one reward-function call may take before it counts as failed (error naming the row, or --reward-fallback; 0: no limit)"""
-    reward_workers: int = 2
-    """processes that run --reward-fn functions off the training loop (a crash or hang there costs a row, not the run); 0: in this process"""
-    missing_eos_penalty: float = 0.0
-    """subtracted from the score of responses that end without EOS"""
-    num_eval_prompts: int = 64
-    """validation prompts per evaluation (greedy)"""
-
-    # --- generation
-    max_new_tokens: Annotated[int, tyro.conf.arg(aliases=("--max-completion-length",))] = 48
-    """response length limit (tokens)"""
-    temperature: float = 1.0
-    """sampling temperature (log-probs are computed at the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling"""
-    top_k: int = 0
-    """top-k sampling (0: off)"""
-    rollout_engine: Literal["hf", "vllm"] = "hf"
-    """hf: our decoding loop on the policy (exactly reproducible); vllm: a vLLM engine in this process, the
-    policy's weights pushed into it after each update, pi_old recomputed by the trainer (docs/rollout.md)"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """vllm on GPUs: the share of GPU memory the engine may take (weights + KV cache), next to training"""
-    vllm_kv_cache_gb: float = 1.0
-    """vllm on CPU: KV-cache space (GiB)"""
-    vllm_tensor_parallel_size: int = 1
-    """vllm on GPUs: devices one engine spans (tensor-parallel generation)"""
-    vllm_sleep: bool = False
-    """vllm on GPUs: free the engine's memory during each update (sleep after a rollout, wake before the next)"""
-
-    # --- optimisation
-    total_steps: int = 100
-    """training iterations (rollout + update)"""
-    batch_size: int = 16
-    """rollouts per iteration, over all processes"""
-    mini_batch_size: int = 8
-    """rollouts per optimizer step, over all processes"""
-    micro_batch_size: int = 8
-    """rollouts per forward/backward on one process (gradient accumulation up to the minibatch)"""
-    micro_batch_tokens: int = -1
-    """micro-batches packed by length: rows sorted longest first, packed while rows x padded length <= this many
-    tokens, each run at its own longest prompt and response (less padding, same loss); -1: the budget of
-    --micro-batch-size rows at the batch's full length (same memory bound); 0: --micro-batch-size rows, unpacked"""
-    update_epochs: Annotated[int, tyro.conf.arg(aliases=("--ppo-epochs",))] = 2
-    """passes over the rollout batch per iteration (CleanRL's update_epochs; --ppo-epochs works too)"""
-    learning_rate: float = 5e-6
-    """policy learning rate"""
-    critic_learning_rate: float = 2e-5
-    """critic learning rate"""
-    lr_scheduler: str = "constant_with_warmup"
-    """transformers scheduler name (constant_with_warmup, linear, cosine, ...)"""
-    warmup_steps: int = 0
-    """optimizer steps of linear warm-up"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping (per model)"""
-
     # --- algorithm
-    gamma: float = 1.0
+    batch_size: PositiveInt = 16
+    """rollouts per iteration, over all processes"""
+    mini_batch_size: PositiveInt = 8
+    """rollouts per optimizer step, over all processes"""
+    update_epochs: Annotated[PositiveInt, tyro.conf.arg(aliases=("--ppo-epochs",))] = 2
+    """passes over the rollout batch per iteration (CleanRL's update_epochs; --ppo-epochs works too)"""
+    critic_learning_rate: PositiveFloat = 2e-5
+    """critic learning rate (the policy's: --learning-rate)"""
+    gamma: UnitFloat = 1.0
     """discount"""
-    lam: float = 0.95
+    lam: UnitFloat = 0.95
     """GAE lambda"""
-    clip_eps: float = 0.2
+    clip_eps: PositiveFloat = 0.2
     """policy ratio clip"""
-    dual_clip_c: Optional[float] = None
+    dual_clip_c: Annotated[Optional[float], Check(gt=1)] = None
     """dual-clip constant (> 1) bounding the loss for negative advantages (Ye et al. 2020)"""
-    clip_eps_value: float = 0.2
+    clip_eps_value: PositiveFloat = 0.2
     """value clip around the rollout's values"""
-    vf_coef: float = 0.1
+    vf_coef: NonNegFloat = 0.1
     """value loss weight"""
-    ent_coef: float = 0.0
+    ent_coef: NonNegFloat = 0.0
     """entropy bonus weight"""
-    kl_coef: float = 0.05
+    kl_coef: NonNegFloat = 0.05
     """initial beta of the per-token KL penalty in the reward"""
-    kl_target: Optional[float] = None
+    kl_target: Annotated[Optional[float], Check(gt=0, note="omit it for a fixed --kl-coef")] = None
     """if set, beta adapts so the measured KL approaches this (Ziegler et al.)"""
-    kl_horizon: int = 10000
+    kl_horizon: PositiveInt = 10000
     """adaptive controller horizon (samples)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """per-token KL estimator in the reward penalty"""
-    tis_cap: float = 0.0
+    tis_cap: NonNegFloat = 0.0
     """truncated importance sampling: weight each token's loss by min(pi_old / pi_sampler, C) (0 = off)"""
     whiten_rewards: bool = False
     """scale per-token rewards to unit variance (mean kept) before GAE"""
     whiten_advantages: bool = True
     """whiten advantages over the batch"""
-    critic_warmup_steps: int = 0
+    critic_warmup_steps: NonNegInt = 0
     """first N iterations train only the critic"""
+    missing_eos_penalty: NonNegFloat = 0.0
+    """subtracted from the score of responses that end without EOS"""
+    critic_model: Optional[str] = None
+    """critic body (default: the policy's weights); its value head starts at zero"""
     values_from_update: bool = True
     """no effect (kept so earlier commands and presets parse): V_old is always the no-grad values pass of phase 2"""
-    policy_kl_target: float = 0.1
+    policy_kl_target: PositiveFloat = 0.1
     """target of KL(pi_old || pi_theta) after each iteration's update (token mean); beta adapts toward it"""
-    beta_init: float = 0.5
+    beta_init: NonNegFloat = 0.5
     """initial beta of the policy-KL term in the loss"""
-    beta_max: float = 1.0
+    beta_max: PositiveFloat = 1.0
     """upper bound of beta"""
-    beta_min: float = 0.01
+    beta_min: NonNegFloat = 0.01
     """lower bound of beta"""
     policy_kl_estimator: Literal["k1", "k3"] = "k3"
     """k3: (r - 1) - log r with r = pi_theta / pi_old, >= 0; k1: log pi_old - log pi_theta (negative on the samples just fitted)"""
-
     health: HealthConfig = field(default_factory=HealthConfig)
     """training-health warning thresholds (--health.kl-max, ...; docs/experiments.md)"""
 
-    # --- filled at runtime
-    world_size: int = field(default=1, init=False)
-    local_batch_size: int = field(default=0, init=False)
-    local_mini_batch_size: int = field(default=0, init=False)
+    # --- memory: how a minibatch is cut into forward/backward passes (the same loss)
+    micro_batch_size: PositiveInt = 8
+    """rollouts per forward/backward on one process (gradient accumulation up to the minibatch)"""
+    micro_batch_tokens: int = -1
+    """micro-batches packed by length: rows sorted longest first, packed while rows x padded length <= this many
+    tokens, each run at its own longest prompt and response (less padding, same loss); -1: the budget of
+    --micro-batch-size rows at the batch's full length (same memory bound); 0: --micro-batch-size rows, unpacked"""
+
+    # --- the flags every script shares (common/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
+    run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=100)
+    """experiment, run folder, checkpoints, evaluation cadence, tracking"""
+    model: Group[ModelArgs] = group(ModelArgs)
+    """the policy (and, by default, the critic's body): weights, precision, LoRA, parallelism"""
+    data: Group[PromptArgs] = group(PromptArgs)
+    """prompts (verl schema) and their rendering"""
+    rewards: Group[RewardArgs] = group(RewardArgs)
+    """reward functions, reward model, mixes"""
+    gen: Group[GenerationArgs] = group(GenerationArgs)
+    """sampling and the rollout engine"""
+    optim: Group[OptimArgs] = group(OptimArgs, learning_rate=5e-6)
+    """the policy's optimizer (and the critic's, but for its learning rate)"""
 
 
 # ALGO LOGIC: the PPO losses
@@ -341,82 +236,35 @@ def update_beta(beta, kl, target, beta_min, beta_max):
 
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
-    # as launched: DDP, FSDP2 or DeepSpeed; without GPU, CPU processes over gloo; --mixed-precision
-    accelerator = make_accelerator(args.mixed_precision, args.model_name_or_path, args.dtype, args.tp_size)
-    device = accelerator.device
-    args.world_size = accelerator.num_processes
-    args.local_batch_size = exact_div(args.batch_size, args.world_size, "--batch-size over the number of processes")
-    args.local_mini_batch_size = exact_div(
-        args.mini_batch_size, args.world_size, "--mini-batch-size over the number of processes"
-    )
+    accelerator = make_accelerator(args.model)  # as launched: DDP, FSDP2, DeepSpeed or TP; --mixed-precision
+    device, W = accelerator.device, accelerator.num_processes
+    local_batch_size = exact_div(args.batch_size, W, "--batch-size over the number of processes")
+    local_mini_batch_size = exact_div(args.mini_batch_size, W, "--mini-batch-size over the number of processes")
     exact_div(args.batch_size, args.mini_batch_size, "--batch-size over --mini-batch-size")
-    exact_div(
-        args.local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size"
-    )
+    exact_div(local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size")
     micro_batch_tokens = micro_batch_budget(accelerator, args.micro_batch_tokens)  # DeepSpeed: row micro-batches
     # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
-    configure_deepspeed(
-        accelerator, args.micro_batch_size, args.local_mini_batch_size // args.micro_batch_size, args.max_grad_norm
-    )
-    if args.kl_target is not None and args.kl_target <= 0:
-        raise UserError(f"--kl-target {args.kl_target}: must be > 0 (omit it for a fixed --kl-coef)")
-    seed_everything(args.seed)
-    log = accelerator.print
+    accumulation = local_mini_batch_size // args.micro_batch_size
+    configure_deepspeed(accelerator, args.micro_batch_size, accumulation, args.optim.max_grad_norm)
+    seed_everything(args.run.seed)
     run = Run(accelerator, args, Path(__file__).stem)  # --resume: resolved and checked before anything loads
-
-    M.check_context(
-        args.model_name_or_path,
-        args.max_prompt_length + args.max_new_tokens,
-        "--max-prompt-length + --max-new-tokens",
-        args.trust_remote_code,
-    )
-    tok = M.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
-    M.set_prompt_format(tok, args.apply_chat_template, args.chat_template_kwargs, args.system_prompt)
-    reward = reward_from_args(args, accelerator)  # rules, a reward model (its own tokenizer), weighted mixes
+    max_len = args.data.max_prompt_length + args.gen.max_new_tokens
+    tok = M.prompt_tokenizer(args.model, args.data, max_len, "--max-prompt-length + --max-new-tokens")
+    reward = reward_from_args(args.rewards, args.model, args.gen.max_new_tokens, accelerator)  # rules, models, mixes
     # --train-files / --val-files, else the built-in --task; every data_source checked against the rewards
-    train_rows, val_rows = load_rl_prompts(args, tok, reward, log)
-    sampler = Sampler(len(train_rows), args.seed)
+    train_rows, val_rows = load_rl_prompts(args.data, tok, reward, accelerator.print)
+    sampler = Sampler(len(train_rows), args.run.seed)
 
     # ALGO LOGIC: PPO's models and optimizers: the policy, a critic (value model), a frozen reference
     # for the KL penalty in the reward (none when --kl-coef 0 and no --kl-target), the KL controller
-    lora = dict(
-        lora_r=args.lora_r,
-        lora_alpha=args.lora_alpha,
-        gradient_checkpointing=args.gradient_checkpointing,
-        load_in_4bit=args.load_in_4bit,
-        dtype=args.dtype,
-        trust_remote_code=args.trust_remote_code,
-    )
-    policy = M.load_causal_lm(args.model_name_or_path, tok, **lora)
-    critic = M.load_value_model(args.critic_model or args.model_name_or_path, tok, **lora)
+    policy = M.load_causal_lm(args.model.model_name_or_path, tok, **M.train_kwargs(args.model))
+    critic = M.load_value_model(args.critic_model or args.model.model_name_or_path, tok, **M.train_kwargs(args.model))
     use_ref = args.kl_coef > 0 or args.kl_target is not None
-    ref_policy = None  # with LoRA the reference is the policy with its adapter disabled
-    if use_ref and args.lora_r == 0:
-        ref_policy = prepare_frozen(
-            accelerator,
-            M.load_causal_lm(args.model_name_or_path, tok, dtype=args.dtype, trust_remote_code=args.trust_remote_code),
-            under_autocast=True,  # run inside accelerator.autocast(): bf16 matmul weights stored as bf16
-        )
-    n_updates = args.total_steps * args.update_epochs * (args.batch_size // args.mini_batch_size)
-    from transformers import get_scheduler
-
-    # fused: one kernel per step over all parameters (5-9x faster than foreach on CPU: docs/performance.md)
-    opt = torch.optim.AdamW(
-        [p for p in policy.parameters() if p.requires_grad],
-        lr=args.learning_rate,
-        weight_decay=args.weight_decay,
-        fused=True,
-    )
-    critic_opt = torch.optim.AdamW(
-        [p for p in critic.parameters() if p.requires_grad],
-        lr=args.critic_learning_rate,
-        weight_decay=args.weight_decay,
-        fused=True,
-    )
-    sched = get_scheduler(args.lr_scheduler, opt, num_warmup_steps=args.warmup_steps, num_training_steps=n_updates)
-    critic_sched = get_scheduler(
-        args.lr_scheduler, critic_opt, num_warmup_steps=args.warmup_steps, num_training_steps=n_updates
-    )
+    # with LoRA the reference is the policy with its adapter disabled
+    ref_policy = frozen_reference(accelerator, args.model, tok) if use_ref and not args.model.lora_r else None
+    n_updates = args.run.total_steps * args.update_epochs * (args.batch_size // args.mini_batch_size)
+    opt, sched = adamw(policy, args.optim, n_updates)
+    critic_opt, critic_sched = adamw(critic, args.optim, n_updates, lr=args.critic_learning_rate)
     kl_ctl = KLController(args.kl_coef, args.kl_target, args.kl_horizon)
     beta = KLController(args.beta_init)  # holds and checkpoints beta; update_beta moves it
 
@@ -426,10 +274,12 @@ def main(args: Args):
     # one model per call: FSDP2 pairs it with its optimizer
     policy, opt, sched = accelerator.prepare(policy, opt, sched)
     critic, critic_opt, critic_sched = accelerator.prepare(critic, critic_opt, critic_sched)
-    engine = make_engine(args, tok, policy, accelerator)  # --rollout-engine vllm: the colocated engine; hf: None
+    # --rollout-engine vllm: the colocated engine; hf: None
+    engine = make_engine(args.gen, args.model, tok, policy, accelerator, max_len, args.run.seed)
     evaluate = lambda: evaluate_policy(
-        accelerator, policy, tok, reward, val_rows, args.max_new_tokens, args.micro_batch_size, engine
+        accelerator, policy, tok, reward, val_rows, args.gen.max_new_tokens, args.micro_batch_size, engine
     )
+    ref_logprobs_of = reference_logprobs(accelerator, ref_policy, policy, args.gen.temperature)  # (B, T) fn
     # what a checkpoint holds, by name (restored here when resuming); evaluation before the first step
     run.begin(
         tok,
@@ -439,45 +289,25 @@ def main(args: Args):
         evaluate=evaluate if val_rows else None,
     )
 
-    def ref_logprobs_of(query_responses, attn, P):
-        if ref_policy is not None:
-            with accelerator.autocast():  # a frozen model is not prepared: --mixed-precision applied here
-                return forward_logprobs(ref_policy, query_responses, attn, P, args.temperature)
-        with accelerator.unwrap_model(policy).disable_adapter():
-            return forward_logprobs(policy, query_responses, attn, P, args.temperature)
-
     for step in run.steps():  # after each: checkpoints (periodic, final, on a signal), --max-wall-minutes
         t_step = time.time()
         # ------------------------------------------------------------------ 1. rollout
-        global_ids = sampler.take(args.batch_size)  # same on every rank; each takes its slice
         r = accelerator.process_index
-        ids = global_ids[r * args.local_batch_size : (r + 1) * args.local_batch_size]
+        ids = sampler.take(args.batch_size)[r * local_batch_size : (r + 1) * local_batch_size]  # this rank's slice
         rows = [train_rows[i] for i in ids]
         queries, query_mask = tokenize_queries(tok, [x.text for x in rows], device)  # (B, P)
         P = queries.shape[1]
-        seeds = [mix_seed(args.seed, step, r * args.local_batch_size + j) for j in range(len(rows))]
+        seeds = [mix_seed(args.run.seed, step, r * local_batch_size + j) for j in range(len(rows))]
         t_gen = time.time()
         with unwrap_for_generation(accelerator, policy) as gen_model:
+            # pi_old reuses the prompts' KV cache (checkpointed layers take no cache)
             rollout = generate(
-                gen_model,
-                tok,
-                queries,
-                query_mask,
-                args.max_new_tokens,
-                args.temperature,
-                args.top_k,
-                args.top_p,
-                seeds,
-                engine=engine,
-                keep_prompt_cache=not args.gradient_checkpointing,  # pi_old reuses it (checkpointed layers take no cache)
-            )
+                gen_model, tok, queries, query_mask, **args.gen.sampling(), seeds=seeds, engine=engine,
+                keep_prompt_cache=not args.model.gradient_checkpointing,
+            )  # fmt: skip
         gen_s = time.time() - t_gen
-        query_responses, responses, mask = (
-            rollout.query_responses,
-            rollout.responses,
-            rollout.response_mask,
-        )  # (B, P+T), (B, T), (B, T)
-        T = responses.shape[1]
+        query_responses, responses, mask = rollout.query_responses, rollout.responses, rollout.response_mask
+        T = responses.shape[1]  # query_responses (B, P+T); responses, mask (B, T)
         attn = sequence_attention_mask(query_mask, T)  # (B, P+T)
 
         # ------------------------------------------------------------------ 2. score
@@ -491,7 +321,7 @@ def main(args: Args):
         )
         with torch.no_grad(), accelerator.autocast():  # one region: bf16 weight copies cast once, not per micro-batch
             by_micro = lambda fn, c=None: forward_by_micro_batch(fn, all_micros, query_responses, attn, P, T, c) * mask
-            pi_old = lambda qr, am, p, **cache: forward_logprobs(policy, qr, am, p, args.temperature, **cache)
+            pi_old = lambda qr, am, p, **cache: forward_logprobs(policy, qr, am, p, args.gen.temperature, **cache)
             logprobs = by_micro(pi_old, rollout.prompt_cache)  # (B, T) responses over the rollout's prompt KV cache
             rollout.prompt_cache = None  # its memory back before the update
             values = by_micro(lambda *a: forward_values(critic, *a))  # (B, T) V_old
@@ -517,19 +347,16 @@ def main(args: Args):
         # ------------------------------------------------------------------ 4. update
         t_train = time.time()
         stats = {k: [] for k in ("pg", "vf", "ent", "clip", "akl", "pkl")}
-        padded_tokens = real_tokens = 0.0  # of the update's forwards: perf/padding_frac
         train_policy = step > args.critic_warmup_steps
-        g = torch.Generator().manual_seed(mix_seed(args.seed, step, r))
+        g = torch.Generator().manual_seed(mix_seed(args.run.seed, step, r))
         for epoch in range(args.update_epochs):
             perm = torch.randperm(len(rows), generator=g).tolist()
-            for mb_start in range(0, len(rows), args.local_mini_batch_size):
-                mb_ids = perm[mb_start : mb_start + args.local_mini_batch_size]
-                # token-mean over the global minibatch: DDP/FSDP average the W ranks' gradients, so each
-                # rank divides by (all ranks' tokens) / W
+            for mb_start in range(0, len(rows), local_mini_batch_size):
+                mb_ids = perm[mb_start : mb_start + local_mini_batch_size]
+                # token-mean over the global minibatch: DDP/FSDP average the W ranks' gradients, so
+                # each rank divides by (all ranks' tokens) / W
                 n_tokens = global_mean_divisor(mask[mb_ids].sum())
                 micros = micro_batches(mb_ids, query_mask, mask, args.micro_batch_size, micro_batch_tokens, accelerator)
-                padded, real = padding_fraction(micros, query_mask, mask)
-                padded_tokens, real_tokens = padded_tokens + padded, real_tokens + real
                 # the critic's pass, then the policy's: disjoint graphs, one model's alive at a time (peak memory);
                 # under DeepSpeed each engine steps itself at its last micro-batch
                 for k, m in enumerate(micros):
@@ -537,39 +364,23 @@ def main(args: Args):
                     micro, t, cut = m.ids, m.t, slice(P - m.p, P + m.t)
                     new_values = forward_values(critic, query_responses[micro, cut], attn[micro, cut], m.p)  # (b, t)
                     vf = value_loss(
-                        new_values,
-                        values[micro, :t],
-                        returns[micro, :t],
-                        mask[micro, :t],
-                        n_tokens,
+                        new_values, values[micro, :t], returns[micro, :t], mask[micro, :t], n_tokens,
                         args.clip_eps_value,
-                    )
+                    )  # fmt: skip
                     backward(accelerator, critic, args.vf_coef * vf, k == len(micros) - 1)
                     stats["vf"].append(vf.detach())
                 for k, m in enumerate(micros):
-                    # this micro-batch's rows at its own lengths: its longest prompt (m.p) and response (t)
                     micro, t, cut = m.ids, m.t, slice(P - m.p, P + m.t)
                     last = k == len(micros) - 1  # the minibatch's last micro-batch
                     with torch.set_grad_enabled(train_policy):  # critic warm-up: no policy graph
                         new_logprobs, entropy = forward_logprobs(
-                            policy,
-                            query_responses[micro, cut],
-                            attn[micro, cut],
-                            m.p,
-                            args.temperature,
-                            with_entropy=True,
-                            entropy_grad=args.ent_coef != 0,  # a detached statistic without the bonus
-                        )  # (b, t) each
+                            policy, query_responses[micro, cut], attn[micro, cut], m.p, args.gen.temperature,
+                            with_entropy=True, entropy_grad=args.ent_coef != 0,  # a detached statistic without the bonus
+                        )  # (b, t) each  # fmt: skip
                     pg, clip_frac, approx_kl = policy_loss(
-                        new_logprobs,
-                        logprobs[micro, :t],
-                        advantages[micro, :t],
-                        mask[micro, :t],
-                        n_tokens,
-                        args.clip_eps,
-                        args.dual_clip_c,
-                        tis_weights[micro, :t] if tis_weights is not None else None,
-                    )
+                        new_logprobs, logprobs[micro, :t], advantages[micro, :t], mask[micro, :t], n_tokens,
+                        args.clip_eps, args.dual_clip_c, tis_weights[micro, :t] if tis_weights is not None else None,
+                    )  # fmt: skip
                     ent = (entropy * mask[micro, :t]).sum() / n_tokens
                     policy_kl = (
                         kl_estimate(logprobs[micro, :t], new_logprobs, args.policy_kl_estimator) * mask[micro, :t]
@@ -579,33 +390,22 @@ def main(args: Args):
                     for key, v in zip(("pg", "ent", "clip", "akl", "pkl"), (pg, ent, clip_frac, approx_kl, policy_kl)):
                         stats[key].append(v.detach())
                 if train_policy:  # (clip, step, zero_grad: no-ops under DeepSpeed, whose engines stepped in backward)
-                    guard.step(policy, opt, args.max_grad_norm, "policy", step)
+                    guard.step(policy, opt, args.optim.max_grad_norm, "policy", step)
                     sched.step()
-                guard.step(critic, critic_opt, args.max_grad_norm, "critic", step)
+                guard.step(critic, critic_opt, args.optim.max_grad_norm, "critic", step)
                 critic_sched.step()
                 opt.zero_grad()
                 critic_opt.zero_grad()
+        train_s = time.time() - t_train
         # ALGO LOGIC: beta follows the KL the update produced, measured after it (one extra forward)
         if train_policy:
-            with torch.no_grad():
-                new_logprobs = torch.cat(
-                    [
-                        forward_logprobs(
-                            policy,
-                            query_responses[i : i + args.micro_batch_size],
-                            attn[i : i + args.micro_batch_size],
-                            P,
-                            args.temperature,
-                        )
-                        for i in range(0, len(rows), args.micro_batch_size)
-                    ]
-                )  # (B, T)
+            with torch.no_grad(), accelerator.autocast():
+                new_logprobs = by_micro(pi_old)  # (B, T) the updated policy's, on the rollout's micro-batches
             policy_kl_after = (
                 all_sum((kl_estimate(logprobs, new_logprobs, args.policy_kl_estimator) * mask).sum())
                 / all_sum(mask.sum()).clamp(min=1)
             ).item()
             beta.value = update_beta(beta.value, policy_kl_after, args.policy_kl_target, args.beta_min, args.beta_max)
-        train_s = time.time() - t_train
 
         # ------------------------------------------------------------------ 5. KL controller
         mean_kl = accelerator.gather(masked_mean(kl, mask, dim=1)).mean().item()  # per-token KL, batch mean
@@ -615,49 +415,45 @@ def main(args: Args):
         # ------------------------------------------------------------------ 6. log, evaluate, checkpoint
         if run.logging(step):  # --log-every, and every evaluation step and the last
             # each stat holds per-micro-batch parts of a minibatch mean; their sum / #minibatches = mean over minibatches
-            n_minibatches = args.update_epochs * len(rows) // args.local_mini_batch_size
-            mean_over_minibatches = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
-            all_scores = accelerator.gather(scores)
-            gen_tokens = accelerator.gather(lengths).sum().item()
-            step_s = time.time() - t_step
-            per_batch = real_tokens / args.update_epochs  # real tokens of the rollout batch
+            n_minibatches = args.update_epochs * len(rows) // local_mini_batch_size
+            mean = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
+            all_scores, step_s = accelerator.gather(scores), time.time() - t_step
+            padded, real = padding_fraction(all_micros, query_mask, mask)  # tokens of the batch's forward passes
             metrics = {
                 "train/reward": all_scores.mean().item(),
                 "train/reward_std": all_scores.std().item(),
                 "train/kl": mean_kl,
                 "train/kl_coef": kl_coef_used,
                 "train/sampler_logprob_diff": sampler_diff.item(),
-                "train/entropy": mean_over_minibatches(stats["ent"]),
-                "train/clip_frac": mean_over_minibatches(stats["clip"]),
-                "train/approx_kl": mean_over_minibatches(stats["akl"]),
+                "train/entropy": mean(stats["ent"]),
+                "train/clip_frac": mean(stats["clip"]),
+                "train/approx_kl": mean(stats["akl"]),
                 "train/response_len": accelerator.gather(lengths).float().mean().item(),
                 "train/truncated": accelerator.gather(rollout.truncated.float()).mean().item(),
-                "train/beta": beta.value,
-                "train/policy_kl": mean_over_minibatches(stats["pkl"]),
-                "train/policy_kl_after": policy_kl_after if train_policy else 0.0,
                 "train/lr": sched.get_last_lr()[0],
                 "train/value_mean": masked_mean(values, mask, distributed=True).item(),
-                "loss/policy": mean_over_minibatches(stats["pg"]),
-                "loss/value": mean_over_minibatches(stats["vf"]),
-                "loss/total": mean_over_minibatches(stats["pg"])
-                + args.vf_coef * mean_over_minibatches(stats["vf"])
-                - args.ent_coef * mean_over_minibatches(stats["ent"]),
+                "train/episodes": step * args.batch_size,
+                "train/skipped_steps": guard.skipped,
+                "train/beta": beta.value,
+                "train/policy_kl": mean(stats["pkl"]),
+                "train/policy_kl_after": policy_kl_after if train_policy else 0.0,
+                "loss/policy": mean(stats["pg"]),
+                "loss/value": mean(stats["vf"]),
+                "loss/total": mean(stats["pg"]) + args.vf_coef * mean(stats["vf"]) - args.ent_coef * mean(stats["ent"]),
                 "perf/step_s": step_s,
                 "perf/gen_s": gen_s,
                 "perf/train_s": train_s,
-                "perf/tokens_per_s": gen_tokens / step_s,
+                "perf/tokens_per_s": accelerator.gather(lengths).sum().item() / step_s,
                 "perf/peak_mem_gb": peak_mem_gb(device),
-                "perf/padding_frac": 1 - real_tokens / max(padded_tokens, 1),
+                "perf/padding_frac": 1 - real / max(padded, 1),
                 # real tokens run forward only (generation, pi_old, reference; the critic's values) and trained
-                "perf/mfu": mfu(policy, (2 + use_ref) * per_batch, real_tokens, step_s, accelerator)
-                + mfu(critic, per_batch, real_tokens, step_s, accelerator),
-                "train/episodes": step * args.batch_size,
+                "perf/mfu": mfu(policy, (2 + use_ref) * real, args.update_epochs * real, step_s, accelerator)
+                + mfu(critic, real, args.update_epochs * real, step_s, accelerator),
             }
-            for name, v in {**components, **extras}.items():
-                metrics[f"reward/{name}"] = accelerator.gather(v).mean().item()
-            if reward.errors:
-                metrics["reward/errors"] = reward.errors
-            metrics["train/skipped_steps"] = guard.skipped
+            metrics.update(
+                {f"reward/{name}": accelerator.gather(v).mean().item() for name, v in {**components, **extras}.items()}
+            )
+            metrics.update({"reward/errors": reward.errors} if reward.errors else {})
             samples = [
                 {"prompt": x.text, "response": t, "reward": float(s), "kl": float(k), "split": "train"}
                 for x, t, s, k in zip(rows, texts, scores, masked_mean(kl, mask, dim=1))

@@ -4,9 +4,7 @@ name, fsynced and renamed, so a crash never leaves a half checkpoint; loaded wit
 
 from __future__ import annotations
 
-import dataclasses
 import errno
-import json
 import os
 import random
 import shutil
@@ -16,17 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.args import flat_args
 from common.errors import UserError
-
-
-def json_args(args) -> dict:
-    """The user-set fields of an Args (runtime fields left out), as plain JSON values."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
-    return json.loads(
-        json.dumps(
-            {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in values.items()}, default=str
-        )
-    )
 
 
 def rng_state() -> dict:
@@ -132,7 +121,7 @@ def save_checkpoint(
                     folders.append(tmp / f"{name}_merged")
                 for folder in folders if tokenizer is not None else []:
                     tokenizer.save_pretrained(folder)
-            meta = {"algo": run_dir.name.split("__")[0], "args": json_args(args) if args is not None else {}}
+            meta = {"algo": run_dir.name.split("__")[0], "args": flat_args(args) if args is not None else {}}
             torch.save({**state, **meta, "rng": rng_state(), "step": step}, tmp / "trainer_state.pt")
             _fsync_tree(tmp)  # on disk before the rename makes it the checkpoint
         except BaseException as e:  # whatever stopped the write, the half-written folder goes

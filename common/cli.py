@@ -1,14 +1,14 @@
-"""Flags: `--config` presets, then the command line, parsed by tyro; range checks; the scripts' entry point
-`cli(main, Args)`, which turns a UserError into one line and exit code 2."""
+"""Flags: `--config` presets, then the command line, parsed by tyro; each flag's own checks (common.args); the
+scripts' entry point `cli(main, Args)`, which turns a UserError into one line and exit code 2."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import sys
 from pathlib import Path
 
+from common.args import check_args, flags_of
 from common.errors import UserError, user_error
 
 
@@ -100,7 +100,7 @@ def _merge_repeated_list_flags(cls, argv: list[str]) -> list[str]:
     def is_list(t):
         return t is list or typing.get_origin(t) is list or any(is_list(a) for a in typing.get_args(t))
 
-    list_flags = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(cls) if f.init and is_list(f.type)}
+    list_flags = {"--" + name.replace("_", "-") for name, (_, hint, _) in flags_of(cls).items() if is_list(hint)}
     out, first_end = [], {}
     i = 0
     while i < len(argv):
@@ -133,126 +133,6 @@ FOREIGN_FLAGS = {
 }
 
 
-# Range checks of the flags every script shares by name, made before anything loads.
-POSITIVE = (
-    "batch_size",
-    "mini_batch_size",
-    "micro_batch_size",
-    "total_steps",
-    "max_new_tokens",
-    "group_size",
-    "num_prompts",
-    "update_epochs",
-    "log_every",
-    "num_samples",
-    "max_length",
-    "max_prompt_length",
-    "max_completion_length",
-    "learning_rate",
-    "critic_learning_rate",
-    "clip_eps",
-    "clip_eps_low",
-    "clip_eps_high",
-    "clip_eps_value",
-    "beta_max",
-    "policy_kl_target",
-    "lora_alpha",
-    "samples",
-    "train_size",
-    "test_size",
-    "vllm_kv_cache_gb",
-    "vllm_tensor_parallel_size",
-)
-NON_NEGATIVE = (
-    "save_every",
-    "eval_every",
-    "keep_last",
-    "warmup_steps",
-    "lora_r",
-    "top_k",
-    "num_eval_prompts",
-    "num_eval_pairs",
-    "num_eval_examples",
-    "num_samples_logged",
-    "kl_coef",
-    "ent_coef",
-    "vf_coef",
-    "weight_decay",
-    "critic_warmup_steps",
-    "overlong_buffer",
-    "max_resample_rounds",
-    "missing_eos_penalty",
-    "tis_cap",
-    "sft_coef",
-    "label_smoothing",
-    "save_every_minutes",
-    "max_wall_minutes",
-    "max_grad_norm",
-    "beta_min",
-    "reward_timeout",
-    "reward_workers",
-    "n",
-)
-
-
-def check_args(args) -> None:
-    """One line naming the flag and the valid range for a value no run could use."""
-
-    def flag(name):
-        return "--" + name.replace("_", "-")
-
-    # a float flag is a number a run computes with: nan or inf (a preset's `.inf`) would reach the weights
-    for owner, prefix in [(args, "")] + [
-        (v, f"{f.name}.") for f in dataclasses.fields(args) if dataclasses.is_dataclass(v := getattr(args, f.name))
-    ]:
-        for f in dataclasses.fields(owner):
-            v = getattr(owner, f.name)
-            if isinstance(v, float) and not math.isfinite(v):
-                raise UserError(f"{flag(prefix + f.name)} {v}: must be a finite number")
-    for name in POSITIVE:
-        v = getattr(args, name, None)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and not v > 0:
-            raise UserError(f"{flag(name)} {v}: must be > 0")
-    for name in NON_NEGATIVE:
-        v = getattr(args, name, None)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and not v >= 0:
-            raise UserError(f"{flag(name)} {v}: must be >= 0")
-    out = getattr(args, "output_dir", None)
-    if out is not None:
-        p = Path(out)
-        if p.is_symlink() and not p.exists():
-            raise UserError(f"--output-dir {out}: a symlink to nothing ({os.readlink(p)}); point it at a folder")
-        if p.exists() and not p.is_dir():
-            raise UserError(f"--output-dir {out}: a file, not a folder")
-        existing = next((q for q in [p, *p.parents] if q.exists()), None)
-        if existing is not None and existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
-            raise UserError(f"--output-dir {out}: {existing} cannot be written (permissions)")
-    if not 0 < getattr(args, "vllm_gpu_memory_utilization", 0.5) <= 1:
-        raise UserError(
-            f"--vllm-gpu-memory-utilization {args.vllm_gpu_memory_utilization}: must be in (0, 1] (a share of "
-            "the GPU's memory)"
-        )
-    greedy_at_zero = any(
-        f.name == "temperature" and f.default == 0 for f in dataclasses.fields(args)
-    )  # evaluate: 0 = greedy
-    if getattr(args, "temperature", 1.0) < 0 or (not greedy_at_zero and getattr(args, "temperature", 1.0) == 0):
-        raise UserError(f"--temperature {args.temperature}: must be > 0 (sampling; evaluation is greedy already)")
-    if getattr(args, "sample_temperature", 1.0) <= 0:
-        raise UserError(
-            f"--sample-temperature {args.sample_temperature}: must be > 0 (greedy accuracy is always reported)"
-        )
-    if not 0 < getattr(args, "top_p", 1.0) <= 1:
-        raise UserError(f"--top-p {args.top_p}: must be in (0, 1]")
-    for name in ("gamma", "lam"):
-        if not 0 <= getattr(args, name, 1.0) <= 1:
-            raise UserError(f"{flag(name)} {getattr(args, name)}: must be in [0, 1]")
-    fallback = getattr(args, "reward_fallback", None)
-    if fallback is not None and not math.isfinite(fallback):
-        raise UserError(f"--reward-fallback {fallback}: must be a finite number (it replaces a failed reward)")
-    if getattr(args, "label_smoothing", 0.0) >= 0.5:
-        raise UserError(f"--label-smoothing {args.label_smoothing}: must be < 0.5")
-
-
 def cli(main, cls):
     """The scripts' entry point: parse the flags (presets included), check their ranges, run `main`, and
     turn a UserError (and our data/reward errors, which are UserErrors) into one line on stderr with
@@ -279,16 +159,14 @@ class _redirect_stderr:
 
 
 def _preset_flags(cls, cfg: dict, path: str, prefix: str = "") -> list[str]:
-    """A preset mapping -> the CLI flags that say the same (`learning_rate: 1e-5` -> `--learning-rate 1e-5`)."""
-    import typing
-
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    """A preset mapping -> the CLI flags that say the same (`learning_rate: 1e-5` -> `--learning-rate 1e-5`). Keys
+    are flag names, flat over the shared groups (common.args), as before the groups existed."""
+    fields = flags_of(cls)
     # flag aliases (tyro.conf.arg(aliases=...): --ppo-epochs, --num-samples, ...) work as keys too
-    hints = typing.get_type_hints(cls, include_extras=True)
     aliases = {
         alias.lstrip("-").replace("-", "_"): name
-        for name in fields
-        for meta in getattr(hints.get(name), "__metadata__", ())
+        for name, (_, hint, _) in fields.items()
+        for meta in getattr(hint, "__metadata__", ())
         for alias in getattr(meta, "aliases", None) or ()
     }
     flags, seen = [], {}
@@ -304,12 +182,14 @@ def _preset_flags(cls, cfg: dict, path: str, prefix: str = "") -> list[str]:
             valid = ", ".join(sorted(fields))
             user_error(f"--config {path}: unknown key {prefix + str(key)!r}; valid keys: {valid}")
         flag = "--" + (prefix + name).replace("_", "-")
-        f = fields[name]
-        if isinstance(value, dict) and dataclasses.is_dataclass(
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        f, hint, _ = fields[name]
+        if (
+            isinstance(value, dict)
+            and f.default_factory is not dataclasses.MISSING
+            and dataclasses.is_dataclass(_strip(hint))
         ):
             flags += _preset_flags(type(f.default_factory()), value, path, prefix=f"{prefix}{name}.")
-        elif isinstance(value, bool) and f.type in (bool, "bool"):
+        elif isinstance(value, bool) and _strip(hint) is bool:
             flags.append(flag if value else f"--{prefix}no-{name}".replace("_", "-"))  # tyro: --x / --no-x
         elif value is None:
             flags += [flag, "None"]
@@ -318,3 +198,10 @@ def _preset_flags(cls, cfg: dict, path: str, prefix: str = "") -> list[str]:
         else:
             flags += [flag, str(value)]
     return flags
+
+
+def _strip(hint):
+    """The type under Annotated[...] layers."""
+    while getattr(hint, "__metadata__", None) is not None:
+        hint = hint.__origin__
+    return hint

@@ -233,6 +233,33 @@ def check_context(name_or_path: str, n_tokens: int, what: str, trust_remote_code
         raise UserError(f"{what} = {n_tokens} tokens: more than the model's context of {context} ({name_or_path})")
 
 
+def prompt_tokenizer(model, data, n_tokens: int, what: str):
+    """The tokenizer of a script's flags (common.args.ModelArgs `model`, DataArgs `data`): the sequence budget
+    `what` = `n_tokens` checked against the model's context (before any weights load), left padding and a pad
+    token that is not EOS (`load_tokenizer`), prompts rendered as --apply-chat-template / --chat-template-kwargs
+    / --system-prompt say (`set_prompt_format`)."""
+    check_context(model.model_name_or_path, n_tokens, what, model.trust_remote_code)
+    tok = load_tokenizer(model.model_name_or_path, model.trust_remote_code)
+    return set_prompt_format(tok, data.apply_chat_template, data.chat_template_kwargs, data.system_prompt)
+
+
+def train_kwargs(model) -> dict:
+    """The loader keywords of a model to train, from a script's ModelArgs: dtype, LoRA / QLoRA, checkpointing."""
+    return dict(
+        dtype=model.dtype,
+        trust_remote_code=model.trust_remote_code,
+        lora_r=model.lora_r,
+        lora_alpha=model.lora_alpha,
+        gradient_checkpointing=model.gradient_checkpointing,
+        load_in_4bit=model.load_in_4bit,
+    )
+
+
+def frozen_kwargs(model) -> dict:
+    """The loader keywords of a frozen copy (a reference model), from a script's ModelArgs."""
+    return dict(dtype=model.dtype, trust_remote_code=model.trust_remote_code)
+
+
 def apply_chat(tok, prompt, add_generation_prompt: bool = True) -> str:
     """A prompt (string or list of {role, content}) as the text the model sees.
 
@@ -538,21 +565,27 @@ def load_value_model(
 
 
 def load_reward_model(name_or_path: str, tok=None, dtype: str = "auto", trust_remote_code: bool = False, **lora):
-    """A reward model: `AutoModelForSequenceClassification` with one label (score at the last real token)."""
+    """A reward model: `AutoModelForSequenceClassification` with one label (score at the last real token).
+    With `lora` keywords (those of `load_causal_lm`: a model to train, as rm_llm.py's) LoRA / QLoRA / gradient
+    checkpointing as asked; without, a model to score with."""
     from transformers import AutoModelForSequenceClassification
 
     path = resolve_model_path(name_or_path)
     config = _config(path, trust_remote_code)
     config.num_labels = 1
+    load_in_4bit = lora.get("load_in_4bit", False)
     with _quiet_load(), _only_tensors(path):
         model = AutoModelForSequenceClassification.from_pretrained(
             path,
             config=config,
             dtype=default_dtype(override=dtype),
             trust_remote_code=trust_remote_code,
-            **_tp_kwargs(path, lora.get("lora_r", 0)),
+            quantization_config=_quantization_config(load_in_4bit),
+            **_tp_kwargs(path, lora.get("lora_r", 0), load_in_4bit),
         )
     if lora:
+        lora = {"lora_r": 0, "lora_alpha": 32, "lora_dropout": 0.0, "lora_target": "all-linear", **lora}
+        lora = {"gradient_checkpointing": False, "load_in_4bit": False, **lora}
         return _finish(model, tok, task_type="SEQ_CLS", modules_to_save=["score"], **lora)
     if tok is not None:
         model.config.pad_token_id = tok.pad_token_id

@@ -491,27 +491,25 @@ class Reward:
         return scores.reshape(B), comps, extras
 
 
-def reward_from_args(args, accelerator) -> Reward:
-    """The Reward of an RL script's flags: --reward / --reward-fn, --reward-model (loaded frozen, with its own
-    tokenizer and chat template, which may differ from the policy's), --reward-weights, --reward-fallback,
-    --reward-timeout and --reward-workers; responses are scored up to --max-new-tokens."""
+def reward_from_args(rewards, model, max_new_tokens: int, accelerator) -> Reward:
+    """The Reward of a script's RewardArgs `rewards` (common.args): --reward / --reward-fn, --reward-model (loaded
+    frozen at --dtype of ModelArgs `model`, with its own tokenizer and chat template, which may differ from the
+    policy's), --reward-weights, --reward-fallback, --reward-timeout and --reward-workers; responses are scored
+    up to `max_new_tokens`."""
     from common import models as M
     from common.distributed import prepare_frozen
 
-    rm_tok = M.load_tokenizer(args.reward_model, args.trust_remote_code) if args.reward_model else None
-    reward_model = (
-        prepare_frozen(accelerator, M.load_reward_model(args.reward_model, rm_tok, args.dtype))
-        if args.reward_model
-        else None
-    )
+    path, trust = rewards.reward_model, model.trust_remote_code
+    rm_tok = M.load_tokenizer(path, trust) if path else None
+    reward_model = prepare_frozen(accelerator, M.load_reward_model(path, rm_tok, model.dtype)) if path else None
     return Reward(
-        args.reward,
-        args.reward_fn,
+        rewards.reward,
+        rewards.reward_fn,
         reward_model,
         rm_tok,
-        args.max_new_tokens,
-        args.reward_fallback,
-        reward_weights=args.reward_weights,
-        timeout=args.reward_timeout,
-        workers=args.reward_workers,
+        max_new_tokens,
+        rewards.reward_fallback,
+        reward_weights=rewards.reward_weights,
+        timeout=rewards.reward_timeout,
+        workers=rewards.reward_workers,
     )

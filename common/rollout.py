@@ -359,6 +359,21 @@ def forward_logprobs(
         return selective_log_softmax(logits, query_responses[:, P:], temperature=temperature)  # (B, T)
 
 
+def reference_logprobs(accelerator, ref_policy, policy, temperature: float = 1.0):
+    """The reference's log-prob function `fn(query_responses, attention_mask, P) -> (B, T)` (as `forward_logprobs`):
+    `ref_policy`, a frozen copy that is not prepared, so run inside accelerator.autocast() (--mixed-precision); or,
+    when None (LoRA), `policy` with its adapter disabled (the base weights)."""
+
+    def fn(query_responses, attention_mask, P):
+        if ref_policy is not None:
+            with accelerator.autocast():
+                return forward_logprobs(ref_policy, query_responses, attention_mask, P, temperature)
+        with accelerator.unwrap_model(policy).disable_adapter():
+            return forward_logprobs(policy, query_responses, attention_mask, P, temperature)
+
+    return fn
+
+
 def forward_values(critic, query_responses: torch.Tensor, attention_mask: torch.Tensor, P: int) -> torch.Tensor:
     """Critic values V(s_t) for each response position t (the state before emitting token t): (B, T)."""
     out = critic(

@@ -10,7 +10,6 @@ Run folder: runs/{algo}__{exp_name}__{seed}__{unix_time}/
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -20,9 +19,9 @@ from pathlib import Path
 
 import torch
 
+from common.args import flat_args, resume_may_change
 from common.checkpoint import (
     BestKeeper,
-    json_args,
     list_checkpoints,
     load_weights,
     remove_stale_temp_checkpoints,
@@ -32,7 +31,7 @@ from common.checkpoint import (
     step_of,
 )
 from common.errors import UserError, user_error
-from common.health import HealthMonitor
+from common.health import HealthConfig, HealthMonitor
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -126,32 +125,6 @@ def library_versions() -> dict:
     return out
 
 
-# Flags a resumed run may change: how long it runs and how it logs, evaluates and saves. Any other
-# difference (learning rate, batch sizes, model, data, ...) would change the optimizer or the stream
-# of samples under the restored state, so resuming with it is refused by name.
-RESUME_MAY_CHANGE = {
-    "total_steps",
-    "save_every",
-    "save_every_minutes",
-    "keep_last",
-    "eval_every",
-    "log_every",
-    "num_samples_logged",
-    "track",
-    "wandb_project_name",
-    "wandb_entity",
-    "resume",
-    "output_dir",
-    "config",
-    "save_merged",
-    "save_best",
-    "max_wall_minutes",
-    "reward_timeout",
-    "reward_workers",
-    "tp_size",  # how the same models are laid out over processes (checkpoints hold full weights)
-}
-
-
 def resolve_resume(args, algo: str) -> Path | None:
     """The checkpoint `--resume` names, checked before anything loads; None for a fresh run.
 
@@ -159,43 +132,41 @@ def resolve_resume(args, algo: str) -> Path | None:
     `--resume auto`: the latest checkpoint of the newest run `{algo}__{exp_name}__{seed}__*` under
     --output-dir, or a fresh start when there is none (what cluster job scripts want).
     Refused, with the reason: another algorithm's checkpoint, --total-steps not past the checkpoint's
-    step, and flags that differ from the run's args.json other than RESUME_MAY_CHANGE."""
-    if not args.resume:
+    step, and flags that differ from the run's args.json other than those marked RESUME_MAY_CHANGE (common.args:
+    how long the run goes and how it logs, evaluates and saves; any other difference would change the optimizer or
+    the stream of samples under the restored state)."""
+    r = args.run
+    if not r.resume:
         return None
-    if args.resume == "auto":
-        runs = sorted(
-            Path(args.output_dir).glob(f"{algo}__{args.exp_name}__{args.seed}__*"), key=lambda p: p.stat().st_mtime
-        )
+    if r.resume == "auto":
+        runs = sorted(Path(r.output_dir).glob(f"{algo}__{r.exp_name}__{r.seed}__*"), key=lambda p: p.stat().st_mtime)
         runs = [r for r in runs if list_checkpoints(r)]
         if not runs:
             return None
         ckpt = resolve_checkpoint(str(runs[-1]))
     else:
         try:
-            ckpt = resolve_checkpoint(args.resume)
+            ckpt = resolve_checkpoint(r.resume)
         except FileNotFoundError as e:
             user_error(str(e))
     run_dir = ckpt.parent.parent
     theirs = run_dir.name.split("__")[0]
     if theirs != algo:
-        user_error(f"--resume {args.resume}: that is a {theirs} checkpoint; {algo} cannot continue it")
+        user_error(f"--resume {r.resume}: that is a {theirs} checkpoint; {algo} cannot continue it")
     step = step_of(ckpt)
-    if args.total_steps <= step:
+    if r.total_steps <= step:
         user_error(
-            f"--resume {args.resume}: the checkpoint is at step {step}; --total-steps {args.total_steps} "
+            f"--resume {r.resume}: the checkpoint is at step {step}; --total-steps {r.total_steps} "
             f"must be larger to continue"
         )
     recorded = run_dir / "args.json"
     if recorded.exists():
-        before = read_args_json(recorded)
-        now = json_args(args)
-        changed = {
-            k: (before[k], v) for k, v in now.items() if k in before and before[k] != v and k not in RESUME_MAY_CHANGE
-        }
+        before, now, may_change = read_args_json(recorded), flat_args(args), resume_may_change(args)
+        changed = {k: (before[k], v) for k, v in now.items() if k in before and before[k] != v and k not in may_change}
         if changed:
             lines = "; ".join(f"--{k.replace('_', '-')} {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items()))
             user_error(
-                f"--resume {args.resume}: these flags differ from the run being resumed ({lines}). "
+                f"--resume {r.resume}: these flags differ from the run being resumed ({lines}). "
                 f"Pass the run's own values (see {recorded}), or start a new run from "
                 f"{ckpt}/<model> with --model-name-or-path"
             )
@@ -251,7 +222,7 @@ def make_run_dir(accelerator, algo: str, args, resume_from: Path | None = None) 
             for name in ("metrics.jsonl", "samples.jsonl"):
                 _drop_rows_after(run_dir / name, step, accelerator.print)
             record = read_args_json(run_dir / "args.json") if (run_dir / "args.json").exists() else {}
-            now = json_args(args)
+            now = flat_args(args)
             changed = {k: [record.get(k), v] for k, v in now.items() if record.get(k) != v and k != "resume"}
             resumes = record.get("resumes", []) + [
                 {
@@ -271,10 +242,10 @@ def make_run_dir(accelerator, algo: str, args, resume_from: Path | None = None) 
         return run_dir
     name = [None]
     if accelerator.is_main_process:  # two runs started in the same second get different folders
-        base = f"{algo}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        base = f"{algo}__{args.run.exp_name}__{args.run.seed}__{int(time.time())}"
+        Path(args.run.output_dir).mkdir(parents=True, exist_ok=True)
         for k in range(1000):
-            candidate = Path(args.output_dir) / (base if k == 0 else f"{base}-{k}")
+            candidate = Path(args.run.output_dir) / (base if k == 0 else f"{base}-{k}")
             try:
                 candidate.mkdir()
                 lock_run_dir(candidate)
@@ -284,10 +255,10 @@ def make_run_dir(accelerator, algo: str, args, resume_from: Path | None = None) 
                 continue
     if accelerator.state.num_processes > 1:  # every process (under --tp-size, more than num_processes)
         broadcast_object_list(name, from_process=0)
-    run_dir = Path(args.output_dir) / name[0]
+    run_dir = Path(args.run.output_dir) / name[0]
     if accelerator.is_main_process:
         record = {
-            **dataclasses.asdict(args),
+            **flat_args(args),
             "algo": algo,
             "world_size": accelerator.state.num_processes,
             "tp_size": getattr(accelerator, "tp_size", 1),
@@ -356,20 +327,20 @@ class Tracker:
         self.progress = None
         if not self.main:
             return
-        if args.track:
+        if args.run.track:
             import wandb
 
             tags = [t for t in os.environ.get("WANDB_TAGS", "").split(",") if t]
             commit = _git("rev-parse", "--short", "HEAD")
             # id from the folder: a resumed run continues the same W&B run
             self.wandb = wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
+                project=args.run.wandb_project_name,
+                entity=args.run.wandb_entity,
                 name=run_dir.name,
                 id="".join(c if c.isalnum() or c in "_-" else "-" for c in run_dir.name)[:128],
                 resume="allow",
-                group=args.exp_name,
-                config=dataclasses.asdict(args),
+                group=args.run.exp_name,
+                config=flat_args(args),
                 dir=str(run_dir),
                 tags=tags + ([f"commit-{commit}"] if commit else []),
                 save_code=True,
@@ -444,8 +415,10 @@ class Run:
     def __init__(self, accelerator, args, algo: str):
         self.accelerator, self.args, self.algo, self.log_line = accelerator, args, algo, accelerator.print
         self.ckpt = resolve_resume(args, algo)  # None: a fresh run
-        self.best = BestKeeper(args.save_best)
-        self.health = HealthMonitor(args.health, self.log_line) if hasattr(args, "health") else None
+        self.cfg = args.run  # the run's own flags (common.args.RunArgs)
+        self.best = BestKeeper(self.cfg.save_best)
+        health = next((v for v in vars(args).values() if isinstance(v, HealthConfig)), None)  # RL scripts' --health.*
+        self.health = HealthMonitor(health, self.log_line) if health is not None else None
         self.start_step, self._last, self.evaluate, self._warned_best = 0, None, None, False
 
     def load_weights(self, **models) -> None:
@@ -457,36 +430,36 @@ class Run:
     def begin(self, tokenizer, models: dict, optimizers: dict, state: dict, evaluate=None) -> int:
         """Restore the checkpoint's state (resumed), open the run folder (resumed: the same one, continued),
         the tracker and the stop signals, evaluate before the first step (fresh runs). Returns the start step."""
-        acc, args = self.accelerator, self.args
+        acc, cfg = self.accelerator, self.cfg
         state = {**state, "best": self.best, **({"health": self.health} if self.health else {})}
         self.tokenizer, self.models, self.optimizers, self.state, self.evaluate = (
             tokenizer, models, optimizers, state, evaluate
         )  # fmt: skip
-        if args.save_best and args.save_best.startswith("eval/") and not (evaluate and args.eval_every):
-            why = "--eval-every 0" if not args.eval_every else "no validation data"
-            raise UserError(f"--save-best {args.save_best}: this run never evaluates ({why}), so it would never save")
+        if cfg.save_best and cfg.save_best.startswith("eval/") and not (evaluate and cfg.eval_every):
+            why = "--eval-every 0" if not cfg.eval_every else "no validation data"
+            raise UserError(f"--save-best {cfg.save_best}: this run never evaluates ({why}), so it would never save")
         if self.ckpt:
             self.start_step = restore_checkpoint(acc, self.ckpt, models, state, optimizers)
             self.log_line(f"resumed from {self.ckpt} at step {self.start_step}")
-        self.dir = make_run_dir(acc, self.algo, args, self.ckpt)
-        self.tracker = Tracker(acc, args, self.dir, args.total_steps, self.start_step)
+        self.dir = make_run_dir(acc, self.algo, self.args, self.ckpt)
+        self.tracker = Tracker(acc, self.args, self.dir, cfg.total_steps, self.start_step)
         self.stop = StopSignal(acc)  # --max-wall-minutes counts from here
         self.log_line(f"run folder: {self.dir}")
-        if evaluate and args.eval_every and self.start_step == 0:
+        if evaluate and cfg.eval_every and self.start_step == 0:
             self.log(0, {})
         return self.start_step
 
     def steps(self):
         """start_step + 1 .. --total-steps; after each: a checkpoint when --save-every, --save-every-minutes,
         the last step or a signal asks for one; a signal then exits (non-zero, with the resume command)."""
-        args = self.args
-        for step in range(self.start_step + 1, args.total_steps + 1):
+        cfg = self.cfg
+        for step in range(self.start_step + 1, cfg.total_steps + 1):
             self._last = None
             yield step
             last = self.last(step)
             stopping = self.stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit
-            due = self.stop.save_due(args.save_every_minutes)
-            if (args.save_every and step % args.save_every == 0) or last or stopping or due:
+            due = self.stop.save_due(cfg.save_every_minutes)
+            if (cfg.save_every and step % cfg.save_every == 0) or last or stopping or due:
                 self.checkpoint(step)
             if stopping:
                 self.stop.exit(self.dir, step)
@@ -496,21 +469,21 @@ class Run:
     def last(self, step: int) -> bool:
         """--total-steps reached, or --max-wall-minutes passed (decided once per step, alike on every rank)."""
         if self._last is None:
-            self._last = step == self.args.total_steps or self.stop.out_of_time(self.args.max_wall_minutes)
+            self._last = step == self.cfg.total_steps or self.stop.out_of_time(self.cfg.max_wall_minutes)
         return self._last
 
     def evaluating(self, step: int) -> bool:
-        every = self.args.eval_every
+        every = self.cfg.eval_every
         return bool(self.evaluate and every and (step == 0 or step % every == 0 or self.last(step)))
 
     def logging(self, step: int) -> bool:
         """Metrics are due: every --log-every steps, and always at an evaluation and the last step."""
-        return step % self.args.log_every == 0 or self.last(step) or self.evaluating(step)
+        return step % self.cfg.log_every == 0 or self.last(step) or self.evaluating(step)
 
     def log(self, step: int, metrics: dict, samples: list[dict] = ()) -> None:
         """One metrics row (evaluated first when due; health warnings added), the best checkpoint when
         --save-best improved, and up to --num-samples-logged samples (eval ones tagged split=eval)."""
-        n = getattr(self.args, "num_samples_logged", 4)
+        n = self.cfg.num_samples_logged
         if self.evaluating(step):
             out = self.evaluate()
             eval_metrics, eval_samples = out if isinstance(out, tuple) else (out, [])
@@ -519,7 +492,7 @@ class Run:
         if self.health is not None:
             metrics = {**metrics, **self.health.check(metrics)}
         self.tracker.log(step, metrics)
-        wanted = self.args.save_best
+        wanted = self.cfg.save_best
         if wanted and wanted not in metrics and step > 0 and (self.evaluating(step) or not wanted.startswith("eval/")):
             if not self._warned_best:  # once: an unknown metric name would otherwise never save, silently
                 self.log_line(
@@ -531,10 +504,10 @@ class Run:
         self.tracker.samples(step, list(samples)[:n])
 
     def checkpoint(self, step: int, label: str | None = None) -> None:
-        args = self.args
+        cfg = self.cfg
         save_checkpoint(
-            self.accelerator, self.dir, step, self.models, self.state, args.keep_last, tokenizer=self.tokenizer,
-            args=args, save_merged=args.save_merged, label=label, optimizers=self.optimizers,
+            self.accelerator, self.dir, step, self.models, self.state, cfg.keep_last, tokenizer=self.tokenizer,
+            args=self.args, save_merged=cfg.save_merged, label=label, optimizers=self.optimizers,
         )  # fmt: skip
 
     def end(self) -> Path:

@@ -177,20 +177,20 @@ def default_preference_files(task: str = DEFAULT_TASK, train_size: int = 2000, t
     return str(train), str(test)
 
 
-def load_rl_prompts(args, tok, reward, log) -> tuple[list, list]:
-    """The prompts of an RL script's flags: --train-files / --val-files, or the built-in --task (its
-    problem-split train and test files, common.tasks) when --train-files is not given; validation rows
+def load_rl_prompts(data, tok, reward, log) -> tuple[list, list]:
+    """The prompts of an RL script's PromptArgs `data` (common.args): --train-files / --val-files, or the built-in
+    --task (its problem-split train and test files, common.tasks) when --train-files is not given; validation rows
     cut to --num-eval-prompts. Every data_source must have a reward function (`reward.check`, before any
     model trains), and the first prompt is printed as the model sees it. Returns (train_rows, val_rows)."""
-    train_files, val_files = args.train_files, args.val_files
+    train_files, val_files = data.train_files, data.val_files
     if train_files is None:
-        train_files, default_val = default_task_files(args.task)
+        train_files, default_val = default_task_files(data.task)
         val_files = val_files or [default_val]
     load = lambda files: load_prompts(
-        files, tok, args.prompt_key, args.reward_fn_key, args.max_prompt_length, args.truncate_prompts, log
+        files, tok, data.prompt_key, data.reward_fn_key, data.max_prompt_length, data.truncate_prompts, log
     )
     train_rows = load(train_files)
-    val_rows = load(val_files)[: args.num_eval_prompts] if val_files else []
+    val_rows = load(val_files)[: data.num_eval_prompts] if val_files else []
     reward.check({r.data_source for r in train_rows + val_rows})
     log(f"[prompt] the first training prompt as the model sees it:\n{train_rows[0].text}")
     return train_rows, val_rows

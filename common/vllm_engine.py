@@ -230,11 +230,12 @@ class VLLMEngine:
         )
 
 
-def make_engine(args, tok, policy, accelerator=None):
-    """The scripts' --rollout-engine: None for hf (our decoding loop), else a VLLMEngine for the policy's
-    starting weights' architecture (its weights are replaced at the first rollout by the policy's own),
-    in the trainer's compute dtype."""
-    if getattr(args, "rollout_engine", "hf") == "hf":
+def make_engine(gen, model, tok, policy, accelerator=None, max_model_len: int | None = None, seed: int = 0):
+    """The scripts' --rollout-engine, from GenerationArgs `gen` and ModelArgs `model` (common.args): None for hf
+    (our decoding loop), else a VLLMEngine for --model-name-or-path's architecture (its weights are replaced at the
+    first rollout by the policy's own), in the trainer's compute dtype, holding sequences of `max_model_len`
+    tokens, sampling from `seed` + the process index."""
+    if gen.rollout_engine == "hf":
         return None
     if getattr(accelerator, "tp_size", 1) > 1:
         raise UserError(
@@ -243,7 +244,7 @@ def make_engine(args, tok, policy, accelerator=None):
         )
     from common.models import resolve_model_path
 
-    path = str(resolve_model_path(args.model_name_or_path))
+    path = str(resolve_model_path(model.model_name_or_path))
     unwrapped = accelerator.unwrap_model(policy) if accelerator is not None else policy
     # the trainer's compute dtype: bf16 under --mixed-precision bf16 (the weights are cast as they are pushed;
     # on this CPU 270 vs 162 tokens/s in float32: docs/rollout.md), else the weights' own
@@ -253,22 +254,24 @@ def make_engine(args, tok, policy, accelerator=None):
     return VLLMEngine(
         path,
         tok,
-        max_model_len=args.max_prompt_length + args.max_new_tokens,
-        seed=args.seed + process,
+        max_model_len=max_model_len,
+        seed=seed + process,
         dtype=dtype,
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        kv_cache_gb=args.vllm_kv_cache_gb,
-        tensor_parallel_size=args.vllm_tensor_parallel_size,
-        sleep=args.vllm_sleep,
-        trust_remote_code=args.trust_remote_code,
+        gpu_memory_utilization=gen.vllm_gpu_memory_utilization,
+        kv_cache_gb=gen.vllm_kv_cache_gb,
+        tensor_parallel_size=gen.vllm_tensor_parallel_size,
+        sleep=gen.vllm_sleep,
+        trust_remote_code=model.trust_remote_code,
     )
 
 
-def tool_engine(args, name: str, tok, model, engine=None):
+def tool_engine(
+    rollout_engine: str, name: str, tok, model, engine=None, gpu_memory_utilization: float = 0.5, kv_cache_gb=1.0
+):
     """The tools' --rollout-engine (evaluate, gen_preferences): None for hf; else `engine` (or a new one
     made from `name`'s folder) holding `model`'s weights. One engine serves several models of one
     architecture: their weights are pushed in turn."""
-    if args.rollout_engine == "hf":
+    if rollout_engine == "hf":
         return None
     if engine is None:
         from common.models import resolve_model_path
@@ -279,8 +282,8 @@ def tool_engine(args, name: str, tok, model, engine=None):
             max_model_len=None,
             seed=0,
             dtype=next(model.parameters()).dtype,
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            kv_cache_gb=args.vllm_kv_cache_gb,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_gb=kv_cache_gb,
         )
     engine.sync(model, force=True)
     return engine

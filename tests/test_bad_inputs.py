@@ -22,7 +22,7 @@ CASES = [
     ("dynamic_kl_ppo.py", ["--kl-target", "-1"], "--kl-target -1"),
     ("ppo_llm.py", ["--batch-size", "6", "--mini-batch-size", "4"], "--batch-size over --mini-batch-size"),
     ("ppo_llm.py", ["--batch-size", "0"], "--batch-size 0: must be > 0"),
-    ("grpo_llm.py", ["--group-size", "1"], "--group-size must be >= 2"),
+    ("grpo_llm.py", ["--group-size", "1"], "--group-size 1: must be >= 2"),
     ("dpo_llm.py", ["--online", "--group-size", "1"], "--online needs --group-size >= 2"),
     ("grpo_llm.py", ["--model-name-or-path", "./no/such/model"], "no such folder"),
     ("sft_llm.py", ["--model-name-or-path", "runs/x/checkpoints/step_9/policy"], "no such folder"),
@@ -573,7 +573,9 @@ def test_a_damaged_args_json_on_resume_is_one_line(tmp_path, capsys):
     (run / "checkpoints" / "step_1").mkdir(parents=True)
     (run / "checkpoints" / "step_1" / "trainer_state.pt").write_bytes(b"")
     (run / "args.json").write_text('{"seed": 1, "learning_ra')
-    args = types.SimpleNamespace(resume=str(run), output_dir=str(tmp_path), exp_name="x", seed=1, total_steps=5)
+    args = types.SimpleNamespace(
+        run=types.SimpleNamespace(resume=str(run), output_dir=str(tmp_path), exp_name="x", seed=1, total_steps=5)
+    )
     with pytest.raises(SystemExit) as exit_info:
         resolve_resume(args, "ppo_llm")
     err = capsys.readouterr().err

@@ -3,6 +3,8 @@ the tools, and the algorithm (losses, advantages, KL controllers) lives in the s
 
 import ast
 import collections
+import dataclasses
+import json
 import re
 import sys
 
@@ -107,7 +109,7 @@ LAYERS = [
     ("models and data files", {"models", "data"}),
     ("placement, generation, tasks", {"distributed", "rollout", "tasks", "vllm_engine"}),
     ("rewards and evaluation", {"rewards", "eval"}),
-    ("run harness: flags, checkpoints, run folder, perf metrics", {"cli", "checkpoint", "run", "perf"}),
+    ("run harness: flags, checkpoints, run folder, perf metrics", {"args", "cli", "checkpoint", "run", "perf"}),
 ]
 
 
@@ -124,6 +126,25 @@ def common_imports() -> dict[str, set[str]]:
                 deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("common.")}
         graph[path.stem] = deps - {path.stem}
     return graph
+
+
+def test_common_reads_flags_through_their_groups():
+    """common/ never reads a script's flag by its spelling: a whole Args reaches common/ only in the harness, which
+    reads its `run` group (common.args.RunArgs) and walks its fields by type (flat_args, check_args); every other
+    function takes the typed group it needs (ModelArgs, PromptArgs, ...). Checked with ast: no `args.<x>` but
+    `args.run`, no getattr/hasattr on `args`, outside common/args.py."""
+    bad = []
+    for path in sorted((REPO / "common").glob("*.py")):
+        if path.name == "args.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "args":
+                if node.attr != "run":
+                    bad.append(f"{path.name}:{node.lineno} args.{node.attr}")
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr"):
+                if node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "args":
+                    bad.append(f"{path.name}:{node.lineno} {node.func.id}(args, ...)")
+    assert not bad, f"common/ reads flags by their spelling: {bad}"
 
 
 def test_common_is_in_layers_without_circles():
@@ -163,3 +184,45 @@ def test_the_layer_test_finds_a_circle_and_an_upward_import(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "common_imports", lambda: graph)
     with pytest.raises(AssertionError, match="import circle"):
         test_common_is_in_layers_without_circles()
+
+
+# every flag of every script as the commit before the groups (common/args.py) had it: name, default, aliases
+FLAGS_BEFORE = json.loads((REPO / "tests" / "data" / "flags_1dbb602.json").read_text())
+
+
+@pytest.mark.parametrize("script", sorted(FLAGS_BEFORE))
+def test_every_flag_of_before_the_groups_still_parses_with_its_default(script):
+    """Flags in groups changed no flag a user has: each field of the previous Args (1dbb602), written as a preset
+    key with its old default, parses to the same flat value (flat_args, as args.json records it), and each alias
+    still sets its field."""
+    import importlib
+
+    from common.args import flat_args
+    from common.cli import _preset_flags, _tyro_cli
+
+    sys.path.insert(0, str(REPO / "algos"))
+    Args = importlib.import_module(script).Args
+    before = FLAGS_BEFORE[script]
+    parsed = flat_args(_tyro_cli(Args, _preset_flags(Args, before["defaults"], "old.yaml")))
+    changed = {k: (v, parsed.get(k, "missing")) for k, v in before["defaults"].items() if parsed.get(k, "missing") != v}
+    assert not changed, f"{script}: flags whose value differs from before the groups: {changed}"
+    for name, aliases in before["aliases"].items():
+        for alias in aliases:
+            value = "3" if isinstance(before["defaults"][name], int) else "0.3"
+            assert str(flat_args(_tyro_cli(Args, [alias, value]))[name]) in (value, str(float(value))), alias
+
+
+@pytest.mark.parametrize("script", sorted(FLAGS_BEFORE))
+def test_help_shows_the_algorithm_first(script, capsys):
+    """--help lists the script's own flags (its algorithm) first, then one box per shared group."""
+    import importlib
+
+    from common.cli import parse_args
+
+    sys.path.insert(0, str(REPO / "algos"))
+    Args = importlib.import_module(script).Args
+    with pytest.raises(SystemExit):
+        parse_args(Args, ["--help"])
+    text = capsys.readouterr().out
+    first_own = "--" + next(f.name for f in dataclasses.fields(Args)).replace("_", "-")
+    assert text.index(first_own) < text.index("--seed") < text.index("--model-name-or-path"), text[:2000]

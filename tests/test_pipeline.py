@@ -252,7 +252,7 @@ def test_yaml_preset_values_parse_like_the_cli(tmp_path):
         "learning_rate: 1e-5\nscale_rewards: none\nhealth:\n  kl_max: 2\nmask_truncated: true\n"
     )
     args = parse_args(G.Args, ["--config", str(tmp_path / "p.yaml"), "--kl-coef", "0.1"])
-    assert args.learning_rate == 1e-5 and isinstance(args.learning_rate, float)
+    assert args.optim.learning_rate == 1e-5 and isinstance(args.optim.learning_rate, float)
     assert args.scale_rewards == "none" and args.health.kl_max == 2.0 and args.mask_truncated and args.kl_coef == 0.1
     # a value outside a Literal's choices, and an unknown key: errors naming them (YAML 1.1 reads `no` as False)
     for text, msg in (

@@ -269,9 +269,9 @@ def test_config_preset_loads_and_cli_overrides():
 
     preset = str(REPO / "configs" / "ppo_smollm2_cpu.yaml")
     a = parse_args(ppo_llm.Args, ["--config", preset])
-    assert (a.total_steps, a.kl_target, a.max_new_tokens, a.config) == (60, 0.1, 48, preset)
+    assert (a.run.total_steps, a.kl_target, a.gen.max_new_tokens, a.run.config) == (60, 0.1, 48, preset)
     b = parse_args(ppo_llm.Args, ["--config", preset, "--total-steps", "5", "--health.kl-max", "0.3"])
-    assert b.total_steps == 5 and b.batch_size == 16 and b.health.kl_max == 0.3
+    assert b.run.total_steps == 5 and b.batch_size == 16 and b.health.kl_max == 0.3
 
 
 @pytest.mark.parametrize("script", ["ppo_llm", "dynamic_kl_ppo"])

@@ -8,9 +8,8 @@ import subprocess
 import sys
 import textwrap
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import pytest
@@ -21,36 +20,24 @@ from common import checkpoint as C
 from common import cli as CLI
 from common import errors as E
 from common import run as R
+from common.args import Group, RunArgs, group
 
 
 @dataclass
 class ToyArgs:
-    exp_name: str = "toy"
-    """name"""
-    seed: int = 1
-    """seed"""
     lr: float = 0.1
     """learning rate"""
-    config: Optional[str] = None
-    """preset"""
-    output_dir: str = "runs"
-    """output"""
-    track: bool = False
-    """wandb"""
-    wandb_project_name: str = "p"
-    """project"""
-    wandb_entity: Optional[str] = None
-    """entity"""
-    world_size: int = field(default=1, init=False)
+    run: Group[RunArgs] = group(RunArgs, exp_name="toy")
+    """the shared run flags, flat (--seed, --output-dir, ...)"""
 
 
 def test_config_preset_then_cli_overrides(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("lr: 0.5\nexp-name: from_yaml\n")
     a = CLI.parse_args(ToyArgs, ["--config", str(cfg)])
-    assert (a.lr, a.exp_name, a.config) == (0.5, "from_yaml", str(cfg))
+    assert (a.lr, a.run.exp_name, a.run.config) == (0.5, "from_yaml", str(cfg))
     b = CLI.parse_args(ToyArgs, ["--config", str(cfg), "--lr", "0.25"])
-    assert (b.lr, b.exp_name) == (0.25, "from_yaml")
+    assert (b.lr, b.run.exp_name) == (0.25, "from_yaml")
     cfg.write_text("learning_rate: 1\n")
     with pytest.raises(SystemExit) as e:
         CLI.parse_args(ToyArgs, ["--config", str(cfg)])
@@ -58,11 +45,12 @@ def test_config_preset_then_cli_overrides(tmp_path, capsys):
 
 
 def test_run_dir_and_args_json(tmp_path):
-    args = ToyArgs(output_dir=str(tmp_path))
+    args = ToyArgs(run=RunArgs(exp_name="toy", output_dir=str(tmp_path)))
     d = R.make_run_dir(Accelerator(cpu=True), "toyalgo", args)
     assert d.name.startswith("toyalgo__toy__1__")
     rec = json.loads((d / "args.json").read_text())
     assert rec["lr"] == 0.1 and rec["world_size"] == 1 and "git_commit" in rec and "git_dirty" in rec
+    assert rec["seed"] == 1 and rec["exp_name"] == "toy" and "run" not in rec  # flat: keyed as the flags are
     assert rec["versions"]["torch"] == torch.__version__.split("+")[0] or rec["versions"]["torch"].startswith(
         torch.__version__[:4]
     )
@@ -87,6 +75,7 @@ TOY_LOOP = textwrap.dedent('''
     from accelerate import Accelerator
     from transformers import LlamaConfig, LlamaForCausalLM
     from common import checkpoint as C
+from common.args import Group, RunArgs, group
     from common import errors as E
 
     out, total, stop_at, resume = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -241,7 +230,9 @@ def test_save_best_with_a_metric_the_run_never_logs_says_so_once():
 
     lines, logged = [], []
     run = R.Run.__new__(R.Run)
-    run.args = types.SimpleNamespace(save_best="eval/acuracy", eval_every=1, log_every=1, total_steps=9)
+    run.cfg = types.SimpleNamespace(
+        save_best="eval/acuracy", eval_every=1, log_every=1, total_steps=9, num_samples_logged=4
+    )
     run.log_line, run.health, run.best, run.evaluate, run._last, run._warned_best = (
         lines.append,
         None,
@@ -254,7 +245,7 @@ def test_save_best_with_a_metric_the_run_never_logs_says_so_once():
     for step in (1, 2):
         run._last = None
         run.stop = types.SimpleNamespace(out_of_time=lambda minutes: False)
-        run.args.max_wall_minutes = 0
+        run.cfg.max_wall_minutes = 0
         run.log(step, {"train/reward": 1.0})
     assert len(lines) == 1 and "--save-best eval/acuracy: not a metric of this run" in lines[0], lines
     assert "eval/accuracy" in lines[0] and logged[0]["eval/accuracy"] == 0.5

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import tyro
 
+from common.args import PositiveInt
 from common.errors import UserError
 from common.run import json_rows
 
@@ -166,7 +167,7 @@ class Args:
     """run folders (runs/{algo}__{exp_name}__{seed}__{time})"""
     metrics: list[str] = field(default_factory=lambda: list(DEFAULT_METRICS))
     """metric keys to plot, one panel each"""
-    smooth: int = 1
+    smooth: PositiveInt = 1
     """trailing moving-average window (points); eval/* metrics are never smoothed"""
     x: str = "step"
     """x-axis: step, samples or time"""

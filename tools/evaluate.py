@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 from common import models as M
+from common.args import Check, NonNegFloat, NonNegInt, PositiveFloat, PositiveInt
 from common.data import load_prompts
 from common.eval import answer, load_any, sampled_metrics, score
 from common.rewards import Reward
@@ -30,17 +31,17 @@ class Args:
     """models or checkpoint folders to compare"""
     data: list[str] = field(default_factory=list)
     """prompt files (verl schema); default: the built-in task's test split"""
-    num_prompts: int = 64
+    num_prompts: PositiveInt = 64
     """prompts evaluated (the first N)"""
-    max_new_tokens: int = 64
+    max_new_tokens: PositiveInt = 64
     """answer length limit"""
-    samples: int = 1
+    samples: PositiveInt = 1
     """answers per prompt"""
-    temperature: float = 0.0
+    temperature: NonNegFloat = 0.0
     """0: greedy"""
-    n: int = 0
+    n: NonNegInt = 0
     """K > 1: also sample K answers per prompt at --sample-temperature and report pass@k (unbiased) and maj@K"""
-    sample_temperature: float = 1.0
+    sample_temperature: Annotated[float, Check(gt=0, note="greedy accuracy is always reported")] = 1.0
     """temperature of the --n samples"""
     reward: str = "rule:1.0"
     """reward sources (as in the training scripts)"""
@@ -48,7 +49,7 @@ class Args:
     """path/to/file.py:fn replacing the data_source registry for every row; repeat for several (summed with --reward-weights)"""
     reward_weights: Optional[list[float]] = None
     """weights of the --reward-fn functions, in order (default: 1 each); each is logged as reward/<fn>"""
-    batch_size: int = 16
+    batch_size: PositiveInt = 16
     """prompts per generate call"""
     out: Optional[str] = None
     """markdown file with every model's answer per prompt"""
@@ -56,9 +57,9 @@ class Args:
     """write the scores as JSON here"""
     rollout_engine: Literal["hf", "vllm"] = "hf"
     """hf: our decoding loop; vllm: a vLLM engine in this process, loaded with the model's weights (docs/rollout.md)"""
-    vllm_gpu_memory_utilization: float = 0.5
+    vllm_gpu_memory_utilization: Annotated[float, Check(gt=0, le=1)] = 0.5
     """vllm on GPUs: the share of GPU memory the engine may take"""
-    vllm_kv_cache_gb: float = 1.0
+    vllm_kv_cache_gb: PositiveFloat = 1.0
     """vllm on CPU: KV-cache space (GiB)"""
 
 
@@ -76,7 +77,9 @@ def main(args: Args) -> dict:
             M.resolve_model_path(name),
             M.load_tokenizer(name) if Path(M.resolve_model_path(name), "tokenizer_config.json").exists() else tok,
         ).eval()
-        engine = tool_engine(args, name, tok, model, engine)  # vllm: one engine, each model's weights pushed in turn
+        engine = tool_engine(
+            args.rollout_engine, name, tok, model, engine, args.vllm_gpu_memory_utilization, args.vllm_kv_cache_gb
+        )  # vllm: one engine, each model's weights pushed in turn
         answers[name], lengths, is_eos = answer(
             model,
             tok,

@@ -17,6 +17,7 @@ import torch
 import tyro
 
 from common import models as M
+from common.args import Check, PositiveFloat, PositiveInt
 from common.data import load_prompts, read_table, write_rows
 from common.errors import UserError
 from common.eval import answer, load_any
@@ -32,13 +33,13 @@ class Args:
     """output .parquet or .jsonl"""
     model: str = M.DEFAULT_MODEL
     """model, hub id or checkpoint folder (a LoRA adapter folder loads its base)"""
-    group_size: Annotated[int, tyro.conf.arg(aliases=("--k",))] = 4
+    group_size: Annotated[int, tyro.conf.arg(aliases=("--k",)), Check(ge=2, note="a pair needs two responses")] = 4
     """G: responses per prompt (>= 2), as in grpo_llm.py"""
-    temperature: float = 1.0
+    temperature: PositiveFloat = 1.0
     """sampling temperature"""
-    max_new_tokens: int = 64
+    max_new_tokens: PositiveInt = 64
     """response length limit"""
-    num_prompts: Optional[int] = None
+    num_prompts: Annotated[Optional[int], Check(gt=0)] = None
     """use the first N prompts (default: all)"""
     reward: str = "rule:1.0"
     """reward sources (partial credit helps: fewer ties)"""
@@ -46,21 +47,19 @@ class Args:
     """path/to/file.py:fn replacing the data_source registry for every row; repeat for several (summed with --reward-weights)"""
     reward_weights: Optional[list[float]] = None
     """weights of the --reward-fn functions, in order (default: 1 each); each is logged as reward/<fn>"""
-    batch_size: int = 32
+    batch_size: PositiveInt = 32
     """sequences per generate call"""
     seed: int = 0
     """sampling seed"""
     rollout_engine: Literal["hf", "vllm"] = "hf"
     """hf: our decoding loop; vllm: a vLLM engine in this process, loaded with the model's weights (docs/rollout.md)"""
-    vllm_gpu_memory_utilization: float = 0.5
+    vllm_gpu_memory_utilization: Annotated[float, Check(gt=0, le=1)] = 0.5
     """vllm on GPUs: the share of GPU memory the engine may take"""
-    vllm_kv_cache_gb: float = 1.0
+    vllm_kv_cache_gb: PositiveFloat = 1.0
     """vllm on CPU: KV-cache space (GiB)"""
 
 
 def main(args: Args) -> dict:
-    if args.group_size < 2:
-        raise UserError(f"--group-size {args.group_size}: must be >= 2 (a pair needs two responses)")
     tok = M.load_tokenizer(args.model)
     rows = load_prompts(args.prompts, tok, max_prompt_length=10_000)
     raw = [r for f in args.prompts for r in read_table(f)]
@@ -69,7 +68,9 @@ def main(args: Args) -> dict:
     reward = Reward(args.reward, args.reward_fn, max_new_tokens=args.max_new_tokens, reward_weights=args.reward_weights)
     reward.check({r.data_source for r in rows})
     model = load_any(M.resolve_model_path(args.model), tok).eval()
-    engine = tool_engine(args, args.model, tok, model)
+    engine = tool_engine(
+        args.rollout_engine, args.model, tok, model, None, args.vllm_gpu_memory_utilization, args.vllm_kv_cache_gb
+    )
     responses, lengths, is_eos = answer(
         model,
         tok,

@@ -22,7 +22,9 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
+from common.args import Check, PositiveInt
 from common.data import read_table, write_rows
 from common.tasks import ANSWER_INSTRUCTION, TASKS, answer_pairs, sft_rows, write_task
 
@@ -112,13 +114,13 @@ class Args:
     """output folder"""
     tasks: list[str] = field(default_factory=lambda: list(TASKS))
     """built-in reasoning-gym tasks to write (any reasoning-gym dataset name works; TASKS holds tuned difficulty)"""
-    train_size: int = 2000
+    train_size: PositiveInt = 2000
     """rows per task in train.parquet"""
-    test_size: int = 200
+    test_size: PositiveInt = 200
     """rows per task in test.parquet"""
     seed: int = 0
     """seed of the stream both splits are drawn from"""
-    test_fraction: float = 0.25
+    test_fraction: Annotated[float, Check(gt=0, lt=1)] = 0.25
     """share of a task's problems reserved for test (split by problem, never by seed alone)"""
     gsm8k: str | None = None
     """GSM8K source: hub id (e.g. openai/gsm8k, config 'main') or a local jsonl/parquet with question, answer"""
@@ -149,8 +151,6 @@ def main(args: Args) -> None:
             f"--tasks: unknown reasoning-gym dataset(s) {unknown}; e.g. {', '.join(TASKS)} "
             f"({len(DATASETS)} in reasoning_gym.factory.DATASETS)"
         )
-    if not 0 < args.test_fraction < 1:
-        raise UserError(f"--test-fraction {args.test_fraction}: must be in (0, 1)")
     for task in args.tasks if not (args.gsm8k or args.math or args.preferences) else []:
         train, test = write_task(task, out, args.train_size, args.test_size, args.seed, args.test_fraction)
         for split, src in (("train", train), ("test", test)):  # SFT examples and answer pairs of the same prompts

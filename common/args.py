@@ -1,0 +1,348 @@
+"""The flags every script shares, as typed groups: each script's Args holds its algorithm's hyperparameters and
+embeds these with flat flag names (`--seed`, not `--run.seed`; tyro.conf.OmitArgPrefixes):
+
+    @dataclass
+    class Args:
+        clip_eps: PositiveFloat = 0.2          # the algorithm's own flags, first in --help
+        ...
+        run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=100)
+        model: Group[ModelArgs] = group(ModelArgs)
+
+The script reads `args.clip_eps` (its own) and `args.run.seed`, `args.gen.temperature` (shared); common/ reads
+the fields of these groups only, never a script's own flag by its spelling.
+
+Each field carries its own rules in its type: `Check(gt=0)` (a range, checked by `check_args` before anything
+loads, with one line naming the flag), `RESUME_MAY_CHANGE` (the flag may differ on --resume; a difference in any
+other flag is refused by name). Allowed values are Literal types (tyro checks them). `flat_args` gives the flat
+{flag name: value} view that args.json, trainer_state.pt, W&B config and presets use, as before the groups."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal, Optional, TypeVar
+
+import tyro
+
+from common.errors import UserError
+from common.models import DEFAULT_MODEL
+
+T = TypeVar("T")
+Group = Annotated[T, tyro.conf.OmitArgPrefixes]  # a group embedded with flat flag names
+
+
+def group(cls, **defaults):
+    """A group field with this script's defaults: `run: Group[RunArgs] = group(RunArgs, total_steps=100)`."""
+    return field(default_factory=lambda: cls(**defaults))
+
+
+@dataclass(frozen=True)
+class Check:
+    """A range rule of one flag: bounds gt / ge / lt / le (a value outside is one line: `--flag v: must be ...`),
+    `note` (why, appended), or `fn(flag, value)` raising UserError for a rule that is not a range."""
+
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+    note: str = ""
+    fn: typing.Callable | None = None
+
+    def __call__(self, flag: str, v) -> None:
+        if self.fn is not None:
+            return self.fn(flag, v)
+        if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+            return
+        ok = (
+            (self.gt is None or v > self.gt)
+            and (self.ge is None or v >= self.ge)
+            and (self.lt is None or v < self.lt)
+            and (self.le is None or v <= self.le)
+        )
+        if ok:
+            return
+        lo = f"({self.gt:g}" if self.gt is not None else f"[{self.ge:g}" if self.ge is not None else None
+        hi = f"{self.lt:g})" if self.lt is not None else f"{self.le:g}]" if self.le is not None else None
+        if lo and hi:
+            rule = f"in {lo}, {hi}"
+        elif lo:
+            rule = ("> " if lo[0] == "(" else ">= ") + lo[1:]
+        else:
+            rule = ("< " if hi[-1] == ")" else "<= ") + hi[:-1]
+        raise UserError(f"{flag} {v}: must be {rule}" + (f" ({self.note})" if self.note else ""))
+
+
+RESUME_MAY_CHANGE = "resume_may_change"  # marker: how long a run goes, how it logs, saves, scores (not what it learns)
+
+PositiveInt = Annotated[int, Check(gt=0)]
+PositiveFloat = Annotated[float, Check(gt=0)]
+NonNegInt = Annotated[int, Check(ge=0)]
+NonNegFloat = Annotated[float, Check(ge=0)]
+UnitFloat = Annotated[float, Check(ge=0, le=1)]  # [0, 1]: a discount, a GAE lambda
+
+
+def _writable_dir(flag: str, out) -> None:
+    p = Path(out)
+    if p.is_symlink() and not p.exists():
+        raise UserError(f"{flag} {out}: a symlink to nothing ({os.readlink(p)}); point it at a folder")
+    if p.exists() and not p.is_dir():
+        raise UserError(f"{flag} {out}: a file, not a folder")
+    existing = next((q for q in [p, *p.parents] if q.exists()), None)
+    if existing is not None and existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {out}: {existing} cannot be written (permissions)")
+
+
+# ----------------------------------------------------------------------------------------------------- the groups
+@dataclass
+class RunArgs:
+    exp_name: str = "run"
+    """name of this experiment (W&B group; part of the run folder name); default: the script's name"""
+    seed: int = 1
+    """seed of model init, data order, sampling and minibatch shuffling"""
+    total_steps: Annotated[PositiveInt, RESUME_MAY_CHANGE] = 100
+    """training steps (RL: one rollout + update each; otherwise one optimizer step)"""
+    track: Annotated[bool, RESUME_MAY_CHANGE] = False
+    """log to Weights & Biases (works with WANDB_MODE=offline)"""
+    wandb_project_name: Annotated[str, RESUME_MAY_CHANGE] = "cleanrlhf"
+    """W&B project"""
+    wandb_entity: Annotated[Optional[str], RESUME_MAY_CHANGE] = None
+    """W&B entity (team or user)"""
+    config: Annotated[Optional[str], RESUME_MAY_CHANGE] = None
+    """YAML preset (keys = the flag names, - or _); CLI flags override it"""
+    output_dir: Annotated[str, RESUME_MAY_CHANGE, Check(fn=_writable_dir)] = "runs"
+    """where run folders are created"""
+    resume: Annotated[Optional[str], RESUME_MAY_CHANGE] = None
+    """checkpoint folder or run folder (its latest checkpoint) to continue exactly, in that run's folder; 'auto':
+    the latest run of this exp_name/seed if any"""
+    save_every: Annotated[NonNegInt, RESUME_MAY_CHANGE] = 0
+    """save a checkpoint every N steps (0: only at the end)"""
+    save_every_minutes: Annotated[NonNegFloat, RESUME_MAY_CHANGE] = 30.0
+    """also save when this many minutes have passed since the last save (0: off), so a pre-empted run loses little"""
+    max_wall_minutes: Annotated[NonNegFloat, RESUME_MAY_CHANGE] = 0.0
+    """stop after the step that passes this many minutes of wall time since setup ended (checkpoint and final
+    evaluation as at --total-steps), so recipes compare at equal cost; 0: no limit"""
+    keep_last: Annotated[NonNegInt, RESUME_MAY_CHANGE] = 0
+    """keep only the last K checkpoints (0: keep all)"""
+    save_merged: Annotated[bool, RESUME_MAY_CHANGE] = False
+    """LoRA: each checkpoint also holds {model}_merged/, the full merged model (loads without peft: vLLM, TGI)"""
+    save_best: Annotated[Optional[str], RESUME_MAY_CHANGE] = None
+    """keep checkpoints/best/, the checkpoint of the best value so far of this metric (e.g. eval/accuracy; losses:
+    lowest)"""
+    eval_every: Annotated[NonNegInt, RESUME_MAY_CHANGE] = 10
+    """evaluate every N steps (and before the first and after the last; 0: never)"""
+    log_every: Annotated[PositiveInt, RESUME_MAY_CHANGE] = 1
+    """write metrics every N steps"""
+    num_samples_logged: Annotated[NonNegInt, RESUME_MAY_CHANGE] = 4
+    """rollouts (or pairs, examples) written to samples.jsonl and a W&B table per log interval"""
+
+
+@dataclass
+class ModelArgs:
+    model_name_or_path: str = DEFAULT_MODEL
+    """the trained model: hub id, local folder (a checkpoint's model folder), or the offline default alias"""
+    trust_remote_code: bool = False
+    """allow model code from the hub"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """weights dtype (auto: float32 on CPU, bfloat16 on GPUs that support it)"""
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    """bf16: autocast forward/backward in bfloat16 (float32 weights, optimizer, log-softmax); auto: bf16 where it
+    pays (float32 weights, a CPU with native bf16 matmul, hidden size >= 256: docs/performance.md), else as
+    `accelerate launch --mixed_precision` says; no: float32"""
+    tp_size: Annotated[PositiveInt, RESUME_MAY_CHANGE] = (
+        1  # the same models laid out otherwise: full-weight checkpoints
+    )
+    """tensor parallelism: each model sharded over groups of this many processes (launch tp_size x data-parallel
+    processes with torchrun / accelerate launch; batch flags count data-parallel ranks): docs/distributed.md"""
+    lora_r: NonNegInt = 0
+    """LoRA rank of the trained models (0 = full fine-tuning); a reference is then the adapter disabled"""
+    lora_alpha: PositiveInt = 32
+    """LoRA alpha"""
+    load_in_4bit: bool = False
+    """QLoRA: 4-bit base weights (needs CUDA and --lora-r > 0)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+
+
+@dataclass
+class DataArgs:
+    train_files: Optional[list[str]] = None
+    """training files (parquet/jsonl/arrow or a hub id; the script's format: docs/data.md); default: the built-in
+    --task"""
+    val_files: Optional[list[str]] = None
+    """held-out files in the same format (default: the built-in task's test split)"""
+    task: str = "chain_sum_1d"
+    """built-in reasoning-gym task used when no --train-files are given"""
+    apply_chat_template: bool = True
+    """render prompts with the tokenizer's chat template (--no-apply-chat-template: raw text, for base models)"""
+    chat_template_kwargs: Optional[str] = None
+    """JSON keyword arguments for apply_chat_template, e.g. '{"enable_thinking": false}'"""
+    system_prompt: Optional[str] = None
+    """system message put first in every prompt (default: none beyond what the chat template adds)"""
+
+
+@dataclass
+class PromptArgs(DataArgs):
+    """DataArgs of the RL scripts: prompt files in verl's schema."""
+
+    prompt_key: str = "prompt"
+    """column holding the prompt"""
+    reward_fn_key: str = "data_source"
+    """column selecting the reward function"""
+    max_prompt_length: PositiveInt = 256
+    """prompts longer than this (tokens) are dropped, or cut with --truncate-prompts"""
+    truncate_prompts: bool = False
+    """keep the last --max-prompt-length tokens of long prompts instead of dropping them"""
+    num_eval_prompts: NonNegInt = 64
+    """validation prompts per evaluation (greedy)"""
+
+
+@dataclass
+class RewardArgs:
+    reward: str = "rule:1.0"
+    """weighted reward sources, e.g. 'rule:1.0,model:0.5,format:0.1,length:0.1'"""
+    reward_fn: Optional[list[str]] = None
+    """path/to/file.py:fn replacing the data_source registry for every row; repeat for several (summed with
+    --reward-weights)"""
+    reward_weights: Optional[list[float]] = None
+    """weights of the --reward-fn functions, in order (default: 1 each); each is logged as reward/<fn>"""
+    reward_model: Optional[str] = None
+    """sequence-classification reward model (used by a 'model' term in --reward)"""
+    reward_fallback: Optional[float] = None
+    """score given when a reward function fails (default: stop with an error naming the row)"""
+    reward_timeout: Annotated[NonNegFloat, RESUME_MAY_CHANGE] = 60.0
+    """seconds one reward-function call may take before it counts as failed (error naming the row, or
+    --reward-fallback; 0: no limit)"""
+    reward_workers: Annotated[NonNegInt, RESUME_MAY_CHANGE] = 2
+    """processes that run --reward-fn functions off the training loop (a crash or hang there costs a row, not the
+    run); 0: in this process"""
+
+
+@dataclass
+class GenerationArgs:
+    max_new_tokens: Annotated[PositiveInt, tyro.conf.arg(aliases=("--max-completion-length",))] = 48
+    """response length limit (tokens)"""
+    temperature: Annotated[float, Check(gt=0, note="sampling; evaluation is greedy already")] = 1.0
+    """sampling temperature (log-probs are computed at the same temperature)"""
+    top_p: Annotated[float, Check(gt=0, le=1)] = 1.0
+    """nucleus sampling"""
+    top_k: NonNegInt = 0
+    """top-k sampling (0: off)"""
+    rollout_engine: Literal["hf", "vllm"] = "hf"
+    """hf: our decoding loop on the policy (exactly reproducible); vllm: a vLLM engine in this process, the
+    policy's weights pushed into it after each update, pi_old recomputed by the trainer (docs/rollout.md)"""
+    vllm_gpu_memory_utilization: Annotated[float, Check(gt=0, le=1, note="a share of the GPU's memory")] = 0.3
+    """vllm on GPUs: the share of GPU memory the engine may take (weights + KV cache), next to training"""
+    vllm_kv_cache_gb: PositiveFloat = 1.0
+    """vllm on CPU: KV-cache space (GiB)"""
+    vllm_tensor_parallel_size: PositiveInt = 1
+    """vllm on GPUs: devices one engine spans (tensor-parallel generation)"""
+    vllm_sleep: bool = False
+    """vllm on GPUs: free the engine's memory during each update (sleep after a rollout, wake before the next)"""
+
+    def sampling(self) -> dict:
+        """The keywords of common.rollout.generate that these flags set."""
+        return dict(
+            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p
+        )
+
+
+@dataclass
+class OnlineGenerationArgs(GenerationArgs):
+    """GenerationArgs of a script whose --max-completion-length is its own flag (DPO: pair truncation)."""
+
+    max_new_tokens: PositiveInt = 64
+    """response length limit (tokens) of sampling and evaluation"""
+
+
+@dataclass
+class OptimArgs:
+    learning_rate: PositiveFloat = 5e-6
+    """learning rate (AdamW)"""
+    lr_scheduler: str = "constant_with_warmup"
+    """transformers scheduler name (constant_with_warmup, linear, cosine, ...)"""
+    warmup_steps: NonNegInt = 0
+    """optimizer steps of linear warm-up"""
+    weight_decay: NonNegFloat = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: NonNegFloat = 1.0
+    """gradient clipping (per model)"""
+
+
+# ------------------------------------------------------------------------------------------ walking the fields
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls, include_extras=True)
+
+
+def _metadata(hint) -> tuple:
+    return getattr(hint, "__metadata__", ())
+
+
+def is_group(hint) -> bool:
+    return tyro.conf.OmitArgPrefixes in _metadata(hint)
+
+
+def flags_of(cls, prefix: str = "") -> dict:
+    """{field name (a flag's name with _): (field, type hint, owner class)} of every flag of an Args class, its
+    groups' fields by their own flat names; a prefixed nested dataclass (`health`) as one entry."""
+    out, hints = {}, _hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if is_group(hints[f.name]):
+            out.update(flags_of(_group_type(hints[f.name]), prefix))
+        else:
+            out[prefix + f.name] = (f, hints[f.name], cls)
+    return out
+
+
+def _group_type(hint):
+    return typing.get_args(hint)[0] if typing.get_args(hint) else hint
+
+
+def _members(args):
+    """(field name, value, type hint) of an Args instance's own fields, its groups' fields in their place."""
+    hints = _hints(type(args))
+    for f in dataclasses.fields(args):
+        if f.init and is_group(hints[f.name]):
+            yield from _members(getattr(args, f.name))
+        elif f.init:
+            yield f.name, getattr(args, f.name), hints[f.name]
+
+
+def _values(args, prefix: str = ""):
+    """(flag name, value, type hint) of every leaf flag of an Args instance, nested prefixed groups included."""
+    for name, v, hint in _members(args):
+        if dataclasses.is_dataclass(v):
+            yield from _values(v, f"{prefix}{name}.")
+        else:
+            yield prefix + name, v, hint
+
+
+def flat_args(args) -> dict:
+    """The flags of an Args as a flat {name: value} (groups merged; a prefixed nested dataclass as a dict), in JSON
+    values: what args.json, trainer_state.pt and W&B record, keyed as the flags are."""
+    import json
+
+    out = {name: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for name, v, _ in _members(args)}
+    return json.loads(json.dumps(out, default=str))
+
+
+def resume_may_change(args) -> set[str]:
+    """Names of the flags marked RESUME_MAY_CHANGE."""
+    return {name for name, (_, hint, _) in flags_of(type(args)).items() if RESUME_MAY_CHANGE in _metadata(hint)}
+
+
+def check_args(args) -> None:
+    """Every flag's own rules (its Checks), and every float finite, before anything loads: one line naming the flag."""
+    for name, v, hint in _values(args):
+        flag = "--" + name.replace("_", "-")
+        # a float flag is a number a run computes with: nan or inf (a preset's `.inf`) would reach the weights
+        if isinstance(v, float) and not math.isfinite(v):
+            raise UserError(f"{flag} {v}: must be a finite number")
+        for rule in _metadata(hint):
+            if isinstance(rule, Check):
+                rule(flag, v)
