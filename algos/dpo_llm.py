@@ -28,36 +28,20 @@ from typing import Annotated, Literal, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` imports from a plain `python algos/...`
 
+# fmt: off
 import torch
 import torch.nn.functional as F
 import tyro
 
 from common import models as M
 from common.args import (
-    Check,
-    DataArgs,
-    Group,
-    ModelArgs,
-    NonNegFloat,
-    NonNegInt,
-    OnlineGenerationArgs,
-    OptimArgs,
-    PositiveFloat,
-    PositiveInt,
-    RewardArgs,
-    RunArgs,
-    group,
+    Check, DataArgs, Group, ModelArgs, NonNegFloat, NonNegInt, OnlineGenerationArgs, OptimArgs, PositiveFloat,
+    PositiveInt, RewardArgs, RunArgs, group,
 )
 from common.cli import cli
 from common.data import Sampler, encode_prompt_response, load_preferences, load_prompts
 from common.distributed import (
-    UpdateGuard,
-    adamw,
-    backward,
-    configure_deepspeed,
-    frozen_reference,
-    make_accelerator,
-    unwrap_for_generation,
+    UpdateGuard, adamw, backward, configure_deepspeed, frozen_reference, make_accelerator, unwrap_for_generation,
 )
 from common.errors import UserError, mix_seed, seed_everything
 from common.eval import evaluate_policy
@@ -69,6 +53,7 @@ from common.rollout import generate, tokenize_queries
 from common.run import Run
 from common.tasks import default_preference_files, default_task_files
 from common.vllm_engine import make_engine
+# fmt: on
 
 
 @dataclass
@@ -109,9 +94,7 @@ class Args:
 
     # --- the flags every script shares (common/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
     run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=100)
-    """experiment, run folder, checkpoints, evaluation cadence, tracking"""
     model: Group[ModelArgs] = group(ModelArgs)
-    """the policy (and its reference): weights, precision, LoRA, parallelism"""
     data: Group[DataArgs] = group(DataArgs)
     """preference files (prompt, chosen, rejected); with --online, prompt files (verl schema)"""
     rewards: Group[RewardArgs] = group(RewardArgs)
@@ -119,7 +102,6 @@ class Args:
     gen: Group[OnlineGenerationArgs] = group(OnlineGenerationArgs)
     """--online sampling and evaluation, the rollout engine"""
     optim: Group[OptimArgs] = group(OptimArgs, learning_rate=5e-7)
-    """the policy's optimizer"""
 
 
 # ALGO LOGIC: the DPO losses

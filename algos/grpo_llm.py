@@ -31,36 +31,20 @@ from typing import Annotated, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` imports from a plain `python algos/...`
 
+# fmt: off
 import torch
 import torch.nn.functional as F
 import tyro
 
 from common import models as M
 from common.args import (
-    Check,
-    GenerationArgs,
-    Group,
-    ModelArgs,
-    NonNegFloat,
-    NonNegInt,
-    OptimArgs,
-    PositiveFloat,
-    PositiveInt,
-    PromptArgs,
-    RewardArgs,
-    RunArgs,
-    group,
+    Check, GenerationArgs, Group, ModelArgs, NonNegFloat, NonNegInt, OptimArgs, PositiveFloat, PositiveInt, PromptArgs,
+    RewardArgs, RunArgs, group,
 )
 from common.cli import cli
 from common.data import Sampler
 from common.distributed import (
-    UpdateGuard,
-    adamw,
-    backward,
-    configure_deepspeed,
-    frozen_reference,
-    make_accelerator,
-    micro_batch_budget,
+    UpdateGuard, adamw, backward, configure_deepspeed, frozen_reference, make_accelerator, micro_batch_budget,
     unwrap_for_generation,
 )
 from common.errors import mix_seed, seed_everything
@@ -70,18 +54,13 @@ from common.ops import all_sum, exact_div, global_mean_divisor, kl_estimate, mas
 from common.perf import mfu, peak_mem_gb
 from common.rewards import reward_from_args
 from common.rollout import (
-    forward_by_micro_batch,
-    forward_logprobs,
-    generate,
-    micro_batches,
-    padding_fraction,
-    reference_logprobs,
-    sequence_attention_mask,
-    tokenize_queries,
+    forward_by_micro_batch, forward_logprobs, generate, micro_batches, padding_fraction, reference_logprobs,
+    sequence_attention_mask, tokenize_queries,
 )
 from common.run import Run
 from common.tasks import load_rl_prompts
 from common.vllm_engine import make_engine
+# fmt: on
 
 
 @dataclass
@@ -136,17 +115,11 @@ class Args:
 
     # --- the flags every script shares (common/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
     run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=100)
-    """experiment, run folder, checkpoints, evaluation cadence, tracking"""
     model: Group[ModelArgs] = group(ModelArgs)
-    """the policy: weights, precision, LoRA, parallelism"""
     data: Group[PromptArgs] = group(PromptArgs)
-    """prompts (verl schema) and their rendering"""
     rewards: Group[RewardArgs] = group(RewardArgs)
-    """reward functions, reward model, mixes"""
     gen: Group[GenerationArgs] = group(GenerationArgs)
-    """sampling and the rollout engine"""
     optim: Group[OptimArgs] = group(OptimArgs, learning_rate=5e-6)
-    """the policy's optimizer"""
 
 
 # ALGO LOGIC: advantages, reward shaping and loss aggregation

@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` imports from a plain `python algos/...`
 
+# fmt: off
 import torch
 import torch.nn.functional as F
 
@@ -33,14 +34,7 @@ from common.args import DataArgs, Group, ModelArgs, NonNegInt, OptimArgs, Positi
 from common.cli import cli
 from common.data import Sampler, encode_prompt_response, load_preferences
 from common.distributed import (
-    UpdateGuard,
-    adamw,
-    backward,
-    configure_deepspeed,
-    full_tensors,
-    make_accelerator,
-    reshard,
-    saved_by_one_process,
+    UpdateGuard, adamw, backward, configure_deepspeed, full_tensors, make_accelerator, reshard, saved_by_one_process,
 )
 from common.errors import seed_everything
 from common.ops import exact_div
@@ -48,6 +42,7 @@ from common.perf import peak_mem_gb
 from common.rollout import position_ids_from_mask
 from common.run import Run
 from common.tasks import default_preference_files
+# fmt: on
 
 
 @dataclass
@@ -67,13 +62,11 @@ class Args:
 
     # --- the flags every script shares (common/args.py), flat: --seed, --model-name-or-path, --train-files, ...
     run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=200, eval_every=50)
-    """experiment, run folder, checkpoints, evaluation cadence, tracking"""
     model: Group[ModelArgs] = group(ModelArgs)
     """the body (a new one-output head is added): weights, precision, LoRA, parallelism"""
     data: Group[DataArgs] = group(DataArgs)
     """preference files (prompt, chosen, rejected); default: the built-in task's answer pairs"""
     optim: Group[OptimArgs] = group(OptimArgs, learning_rate=1e-5, lr_scheduler="cosine", warmup_steps=10)
-    """the optimizer"""
 
 
 # ALGO LOGIC: Bradley-Terry

@@ -24,6 +24,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` imports from a plain `python algos/...`
 
+# fmt: off
 import torch
 
 from common import models as M
@@ -39,6 +40,7 @@ from common.perf import peak_mem_gb
 from common.rewards import Reward
 from common.run import Run
 from common.tasks import default_sft_files, default_task_files
+# fmt: on
 
 
 @dataclass
@@ -63,13 +65,10 @@ class Args:
 
     # --- the flags every script shares (common/args.py), flat: --seed, --model-name-or-path, --train-files, ...
     run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=200, eval_every=50)
-    """experiment, run folder, checkpoints, evaluation cadence, tracking"""
     model: Group[ModelArgs] = group(ModelArgs)
-    """the model trained: weights, precision, LoRA, parallelism"""
     data: Group[DataArgs] = group(DataArgs)
     """SFT files (messages, or prompt + response); --val-files for eval/loss; default: the built-in task's SFT set"""
     optim: Group[OptimArgs] = group(OptimArgs, learning_rate=1e-5, lr_scheduler="cosine", warmup_steps=10)
-    """the optimizer"""
 
 
 # ALGO LOGIC: response-only next-token loss

@@ -99,6 +99,8 @@ def _writable_dir(flag: str, out) -> None:
 # ----------------------------------------------------------------------------------------------------- the groups
 @dataclass
 class RunArgs:
+    """experiment, run folder, checkpoints, evaluation cadence, tracking"""
+
     exp_name: str = "run"
     """name of this experiment (W&B group; part of the run folder name); default: the script's name"""
     seed: int = 1
@@ -142,6 +144,8 @@ class RunArgs:
 
 @dataclass
 class ModelArgs:
+    """the trained model: weights, precision, LoRA / QLoRA, parallelism"""
+
     model_name_or_path: str = DEFAULT_MODEL
     """the trained model: hub id, local folder (a checkpoint's model folder), or the offline default alias"""
     trust_remote_code: bool = False
@@ -169,6 +173,8 @@ class ModelArgs:
 
 @dataclass
 class DataArgs:
+    """training and held-out files (the script's format: docs/data.md), how prompts are rendered"""
+
     train_files: Optional[list[str]] = None
     """training files (parquet/jsonl/arrow or a hub id; the script's format: docs/data.md); default: the built-in
     --task"""
@@ -186,7 +192,7 @@ class DataArgs:
 
 @dataclass
 class PromptArgs(DataArgs):
-    """DataArgs of the RL scripts: prompt files in verl's schema."""
+    """prompt files (verl schema: prompt, data_source, reward_model, extra_info), how prompts are rendered"""
 
     prompt_key: str = "prompt"
     """column holding the prompt"""
@@ -202,6 +208,8 @@ class PromptArgs(DataArgs):
 
 @dataclass
 class RewardArgs:
+    """rewards: rule functions by data_source, --reward-fn files, a reward model, weighted mixes"""
+
     reward: str = "rule:1.0"
     """weighted reward sources, e.g. 'rule:1.0,model:0.5,format:0.1,length:0.1'"""
     reward_fn: Optional[list[str]] = None
@@ -223,6 +231,8 @@ class RewardArgs:
 
 @dataclass
 class GenerationArgs:
+    """sampling and the rollout engine (hf or vllm)"""
+
     max_new_tokens: Annotated[PositiveInt, tyro.conf.arg(aliases=("--max-completion-length",))] = 48
     """response length limit (tokens)"""
     temperature: Annotated[float, Check(gt=0, note="sampling; evaluation is greedy already")] = 1.0
@@ -252,7 +262,7 @@ class GenerationArgs:
 
 @dataclass
 class OnlineGenerationArgs(GenerationArgs):
-    """GenerationArgs of a script whose --max-completion-length is its own flag (DPO: pair truncation)."""
+    """sampling and greedy evaluation, the rollout engine (hf or vllm); --max-completion-length is the script's own"""
 
     max_new_tokens: PositiveInt = 64
     """response length limit (tokens) of sampling and evaluation"""
@@ -260,6 +270,8 @@ class OnlineGenerationArgs(GenerationArgs):
 
 @dataclass
 class OptimArgs:
+    """AdamW and its learning-rate schedule"""
+
     learning_rate: PositiveFloat = 5e-6
     """learning rate (AdamW)"""
     lr_scheduler: str = "constant_with_warmup"

@@ -39,6 +39,8 @@ hf_logging.disable_progress_bar()  # per-file "Loading weights" bars drown the t
 # that an optional kernel package is missing: noise before a run's first line. 4-bit weights need CUDA here
 # anyway (--load-in-4bit is refused on CPU with its own message), so only that logger's warnings are dropped.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+if not torch.cuda.is_available():  # DeepSpeed (imported by transformers' loaders) says it guessed the CPU: say it
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 register_small_attention()
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -68,11 +70,18 @@ def _smollm2_gguf() -> Path:
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantise a GGUF file into a plain transformers folder at `out` (atomically)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    import functools
 
-    os.environ["TQDM_DISABLE"] = "1"  # the GGUF loader prints one tqdm bar per tensor
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    bar = gguf_utils.tqdm  # the GGUF loader draws a bar over its tensors: noise before a first run's own lines
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    finally:
+        gguf_utils.tqdm = bar
     # transformers marks a GGUF-loaded model as quantized and refuses save_pretrained; its weights are
     # already float32, so rebuild a plain model from the config and load the state dict into it.
     config = AutoConfig.for_model(
