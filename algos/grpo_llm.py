@@ -120,6 +120,8 @@ class Args:
     rewards: Group[RewardArgs] = group(RewardArgs)
     gen: Group[GenerationArgs] = group(GenerationArgs)
     optim: Group[OptimArgs] = group(OptimArgs, learning_rate=5e-6)
+    old_logprobs_from: str = field(default="", init=False)
+    """runtime: pi_old's source, 'current' (the update forward's own, detached) or 'trainer' (recomputed)"""
 
 
 # ALGO LOGIC: advantages, reward shaping and loss aggregation
@@ -236,6 +238,7 @@ def main(args: Args):
     # pi_old with one optimizer step per batch (mu = 1, one minibatch) is the policy the update's forward runs:
     # its own log-probs, detached (ratio 1, as TRL does), no extra forward; else recomputed before the update
     pi_old_from_update = args.update_epochs == 1 and args.mini_batch_size == args.num_prompts * G and not args.tis_cap
+    args.old_logprobs_from = "current" if pi_old_from_update else "trainer"  # recorded in args.json
 
     # ------------------------------------------------------- checkpoint state, run folder  # TRY NOT TO MODIFY
     guard = UpdateGuard(accelerator)  # non-finite gradients: step skipped, never NaN weights

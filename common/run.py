@@ -10,6 +10,7 @@ Run folder: runs/{algo}__{exp_name}__{seed}__{unix_time}/
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -262,6 +263,10 @@ def make_run_dir(accelerator, algo: str, args, resume_from: Path | None = None) 
             "algo": algo,
             "world_size": accelerator.state.num_processes,
             "tp_size": getattr(accelerator, "tp_size", 1),
+            **{
+                f.name: getattr(args, f.name) for f in dataclasses.fields(args) if not f.init
+            },  # a script's runtime values
+            "mixed_precision_resolved": str(accelerator.mixed_precision),  # what --mixed-precision auto became
             "distributed_type": str(accelerator.distributed_type).split(".")[-1],  # NO, MULTI_GPU, FSDP, DEEPSPEED...
             "zero_stage": getattr(accelerator.state.deepspeed_plugin, "zero_stage", None),
             "git_commit": _git("rev-parse", "HEAD"),

@@ -260,7 +260,7 @@ def test_auto_mixed_precision(tiny, tmp_path, monkeypatch):
 @pytest.mark.skipif(not cpu_has_native_bf16(), reason="a CPU without native bf16 matmul: auto stays float32")
 def test_scripts_resolve_auto_mixed_precision(toy_prompts, tmp_path):
     """The default --mixed-precision auto reaches the Accelerator: a hidden-256 model trains under bf16
-    autocast on this CPU, so GRPO's pi_old cannot be the float32 sampler's (old_logprobs_from 'current')."""
+    autocast on this CPU (args.json's mixed_precision_resolved), and --mixed-precision no keeps float32."""
     import json
 
     from conftest import REPO, only_run, run_script
@@ -282,10 +282,10 @@ def test_scripts_resolve_auto_mixed_precision(toy_prompts, tmp_path):
     ]
     flags += ["--max-new-tokens", 4]
     env = {"TOY_MODEL": model}
-    for mp, want in (("auto", "current"), ("no", "sampler")):
+    for mp, want in (("auto", "bf16"), ("no", "no")):
         out = tmp_path / mp
         run_script("grpo_llm.py", *flags, "--eval-every", 0, "--mixed-precision", mp, "--output-dir", out, env=env)
-        assert json.loads((only_run(out) / "args.json").read_text())["old_logprobs_from"] == want
+        assert json.loads((only_run(out) / "args.json").read_text())["mixed_precision_resolved"] == want
 
 
 @pytest.mark.slow

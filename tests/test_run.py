@@ -75,7 +75,6 @@ TOY_LOOP = textwrap.dedent('''
     from accelerate import Accelerator
     from transformers import LlamaConfig, LlamaForCausalLM
     from common import checkpoint as C
-from common.args import Group, RunArgs, group
     from common import errors as E
 
     out, total, stop_at, resume = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
