@@ -197,20 +197,23 @@ def test_ppo_learns_with_the_vllm_engine(peaky_vllm, toy_prompts, tmp_path):
 
 
 def test_resume_with_the_vllm_engine_gives_identical_metrics(peaky_vllm, toy_prompts, tmp_path):
-    """4 steps straight = 2 steps + resume + 2 steps: the resumed engine starts from the checkpoint's
-    weights (synced at its first rollout) and each sample from its own seed."""
+    """4 steps straight (a checkpoint at step 2) = its step-2 checkpoint resumed for steps 3-4 (in a copy of the
+    run folder): the resumed engine starts from the checkpoint's weights (synced at its first rollout) and each
+    sample from its own seed. Then a checkpoint folder as the starting model."""
+    import shutil
+
     env = {"TOY_MODEL": peaky_vllm}
     flags = lambda out, n: _grpo_flags(peaky_vllm, toy_prompts, out, "--total-steps", n, "--eval-every", 2)  # noqa: E731
-    run_script("grpo_llm.py", *flags(tmp_path / "a", 4), env=env)
-    run_script("grpo_llm.py", *flags(tmp_path / "b", 2), env=env)
-    first = only_run(tmp_path / "b")
-    run_script("grpo_llm.py", *flags(tmp_path / "c", 4), "--resume", first, env=env)
+    run_script("grpo_llm.py", *flags(tmp_path / "a", 4), "--save-every", 2, env=env)
+    straight = only_run(tmp_path / "a")
+    copy = tmp_path / "b" / straight.name
+    shutil.copytree(straight, copy)
+    run_script("grpo_llm.py", *flags(tmp_path / "b", 4), "--resume", copy / "checkpoints" / "step_2", env=env)
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]  # noqa: E731
-    straight, resumed = strip(read_metrics(only_run(tmp_path / "a"))), strip(read_metrics(first))
-    assert [r["step"] for r in straight] == [1, 2, 3, 4]
-    assert straight == resumed
+    assert [r["step"] for r in read_metrics(straight)] == [1, 2, 3, 4]
+    assert strip(read_metrics(straight)) == strip(read_metrics(copy))
     # a checkpoint folder as the starting model: the engine loads its architecture from there
-    ckpt_policy = first / "checkpoints" / "step_4" / "policy"
+    ckpt_policy = copy / "checkpoints" / "step_4" / "policy"
     run_script("grpo_llm.py", *flags(tmp_path / "d", 1)[2:], "--model-name-or-path", ckpt_policy, env=env)
     assert [r["step"] for r in read_metrics(only_run(tmp_path / "d"))] == [1]
 
