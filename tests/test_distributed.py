@@ -5,6 +5,7 @@ CPU accelerator over gloo)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -467,24 +468,34 @@ def test_deepspeed_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
     ]
     env = {"TOY_MODEL": tiny_peaky}
     for kind in ("DDP", "ZERO2", "ZERO3"):
-        launch("ppo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path / kind, env=env, config=CONFIGS[kind])
-    launch(
-        "ppo_llm.py", *flags, "--total-steps", 1, "--output-dir", tmp_path / "half", env=env, config=CONFIGS["ZERO3"]
-    )
-    half = only_run(tmp_path / "half")
+        save = ["--save-every", 1] if kind == "ZERO3" else []  # its step-1 checkpoint is resumed below
+        launch(
+            "ppo_llm.py",
+            *flags,
+            *save,
+            "--total-steps",
+            2,
+            "--output-dir",
+            tmp_path / kind,
+            env=env,
+            config=CONFIGS[kind],
+        )
+    runs = {kind: only_run(tmp_path / kind) for kind in ("DDP", "ZERO2", "ZERO3")}
+    half = tmp_path / "half" / runs["ZERO3"].name  # a copy of the ZeRO-3 run, resumed from step 1
+    shutil.copytree(runs["ZERO3"], half)
+    ckpt = half / "checkpoints/step_1"
     launch(
         "ppo_llm.py",
         *flags,
         "--total-steps",
         2,
         "--output-dir",
-        tmp_path / "resumed",
+        tmp_path / "half",
         "--resume",
-        half,
+        ckpt,
         env=env,
         config=CONFIGS["ZERO3"],
     )
-    runs = {kind: only_run(tmp_path / kind) for kind in ("DDP", "ZERO2", "ZERO3")}
     for kind, run in runs.items():
         assert_ran(run, kind)
     resumed = half  # a resume continues its own run folder
