@@ -343,6 +343,11 @@ def flat_args(args) -> dict:
     return json.loads(json.dumps(out, default=str))
 
 
+def runtime_values(args) -> dict:
+    """A script's values filled at run time (its Args fields with init=False, e.g. GRPO's old_logprobs_from)."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if not f.init}
+
+
 def resume_may_change(args) -> set[str]:
     """Names of the flags marked RESUME_MAY_CHANGE."""
     return {name for name, (_, hint, _) in flags_of(type(args)).items() if RESUME_MAY_CHANGE in _metadata(hint)}

@@ -10,7 +10,6 @@ Run folder: runs/{algo}__{exp_name}__{seed}__{unix_time}/
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from common.args import flat_args, resume_may_change
+from common.args import flat_args, resume_may_change, runtime_values
 from common.checkpoint import (
     BestKeeper,
     list_checkpoints,
@@ -263,9 +262,7 @@ def make_run_dir(accelerator, algo: str, args, resume_from: Path | None = None) 
             "algo": algo,
             "world_size": accelerator.state.num_processes,
             "tp_size": getattr(accelerator, "tp_size", 1),
-            **{
-                f.name: getattr(args, f.name) for f in dataclasses.fields(args) if not f.init
-            },  # a script's runtime values
+            **runtime_values(args),  # a script's values filled at run time (init=False fields)
             "mixed_precision_resolved": str(accelerator.mixed_precision),  # what --mixed-precision auto became
             "distributed_type": str(accelerator.distributed_type).split(".")[-1],  # NO, MULTI_GPU, FSDP, DEEPSPEED...
             "zero_stage": getattr(accelerator.state.deepspeed_plugin, "zero_stage", None),
