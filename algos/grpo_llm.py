@@ -1,21 +1,22 @@
-"""GRPO: critic-free, group-relative policy optimisation, with flags for its well-known variants.
+"""GRPO: critic-free, group-relative policy optimisation, with flags for its well-known variants and losses.
 
-Docs: docs/algos/grpo.md. Shao et al. 2024 "DeepSeekMath" (GRPO); Liu et al. 2025 "Understanding
-R1-Zero-Like Training" (Dr. GRPO); Yu et al. 2025 "DAPO"; Ahmadian et al. 2024 "Back to Basics"
-(RLOO).
+Docs: docs/algos/grpo.md. Shao et al. 2024 "DeepSeekMath" (GRPO); Liu et al. 2025 (Dr. GRPO); Yu et al. 2025
+"DAPO"; Ahmadian et al. 2024 (RLOO); Zheng et al. 2025 (GSPO); Chen et al. 2025, MiniMax-M1 (CISPO); Gao et al.
+2025 (SAPO).
 
-Each iteration samples `num_prompts` prompts and G = `group_size` responses per prompt. A
-response's advantage is its reward relative to the others of its group (no critic, no GAE), the
-same for every token of the response. `update_epochs` (mu) passes of a clipped surrogate follow;
-an optional KL term to a frozen reference sits in the loss (not in the reward, unlike PPO).
-In one line, it reduces to: REINFORCE with a per-prompt baseline, PPO's clipping, and token-level
-or sequence-level averaging (the `--loss-agg` flag), which is where most variants differ.
+Each iteration samples `num_prompts` prompts and G = `group_size` responses per prompt. A response's advantage is
+its reward relative to the others of its group (no critic, no GAE), the same for every token of the response.
+`update_epochs` (mu) passes of a policy loss follow (--loss-type: PPO's clipped token ratio, or GSPO, CISPO,
+SAPO); an optional KL term to a frozen reference sits in the loss (not in the reward, unlike PPO). It reduces to
+REINFORCE with a per-prompt baseline, a bound on how far the ratio to pi_old may push, and token- or
+sequence-level averaging (--loss-agg): where the variants differ.
 
     python algos/grpo_llm.py                                        # SmolLM2-135M-Instruct on chain_sum_1d
     python algos/grpo_llm.py --scale-rewards none --loss-agg seq-mean-token-sum-norm   # Dr. GRPO
     python algos/grpo_llm.py --clip-eps-high 0.28 --dynamic-sampling --loss-agg token-mean \\
         --overlong-buffer 16 --kl-coef 0                                                # DAPO
     python algos/grpo_llm.py --baseline rloo --scale-rewards none                      # RLOO
+    python algos/grpo_llm.py --loss-type gspo --update-epochs 2                         # GSPO (also cispo, sapo)
     accelerate launch --multi_gpu --num_processes 2 algos/grpo_llm.py                 # 2 processes
 
 Legend: N prompts per rank, G samples per prompt, B = N*G sequences, P prompt length, T response length.
@@ -33,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` impo
 
 # fmt: off
 import torch
-import torch.nn.functional as F
 import tyro
 
 from common import models as M
@@ -52,10 +52,10 @@ from common.eval import evaluate_policy
 from common.health import HealthConfig
 from common.ops import all_sum, exact_div, global_mean_divisor, kl_estimate, masked_mean, masked_var
 from common.perf import mfu, peak_mem_gb
-from common.rewards import reward_from_args
+from common.rewards import reward_by_data_source, reward_from_args
 from common.rollout import (
     forward_by_micro_batch, forward_logprobs, generate, micro_batches, padding_fraction, reference_logprobs,
-    sequence_attention_mask, tokenize_queries,
+    select_rows, sequence_attention_mask, tokenize_queries,
 )
 from common.run import Run
 from common.tasks import load_rl_prompts
@@ -86,6 +86,15 @@ class Args:
     """lower ratio clip: ratio >= 1 - eps_low"""
     clip_eps_high: PositiveFloat = 0.2
     """upper ratio clip: ratio <= 1 + eps_high (DAPO clip-higher: 0.28)"""
+    loss_type: Literal["grpo", "gspo", "cispo", "sapo"] = "grpo"
+    """policy loss: grpo (clipped token ratio, --clip-eps-*), gspo (clipped sequence ratio, --gspo-eps), cispo
+    (capped stop-gradient ratio times log-prob, --cispo-eps-high), sapo (soft gate, --sapo-tau)"""
+    gspo_eps: Annotated[tuple[float, float], Check(gt=0)] = (3e-4, 4e-4)
+    """GSPO's clip of the sequence ratio: LOW HIGH, s in [1 - low, 1 + high] (the paper's 3e-4 4e-4)"""
+    cispo_eps_high: PositiveFloat = 4.0
+    """CISPO's cap of the ratio: weight <= 1 + eps_high (no lower bound; ScaleRL's truncation at 5)"""
+    sapo_tau: Annotated[tuple[float, float], Check(gt=0)] = (1.0, 1.05)
+    """SAPO's gate temperatures: POS NEG, where the advantage is positive / negative (the paper's 1.0 1.05)"""
     kl_coef: Annotated[NonNegFloat, tyro.conf.arg(aliases=("--beta",))] = 0.0
     """weight of the KL to the reference in the loss (0: no reference model is loaded)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -169,42 +178,60 @@ def aggregate(token_loss, mask, loss_agg, n_tokens, n_seqs, max_new_tokens):
 
 
 def take_informative_groups(parts, G, n_groups, pad_id):
-    """Dynamic sampling: from sampled batches `parts` (dicts of (B, ...) tensors and lists, a prompt's
-    G samples adjacent), build one batch of `n_groups` groups, those whose rewards differ first, then
-    (if too few) groups with equal rewards to keep the batch size fixed. Queries are re-padded on the
-    left, responses on the right. Returns (batch, number of equal-reward groups used to fill)."""
-    picked = [(p, j) for p in parts for j in range(len(p["rows"]) // G) if p["scores"].view(-1, G)[j].std() > 0]
-    n_informative = min(len(picked), n_groups)
-    picked = (
-        picked[:n_groups]
-        + [(p, j) for p in parts for j in range(len(p["rows"]) // G) if not p["scores"].view(-1, G)[j].std() > 0][
-            : n_groups - n_informative
-        ]
-    )
-    P = max(p["queries"].shape[1] for p, _ in picked)
-    T = max(p["responses"].shape[1] for p, _ in picked)
-    out = {}
-    for key, v in parts[0].items():
-        items = [(p[key], list(range(j * G, (j + 1) * G))) for p, j in picked]
-        if isinstance(v, list):
-            out[key] = [x[i] for x, idx in items for i in idx]
-        elif key in ("queries", "query_mask"):  # left padding
-            fill = pad_id if key == "queries" else 0
-            out[key] = torch.cat([F.pad(x[idx], (P - x.shape[1], 0), value=fill) for x, idx in items])
-        elif v.dim() == 2:  # responses, masks, log-probs: right padding
-            fill = pad_id if key == "responses" else 0
-            out[key] = torch.cat([F.pad(x[idx], (0, T - x.shape[1]), value=fill) for x, idx in items])
-        else:
-            out[key] = torch.cat([x[idx] for x, idx in items])
-    return out, n_groups - n_informative
+    """Dynamic sampling: from sampled batches `parts` (a prompt's G samples adjacent), one batch of `n_groups`
+    groups, those whose rewards differ first, then (if too few) groups of equal rewards to keep the batch size
+    fixed. Returns (batch, number of equal-reward groups used to fill)."""
+    groups = [(k, j) for k, p in enumerate(parts) for j in range(len(p["rows"]) // G)]
+    differ = lambda k, j: bool(parts[k]["scores"].view(-1, G)[j].std() > 0)
+    informative = [g for g in groups if differ(*g)][:n_groups]
+    filled = [g for g in groups if not differ(*g)][: n_groups - len(informative)]
+    picks = [(k, list(range(j * G, (j + 1) * G))) for k, j in informative + filled]  # (part, its rows)
+    return select_rows(parts, picks, pad_id), len(filled)
 
 
-def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high):
-    """Per-token PPO loss with asymmetric clipping. (b, T) each, advantages (b, 1) broadcast. Returns (loss, clipped)."""
+# ALGO LOGIC: the policy losses (--loss-type): (per-token loss, where its clip / cap / gate acted), (b, T) each
+def grpo_loss(logprobs, old_logprobs, advantages, eps_low, eps_high):
+    """PPO's clipped surrogate per token, asymmetric (GRPO, Shao et al. 2024; DAPO's clip-higher):
+    r = pi_theta / pi_old, l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)); clipped: the bound is active."""
     ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))  # as verl: a ratio that exploded stays finite
-    pg1 = -advantages * ratio
-    pg2 = -advantages * torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)
+    pg1, pg2 = -advantages * ratio, -advantages * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
     return torch.max(pg1, pg2), (pg2 > pg1).float()
+
+
+def sequence_ratio(logprobs, old_logprobs, mask):
+    """GSPO's importance ratio of each response: s = exp(mean over its tokens of log pi_theta - log pi_old), (b, 1)."""
+    log_s = ((logprobs - old_logprobs) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    return torch.exp(log_s.clamp(-20, 20))
+
+
+def gspo_loss(logprobs, old_logprobs, advantages, mask, eps_low, eps_high):
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): the sequence ratio s, clipped at the sequence
+    level, l = max(-A s, -A clip(s, 1 - eps_low, 1 + eps_high)) on every token of the response (the paper's eps
+    3e-4 / 4e-4). GSPO-token (s_t = sg(s) pi_theta / sg(pi_theta)) has the same value and gradient here:
+    advantages are per response."""
+    s = sequence_ratio(logprobs, old_logprobs, mask)  # (b, 1)
+    pg1, pg2 = -advantages * s, -advantages * torch.clamp(s, 1 - eps_low, 1 + eps_high)
+    return torch.max(pg1, pg2).expand_as(logprobs), (pg2 > pg1).float().expand_as(logprobs)
+
+
+def cispo_loss(logprobs, old_logprobs, advantages, eps_high):
+    """CISPO (MiniMax-M1, Chen et al. 2025): REINFORCE weighted by the capped, stop-gradient ratio,
+    l = -sg(min(r, 1 + eps_high)) A log pi_theta: no token's gradient is dropped (PPO's clip zeroes it), only its
+    weight is capped; no lower bound, as in the paper. Clipped: the cap is active."""
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))
+    weight = torch.clamp(ratio, max=1 + eps_high).detach()
+    return -weight * advantages * logprobs, (ratio > 1 + eps_high).float()
+
+
+def sapo_loss(logprobs, old_logprobs, advantages, tau_pos, tau_neg):
+    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization"): a soft gate instead of the hard clip,
+    l = -A (4 / tau) sigmoid(tau (r - 1)), tau = tau_pos where A > 0, tau_neg where A < 0 (1.0 / 1.05 in the
+    paper). Its gradient weight 4 g (1 - g) is 1 at r = 1 (the policy gradient on-policy) and decays smoothly
+    away from it; "clipped" (gated): that weight is below 1/2."""
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)
+    gate = torch.sigmoid(tau * (ratio - 1))
+    return -advantages * 4 / tau * gate, (4 * gate * (1 - gate) < 0.5).float()
 
 
 def main(args: Args):
@@ -221,7 +248,8 @@ def main(args: Args):
     configure_deepspeed(accelerator, args.micro_batch_size, accumulation, args.optim.max_grad_norm)
     seed_everything(args.run.seed)
     run = Run(accelerator, args, Path(__file__).stem)  # --resume: resolved and checked before anything loads
-    max_len = args.data.max_prompt_length + args.gen.max_new_tokens
+    T_max = args.gen.max_new_tokens  # the response length limit
+    max_len = args.data.max_prompt_length + T_max
     tok = M.prompt_tokenizer(args.model, args.data, max_len, "--max-prompt-length + --max-new-tokens")
     reward = reward_from_args(args.rewards, args.model, args.gen.max_new_tokens, accelerator)  # rules, models, mixes
     # --train-files / --val-files, else the built-in --task; every data_source checked against the rewards
@@ -258,6 +286,13 @@ def main(args: Args):
         state=dict(sched=sched, sampler=sampler, guard=guard),
         evaluate=evaluate if val_rows else None,
     )
+
+    policy_loss = {  # --loss-type: (per-token loss, where its clip / cap / gate acted), (b, T) each
+        "grpo": lambda lp, old, a, m: grpo_loss(lp, old, a, args.clip_eps_low, args.clip_eps_high),
+        "gspo": lambda lp, old, a, m: gspo_loss(lp, old, a, m, *args.gspo_eps),
+        "cispo": lambda lp, old, a, m: cispo_loss(lp, old, a, args.cispo_eps_high),
+        "sapo": lambda lp, old, a, m: sapo_loss(lp, old, a, *args.sapo_tau),
+    }[args.loss_type]
 
     def sample_groups(step, round_):
         """One global draw of prompts; this rank's share, each repeated G times, sampled and scored."""
@@ -296,12 +331,10 @@ def main(args: Args):
         mask, query_mask = batch["mask"], batch["query_mask"]  # (B, T), (B, P)
         P, T = batch["queries"].shape[1], batch["responses"].shape[1]
         query_responses = torch.cat([batch["queries"], batch["responses"]], 1)  # (B, P+T)
-        attn = sequence_attention_mask(query_mask, T)  # (B, P+T)
-        lengths = mask.sum(1)  # (B,)
+        attn, lengths = sequence_attention_mask(query_mask, T), mask.sum(1)  # (B, P+T), (B,)
 
         # ------------------------------------------------------------------ 2. reward shaping and advantages
-        overlong = overlong_penalty(lengths, args.gen.max_new_tokens, args.overlong_buffer, args.overlong_penalty)
-        scores = scores + overlong  # (B,)
+        scores = scores + overlong_penalty(lengths, T_max, args.overlong_buffer, args.overlong_penalty)  # (B,)
         advantages = compute_advantages(scores, G, args.baseline, args.scale_rewards)  # (B,)
         loss_mask = mask * (~truncated).float()[:, None] if args.mask_truncated else mask  # (B, T)
         # micro-batches of the no-grad forwards: --micro-batch-size rows, or by --micro-batch-tokens
@@ -315,13 +348,11 @@ def main(args: Args):
             else:
                 old_logprobs = by_micro(lambda qr, am, p: forward_logprobs(policy, qr, am, p, args.gen.temperature))
             ref_logprobs = by_micro(ref_logprobs_of) if args.kl_coef > 0 else None  # (B, T)
-        tis_weights = (
-            torch.exp(old_logprobs - batch["logprobs"]).clamp(max=args.tis_cap) * mask if args.tis_cap > 0 else None
-        )  # (B, T)
+        to_sampler = torch.exp(old_logprobs - batch["logprobs"])  # (B, T) pi_old / pi_sampler (--tis-cap: trainer's)
+        tis_weights = to_sampler.clamp(max=args.tis_cap) * mask if args.tis_cap > 0 else None
 
         # ------------------------------------------------------------------ 3. update
-        t_train = time.time()
-        stats = {k: [] for k in ("pg", "kl", "ent", "clip")}
+        t_train, stats, seq_ratios = time.time(), {k: [] for k in ("pg", "kl", "ent", "clip")}, []  # GSPO's s
         r = accelerator.process_index
         g = torch.Generator().manual_seed(mix_seed(args.run.seed, step, r))
         for it in range(args.update_epochs):
@@ -335,21 +366,20 @@ def main(args: Args):
                 for k, m in enumerate(micros):
                     # this micro-batch's rows at its own lengths: its longest prompt (m.p) and response (t)
                     micro, t, cut = m.ids, m.t, slice(P - m.p, P + m.t)
+                    m_mask = mask[micro, :t]  # (b, t)
                     new_logprobs, entropy = forward_logprobs(
                         policy, query_responses[micro, cut], attn[micro, cut], m.p, args.gen.temperature,
                         with_entropy=True,
                     )  # (b, t) each  # fmt: skip
                     if pi_old_from_update:  # the one optimizer step: pi_old = pi_theta now
-                        old_logprobs[micro, :t] = new_logprobs.detach() * mask[micro, :t]
-                    token_loss, clipped = clipped_surrogate(
-                        new_logprobs, old_logprobs[micro, :t], advantages[micro, None], args.clip_eps_low,
-                        args.clip_eps_high,
-                    )  # (b, t)  # fmt: skip
+                        old_logprobs[micro, :t] = new_logprobs.detach() * m_mask
+                    old_t = old_logprobs[micro, :t]  # (b, t)
+                    token_loss, clipped = policy_loss(new_logprobs, old_t, advantages[micro, None], m_mask)
                     if tis_weights is not None:
                         token_loss = token_loss * tis_weights[micro, :t]
-                    agg = lambda x: aggregate(
-                        x, loss_mask[micro, :t], args.loss_agg, n_tokens, n_seqs, args.gen.max_new_tokens
-                    )
+                    if args.loss_type == "gspo":  # its sequence ratios, logged
+                        seq_ratios.append(sequence_ratio(new_logprobs.detach(), old_t, m_mask))
+                    agg = lambda x: aggregate(x, loss_mask[micro, :t], args.loss_agg, n_tokens, n_seqs, T_max)
                     pg, kl_term = agg(token_loss), torch.zeros((), device=device)
                     if ref_logprobs is not None:  # the KL term in the loss
                         kl_term = agg(kl_estimate(new_logprobs, ref_logprobs[micro, :t], args.kl_estimator))
@@ -361,14 +391,11 @@ def main(args: Args):
                 opt.zero_grad()
         train_s = time.time() - t_train
         # pi_old (the trainer's) vs the sampler's log-probs of the sampled tokens: mean |delta| per token
-        sampler_diff = all_sum(((old_logprobs - batch["logprobs"]).abs() * mask).sum()) / all_sum(mask.sum()).clamp(
-            min=1
-        )
+        gap = (old_logprobs - batch["logprobs"]).abs() * mask  # (B, T)
+        sampler_diff = all_sum(gap.sum()) / all_sum(mask.sum()).clamp(min=1)
         # train/kl as in the PPO scripts: per response, the token mean of KL(pi_old || pi_ref); batch mean
-        mean_kl = 0.0
-        if ref_logprobs is not None:
-            kl = kl_estimate(old_logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T)
-            mean_kl = accelerator.gather(masked_mean(kl, mask, dim=1)).mean().item()
+        kl = kl_estimate(old_logprobs, ref_logprobs, args.kl_estimator) * mask if args.kl_coef > 0 else None  # (B, T)
+        mean_kl = accelerator.gather(masked_mean(kl, mask, dim=1)).mean().item() if kl is not None else 0.0
 
         # ------------------------------------------------------------------ 4. log, evaluate, checkpoint
         if run.logging(step):  # --log-every, and every evaluation step and the last
@@ -392,26 +419,23 @@ def main(args: Args):
                 "train/response_len": accelerator.gather(lengths).float().mean().item(),
                 "train/truncated": accelerator.gather(truncated.float()).mean().item(),
                 "train/lr": sched.get_last_lr()[0],
-                "train/resample_rounds": rounds,
-                "train/filled_zero_std_groups": n_filled,
+                **{"train/resample_rounds": rounds, "train/filled_zero_std_groups": n_filled},
                 "train/episodes": step * args.num_prompts * G,
                 "train/skipped_steps": guard.skipped,
                 "loss/policy": mean(stats["pg"]),
                 "loss/kl": mean(stats["kl"]),
                 "loss/total": mean(stats["pg"]) + args.kl_coef * mean(stats["kl"]),
-                "perf/step_s": step_s,
-                "perf/gen_s": gen_s,
-                "perf/train_s": train_s,
+                **{"perf/step_s": step_s, "perf/gen_s": gen_s, "perf/train_s": train_s},
                 "perf/tokens_per_s": accelerator.gather(lengths).sum().item() / step_s,
                 "perf/peak_mem_gb": peak_mem_gb(device),
                 "perf/padding_frac": 1 - real / max(padded, 1),
                 "perf/mfu": mfu(policy, n_fwd * real, args.update_epochs * real, step_s, accelerator),
             }
             metrics.update({k: accelerator.gather(batch[k]).mean().item() for k in batch if k.startswith("reward/")})
-            sources = sorted({x.data_source for x in rows})
-            for src in sources if len(sources) > 1 else []:  # several tasks mixed: reward per data_source
-                sel = torch.tensor([x.data_source == src for x in rows], device=device)
-                metrics[f"reward/{src}"] = scores[sel].mean().item()  # this rank's rows of that source
+            if seq_ratios:  # GSPO: the sequence importance ratios the loss clipped
+                s = accelerator.gather(torch.cat(seq_ratios).flatten())
+                metrics.update({f"train/seq_ratio_{k}": getattr(s, k)().item() for k in ("mean", "min", "max")})
+            metrics.update(reward_by_data_source(rows, scores))  # several tasks mixed: reward/<data_source>
             metrics.update({"reward/errors": reward.errors} if reward.errors else {})
             samples = [
                 {"prompt": x.text, "response": t, "reward": float(s), "advantage": float(a), "split": "train"}

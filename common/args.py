@@ -55,6 +55,8 @@ class Check:
     def __call__(self, flag: str, v) -> None:
         if self.fn is not None:
             return self.fn(flag, v)
+        if isinstance(v, (list, tuple)):  # a flag of several numbers: each
+            return [self(flag, x) for x in v] and None
         if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
             return
         ok = (
@@ -358,8 +360,9 @@ def check_args(args) -> None:
     for name, v, hint in _values(args):
         flag = "--" + name.replace("_", "-")
         # a float flag is a number a run computes with: nan or inf (a preset's `.inf`) would reach the weights
-        if isinstance(v, float) and not math.isfinite(v):
-            raise UserError(f"{flag} {v}: must be a finite number")
+        for x in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(x, float) and not math.isfinite(x):
+                raise UserError(f"{flag} {x}: must be a finite number")
         for rule in _metadata(hint):
             if isinstance(rule, Check):
                 rule(flag, v)

@@ -491,6 +491,15 @@ class Reward:
         return scores.reshape(B), comps, extras
 
 
+def reward_by_data_source(rows, scores) -> dict:
+    """{reward/<data_source>: mean score of this rank's rows of it} when the rows mix several sources, else {}."""
+    sources = sorted({x.data_source for x in rows})
+    if len(sources) < 2:
+        return {}
+    sel = lambda src: torch.tensor([x.data_source == src for x in rows], device=scores.device)
+    return {f"reward/{src}": scores[sel(src)].mean().item() for src in sources}
+
+
 def reward_from_args(rewards, model, max_new_tokens: int, accelerator) -> Reward:
     """The Reward of a script's RewardArgs `rewards` (common.args): --reward / --reward-fn, --reward-model (loaded
     frozen at --dtype of ModelArgs `model`, with its own tokenizer and chat template, which may differ from the

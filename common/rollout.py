@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from common.ops import logprobs_and_entropy, selective_log_softmax
 from common.parallel import sharded_logits, tensor_parallel_active
@@ -357,6 +358,29 @@ def forward_logprobs(
             index = query_responses[:, P:]
             return logprobs_and_entropy(logits, index, temperature=temperature, entropy_grad=entropy_grad)
         return selective_log_softmax(logits, query_responses[:, P:], temperature=temperature)  # (B, T)
+
+
+def select_rows(parts: list[dict], picks: list[tuple[int, list[int]]], pad_id: int) -> dict:
+    """One batch from rows of several sampled batches: `parts` are dicts of (B, ...) tensors and lists (one key
+    set), `picks` = [(index into parts, row indices), ...] in the order wanted. Left-padded keys (`queries`,
+    `query_mask`) are re-padded on the left, other 2-D tensors (responses, masks, log-probs) on the right, to the
+    longest picked; `queries` and `responses` pad with `pad_id`, the rest with 0."""
+    chosen = [(parts[k], idx) for k, idx in picks]
+    P = max(p["queries"].shape[1] for p, _ in chosen)
+    T = max(p["responses"].shape[1] for p, _ in chosen)
+    out = {}
+    for key, v in parts[0].items():
+        items = [(p[key], idx) for p, idx in chosen]
+        fill = pad_id if key in ("queries", "responses") else 0
+        if isinstance(v, list):
+            out[key] = [x[i] for x, idx in items for i in idx]
+        elif key in ("queries", "query_mask"):  # left padding
+            out[key] = torch.cat([F.pad(x[idx], (P - x.shape[1], 0), value=fill) for x, idx in items])
+        elif v.dim() == 2:  # right padding
+            out[key] = torch.cat([F.pad(x[idx], (0, T - x.shape[1]), value=fill) for x, idx in items])
+        else:
+            out[key] = torch.cat([x[idx] for x, idx in items])
+    return out
 
 
 def reference_logprobs(accelerator, ref_policy, policy, temperature: float = 1.0):

@@ -57,10 +57,10 @@ def test_loss_aggregation_two_responses_of_different_length():
 def test_clip_higher_and_overlong_penalty():
     old = torch.zeros(1, 3)
     new = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))
-    loss, clipped = G.clipped_surrogate(new, old, torch.ones(1, 1), 0.2, 0.28)
+    loss, clipped = G.grpo_loss(new, old, torch.ones(1, 1), 0.2, 0.28)
     assert loss.tolist()[0] == pytest.approx([-1.28, -0.5, -1.1])  # A > 0: ratio capped at 1 + eps_high
     assert clipped.tolist() == [[1.0, 0.0, 0.0]]
-    loss, _ = G.clipped_surrogate(new, old, -torch.ones(1, 1), 0.2, 0.28)
+    loss, _ = G.grpo_loss(new, old, -torch.ones(1, 1), 0.2, 0.28)
     assert loss.tolist()[0] == pytest.approx([1.5, 0.8, 1.1])  # A < 0: ratio floored at 1 - eps_low
     pen = G.overlong_penalty(torch.tensor([10, 12, 14, 16]), 16, 4, 1.0)
     assert pen.tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0])
@@ -285,3 +285,134 @@ def test_resume_gives_identical_metrics(tiny_peaky, toy_prompts, tmp_path):
     straight = strip(read_metrics(only_run(tmp_path / "a")))
     resumed = strip(read_metrics(first))
     assert straight[-1]["train/kl"] > 0 and straight == resumed
+
+
+# --------------------------------------------------------------------------- the 2026 loss family (issue 34)
+# hand-made log-probs: row 0 near-on-policy, row 1 a zero-advantage group member, row 2 extreme ratios,
+# row 3 fully masked; advantages (b, 1); every formula below is recomputed in numpy, float64
+LP = torch.tensor(
+    [[-1.0, -2.0, -0.5], [-0.3, -0.2, -1.5], [-0.1, -90.0, -3.0], [-1.0, -1.0, -1.0]], dtype=torch.float64
+)
+OLD = torch.tensor(
+    [[-1.1, -1.9, -0.5], [-0.3, -0.4, -1.0], [-80.0, -0.1, -3.0], [-2.0, -0.5, -1.0]], dtype=torch.float64
+)
+ADV = torch.tensor([[1.5], [0.0], [-0.7], [2.0]], dtype=torch.float64)
+MASK = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.float64)
+
+
+def _grad(fn):
+    """(per-token loss, clipped, d sum(loss * mask) / d logprobs) of a loss function of logprobs."""
+    lp = LP.clone().requires_grad_(True)
+    loss, clipped = fn(lp)[:2]
+    (loss * MASK).sum().backward()
+    return loss.detach().numpy(), clipped.numpy(), lp.grad.numpy()
+
+
+def test_gspo_value_and_gradient_against_numpy():
+    import numpy as np
+
+    lo, hi = 3e-4, 4e-4
+    loss, clipped, grad = _grad(lambda lp: G.gspo_loss(lp, OLD, ADV, MASK, lo, hi))
+    lp, old, a, m = LP.numpy(), OLD.numpy(), ADV.numpy()[:, 0], MASK.numpy()
+    for i in range(4):
+        n = m[i].sum()
+        s = np.exp(np.clip(((lp[i] - old[i]) * m[i]).sum() / max(n, 1), -20, 20))
+        unclipped, bounded = -a[i] * s, -a[i] * np.clip(s, 1 - lo, 1 + hi)
+        want = max(unclipped, bounded)
+        assert loss[i] == pytest.approx(np.full(3, want)), i  # the sequence's loss on each of its tokens
+        assert clipped[i].tolist() == [float(bounded > unclipped)] * 3
+        # d/d lp_it of n_i * L_i: the unclipped branch's -A s m_it (the clipped branch is constant)
+        want_grad = -a[i] * s * m[i] if unclipped >= bounded and n else np.zeros(3)
+        assert grad[i] == pytest.approx(want_grad, abs=1e-12), i
+    assert np.isfinite(loss).all() and np.isfinite(grad).all()
+    assert grad[1].tolist() == [0, 0, 0] and grad[3].tolist() == [0, 0, 0]  # zero advantage; fully masked row
+
+
+def test_cispo_value_and_gradient_against_numpy():
+    import numpy as np
+
+    eps = 4.0
+    loss, clipped, grad = _grad(lambda lp: G.cispo_loss(lp, OLD, ADV, eps))
+    lp, old, a = LP.numpy(), OLD.numpy(), ADV.numpy()
+    r = np.exp(np.clip(lp - old, -20, 20))
+    w = np.minimum(r, 1 + eps)  # the capped weight, a constant for the gradient
+    assert loss == pytest.approx(-w * a * lp)
+    assert grad == pytest.approx(-w * a * MASK.numpy())  # REINFORCE weighted: no token's gradient dropped
+    assert clipped.tolist() == (r > 1 + eps).astype(float).tolist()
+    assert clipped[2, 0] == 1 and grad[2, 0] == pytest.approx(-(1 + eps) * -0.7)  # a huge ratio: capped, kept
+    assert np.isfinite(loss).all() and np.isfinite(grad).all() and (grad[1] == 0).all()
+
+
+def test_sapo_value_and_gradient_against_numpy():
+    import numpy as np
+
+    tau_pos, tau_neg = 1.0, 1.05
+    loss, clipped, grad = _grad(lambda lp: G.sapo_loss(lp, OLD, ADV, tau_pos, tau_neg))
+    lp, old, a, m = LP.numpy(), OLD.numpy(), ADV.numpy(), MASK.numpy()
+    r = np.exp(np.clip(lp - old, -20, 20))
+    tau = np.where(a > 0, tau_pos, tau_neg)
+    g = 1 / (1 + np.exp(-tau * (r - 1)))
+    assert loss == pytest.approx(-a * 4 / tau * g)
+    live = np.abs(lp - old) <= 20  # beyond, the log-ratio is clamped (finite ratios, as verl): no gradient
+    assert grad == pytest.approx(-a * 4 * g * (1 - g) * r * m * live, abs=1e-8)  # d/d lp = d/d r * r
+    assert clipped.tolist() == (4 * g * (1 - g) < 0.5).astype(float).tolist()
+    # on-policy the soft gate is the policy gradient: weight 1 at r = 1
+    same = torch.zeros(1, 1, dtype=torch.float64, requires_grad=True)
+    G.sapo_loss(same, torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64), 1.0, 1.05)[
+        0
+    ].sum().backward()
+    assert same.grad.item() == pytest.approx(-1.0)
+    assert np.isfinite(loss).all() and np.isfinite(grad).all() and (grad[1] == 0).all()
+
+
+def test_grpo_loss_gradient_against_numpy():
+    import numpy as np
+
+    loss, clipped, grad = _grad(lambda lp: G.grpo_loss(lp, OLD, ADV, 0.2, 0.28))
+    lp, old, a, m = LP.numpy(), OLD.numpy(), ADV.numpy(), MASK.numpy()
+    r = np.exp(np.clip(lp - old, -20, 20))
+    unclipped, bounded = -a * r, -a * np.clip(r, 0.8, 1.28)
+    assert loss == pytest.approx(np.maximum(unclipped, bounded))
+    live = np.abs(lp - old) <= 20  # beyond, the log-ratio is clamped (finite ratios, as verl): no gradient
+    assert grad == pytest.approx(np.where(unclipped >= bounded, -a * r, 0) * m * live, abs=1e-12)
+    assert np.isfinite(grad).all()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("loss_type", ["gspo", "cispo", "sapo"])
+def test_each_new_loss_learns_the_toy_task(loss_type, tiny_peaky, toy_prompts, tmp_path):
+    """15 iterations on the toy task (mu = 2, so the second pass is off-policy and each loss's bound acts):
+    the reward rises by more than 0.1, as GRPO's does (test_learns_toy_task)."""
+    flags = ["--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD]
+    flags += ["--output-dir", tmp_path, "--total-steps", 15, "--num-prompts", 8, "--group-size", 4]
+    flags += ["--mini-batch-size", 16, "--micro-batch-size", 16, "--max-new-tokens", 6, "--learning-rate", 3e-3]
+    run_script("grpo_llm.py", *flags, "--update-epochs", 2, "--eval-every", 0, "--loss-type", loss_type,
+               env={"TOY_MODEL": tiny_peaky})  # fmt: skip
+    rows = read_metrics(only_run(tmp_path))
+    rewards = [r["train/reward"] for r in rows]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
+    assert all(0 <= r["train/clip_frac"] <= 1 for r in rows)
+    if loss_type == "gspo":
+        assert all(r["train/seq_ratio_min"] <= r["train/seq_ratio_mean"] <= r["train/seq_ratio_max"] for r in rows)
+
+
+@pytest.mark.e2e
+def test_gspo_composes_with_kl_dynamic_sampling_tis_and_resumes(tiny_peaky, toy_prompts, tmp_path):
+    """GSPO with the KL term, dynamic sampling, overlong shaping, --tis-cap and token-mean: 3 steps straight
+    equal its step-1 checkpoint resumed for steps 2-3 (in a copy of the run folder)."""
+    import shutil
+
+    extra = ["--loss-type", "gspo", "--kl-coef", 0.05, "--dynamic-sampling", "--overlong-buffer", 2, "--tis-cap", 2]
+    extra += ["--loss-agg", "token-mean", "--update-epochs", 2, "--mini-batch-size", 4, "--learning-rate", 3e-3]
+    extra += ["--gspo-eps", 0.01, 0.02, "--total-steps", 3, "--eval-every", 3]
+    env = {"TOY_MODEL": tiny_peaky}
+    run_script("grpo_llm.py", *_tiny_flags(tiny_peaky, toy_prompts, tmp_path / "a", *extra), "--save-every", 1, env=env)
+    straight = only_run(tmp_path / "a")
+    copy = tmp_path / "b" / straight.name
+    shutil.copytree(straight, copy)
+    run_script("grpo_llm.py", *_tiny_flags(tiny_peaky, toy_prompts, tmp_path / "b", *extra), "--resume",
+               copy / "checkpoints" / "step_1", env=env)  # fmt: skip
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+    a, b = strip(read_metrics(straight)), strip(read_metrics(copy))
+    assert a == b and [r["step"] for r in a] == [0, 1, 2, 3]
+    assert all("train/seq_ratio_mean" in r for r in a[1:]) and a[-1]["train/kl"] > 0

@@ -322,10 +322,13 @@ def test_gpu_only_engine_flags_are_refused_on_cpu(tiny_vllm):
 
 def test_bf16_training_gets_a_bf16_engine(peaky_vllm, toy_prompts, tmp_path):
     """--mixed-precision bf16: the engine runs in bfloat16 too (weights cast as pushed); pi_old is the
-    trainer's, and the logged sampler-trainer gap is that of two bf16 computations: nonzero, small."""
+    trainer's, and the logged sampler-trainer gap is that of two bf16 computations: nonzero, small. The run uses
+    CISPO with --tis-cap (a loss of issue 34 composed with the engine's mismatch correction)."""
     flags = _grpo_flags(peaky_vllm, toy_prompts, tmp_path, "--total-steps", 2, "--eval-every", 0)
+    flags += ["--loss-type", "cispo", "--tis-cap", 2]
     run_script("grpo_llm.py", *flags, "--mixed-precision", "bf16", env={"TOY_MODEL": peaky_vllm})
     rows = read_metrics(only_run(tmp_path))
+    assert all(0 <= r["train/clip_frac"] <= 1 and r["loss/policy"] == r["loss/policy"] for r in rows)
     gaps = [r["train/sampler_logprob_diff"] for r in rows]
     assert all(1e-4 < g < 0.2 for g in gaps), gaps  # fp32 engine and trainer agree to < 1e-4 (above)
 
