@@ -229,6 +229,9 @@ class RewardArgs:
     reward_workers: Annotated[NonNegInt, RESUME_MAY_CHANGE] = 2
     """processes that run --reward-fn functions off the training loop (a crash or hang there costs a row, not the
     run); 0: in this process"""
+    reward_worker_max_gb: Annotated[NonNegFloat, RESUME_MAY_CHANGE] = 4.0
+    """a reward worker whose resident memory passes this many GiB is replaced after the batch (a leaking
+    --reward-fn function); 0: never"""
 
 
 @dataclass

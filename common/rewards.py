@@ -182,9 +182,21 @@ class RewardTimeout(Exception):
     pass
 
 
+_WAKE_ARMED: list = []  # set by the watchdog when a reward function ran past its timeout with SIGALRM ignored
+
+
+def _wake(signum, frame):
+    if _WAKE_ARMED:
+        _WAKE_ARMED.clear()
+        raise RewardTimeout("SIGALRM ignored")
+
+
 def call_with_timeout(fn, seconds: float, *args):
-    """fn(*args), or RewardTimeout after `seconds` of wall time (a SIGALRM timer: main thread only; a
-    C extension that never returns to Python is not interrupted until it does)."""
+    """fn(*args), or RewardTimeout after `seconds` of wall time: a SIGALRM timer first; a function that ignores
+    or replaces SIGALRM is stopped 1 s later by a watchdog thread that signals the main thread with a real-time
+    signal of our own (SIGRTMIN+3, not SIGUSR1/2, which schedulers send), whose handler raises RewardTimeout
+    there: a busy Python loop or a sleep is interrupted. Main thread only; code inside a C extension that never
+    returns to Python is not interrupted in this process (a pool worker's is: the pool kills the worker)."""
     import signal
     import threading
 
@@ -194,11 +206,35 @@ def call_with_timeout(fn, seconds: float, *args):
     def expired(signum, frame):
         raise RewardTimeout(f"no result after {seconds:g} s (--reward-timeout)")
 
+    wake = getattr(signal, "SIGRTMIN", None)
+    lock, done, main = threading.Lock(), threading.Event(), threading.main_thread().ident
+    if wake is not None:
+        wake += 3
+        if signal.getsignal(wake) is not _wake:
+            signal.signal(wake, _wake)
+
+        def watchdog():
+            if not done.wait(seconds + 1):
+                with lock:
+                    if not done.is_set():  # still inside fn: SIGALRM did not stop it
+                        _WAKE_ARMED.append(True)
+                        signal.pthread_kill(main, wake)
+
+        threading.Thread(target=watchdog, daemon=True).start()
     previous = signal.signal(signal.SIGALRM, expired)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        return fn(*args)
+        out = fn(*args)
+        with lock:
+            done.set()
+        return out
+    except RewardTimeout as e:
+        reason = "" if "ignored" not in str(e) else "; the function ignores SIGALRM"
+        raise RewardTimeout(f"no result after {seconds:g} s (--reward-timeout{reason})") from None
     finally:
+        with lock:
+            done.set()
+            _WAKE_ARMED.clear()
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
 
@@ -214,8 +250,9 @@ def score_row(fns, timeout: float, data_source, response, ground_truth, extra_in
     for fn in fns:
         try:
             outs.append((True, call_with_timeout(fn, timeout, data_source, response, ground_truth, extra_info)))
-        except (Exception, SystemExit) as e:  # any failure of user code is data for the caller, not a crash here
-            # (a sys.exit() inside a reward function is that function failing, not a request to stop training)
+        except BaseException as e:  # any failure of user code is data for the caller, not a crash here: a
+            # sys.exit() or a KeyboardInterrupt raised inside a reward function is that function failing, not a
+            # request to stop training (a real Ctrl-C reaches the trainer's StopSignal, never a reward function)
             outs.append((False, repr(e)))
     return outs
 
@@ -224,18 +261,44 @@ _WORKER_FNS: list = []
 
 
 def _init_worker(specs: list[str]) -> None:
-    """Pool worker start-up: one thread (the trainer owns the cores), the functions imported once."""
+    """Pool worker start-up: one thread (the trainer owns the cores), the functions imported once; Ctrl-C ignored
+    (the trainer's to handle: it checkpoints); killed when the trainer dies, however it dies (Linux: a parent
+    that exits at a second Ctrl-C, or is killed, leaves no orphan workers holding memory)."""
+    import ctypes
     import signal
     import sys
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle (it checkpoints)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (the trainer's handler, inherited by fork, is not ours)
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if "torch" in sys.modules:
         torch.set_num_threads(1)
     _WORKER_FNS[:] = [load_reward_fn(spec) for spec in specs]
 
 
 def _worker_score(timeout: float, data_source, response, ground_truth, extra_info):
-    return score_row(_WORKER_FNS, timeout, data_source, response, ground_truth, extra_info)
+    import pickle
+
+    outs = score_row(_WORKER_FNS, timeout, data_source, response, ground_truth, extra_info)
+    for k, (ok, out) in enumerate(outs):  # a result that cannot travel back is that function's failure
+        try:
+            pickle.dumps(out)
+        except Exception as e:
+            outs[k] = (False, f"its result cannot be sent back from the reward worker ({type(e).__name__}: {e})")
+    return outs
+
+
+def _rss_gb(pid: int) -> float:
+    """Resident memory of a process in GiB (Linux /proc; 0 where unavailable)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
 
 
 class RewardPool:
@@ -249,9 +312,9 @@ class RewardPool:
     engine in the process (--rollout-engine vllm) the workers are spawned instead: a child forked
     after vLLM started its OpenMP threads hangs on its first torch call."""
 
-    def __init__(self, specs: list[str], workers: int, timeout: float):
-        self.specs, self.workers, self.timeout = specs, workers, timeout
-        self.pool = None
+    def __init__(self, specs: list[str], workers: int, timeout: float, max_gb: float = 0.0):
+        self.specs, self.workers, self.timeout, self.max_gb = specs, workers, timeout, max_gb
+        self.pool, self.recycled = None, 0
 
     def _start(self):
         import multiprocessing as mp
@@ -288,14 +351,18 @@ class RewardPool:
             self._kill()
             self._start()
             futures = [self.pool.submit(_worker_score, self.timeout, *job) for job in jobs]
-        # each row gets its own timeout inside the worker (SIGALRM); the pool-level wait only catches
-        # code that never returns to Python: rows queue behind each other, so the budget grows with them
-        grace = None if self.timeout <= 0 else self.timeout * (1 + -(-len(jobs) // self.workers)) + 5
-        deadline = None if grace is None else time.monotonic() + grace
+        # each row gets its own timeout inside the worker (SIGALRM, then a watchdog); the pool-level wait only
+        # catches code that never returns to Python. Rows run in submission order on `workers` processes, so row
+        # i has started by the time row i - workers finished: its deadline is that time + the timeout + grace.
+        t0, grace = time.monotonic(), self.timeout + 5
+        finished = [None] * len(futures)
+        for i, fut in enumerate(futures):
+            fut.add_done_callback(lambda _, i=i: finished.__setitem__(i, time.monotonic()))
         out, broken = [], False
-        for fut in futures:
+        for i, fut in enumerate(futures):
             try:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                started = t0 if i < self.workers else (finished[i - self.workers] or time.monotonic())
+                left = None if self.timeout <= 0 else max(0.0, started + grace - time.monotonic())
                 out.append(fut.result(timeout=left))
             except FutureTimeout:
                 out.append(
@@ -318,6 +385,11 @@ class RewardPool:
                 break
         if broken:
             self._kill()
+        elif self.max_gb and self.pool is not None:  # a leaking reward function: fresh workers between batches
+            procs = list(getattr(self.pool, "_processes", {}).values())
+            if any(_rss_gb(proc.pid) > self.max_gb for proc in procs):
+                self._kill()
+                self.recycled += 1
         return out
 
     def close(self):
@@ -366,6 +438,7 @@ class Reward:
         reward_weights: list[float] | None = None,
         timeout: float = 60.0,
         workers: int = 2,
+        worker_max_gb: float = 0.0,
     ):
         self.mix = parse_mix(mix)
         specs = [reward_fn] if isinstance(reward_fn, str) else list(reward_fn or [])
@@ -384,7 +457,7 @@ class Reward:
         self.custom = bool(specs)
         self.timeout = timeout
         # custom functions run in a process pool (--reward-workers; 0: in the trainer); ours in-process
-        self.pool = RewardPool(specs, workers, timeout) if specs and workers > 0 else None
+        self.pool = RewardPool(specs, workers, timeout, worker_max_gb) if specs and workers > 0 else None
         if "model" in self.mix and reward_model is None:
             raise UserError("--reward includes 'model' but no --reward-model was given")
         self.reward_model, self.reward_tok = reward_model, reward_tok
@@ -521,4 +594,5 @@ def reward_from_args(rewards, model, max_new_tokens: int, accelerator) -> Reward
         reward_weights=rewards.reward_weights,
         timeout=rewards.reward_timeout,
         workers=rewards.reward_workers,
+        worker_max_gb=rewards.reward_worker_max_gb,
     )

@@ -4,6 +4,7 @@ import json
 import math
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -235,3 +236,91 @@ def test_a_reward_function_calling_sys_exit_is_that_functions_error(tmp_path, wo
     r = Reward("rule:1.0", f"{tmp_path}/quits.py:score", timeout=10, fallback=-1.0, workers=workers)
     scores, _, _ = r(rows, ["fine", "quit now"], torch.ones(2))
     assert scores.tolist() == [1.0, -1.0] and r.errors == 1
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_reward_functions_that_ignore_sigalrm_interrupt_or_return_unpicklable_results(tmp_path, workers):
+    """Issue 38: a function that ignores SIGALRM (sleeping, or a busy loop) hung the run forever in-process and
+    for ~17 minutes a step in workers; one that raises KeyboardInterrupt, or returns what cannot be pickled back
+    from a worker, was a traceback naming no row. Each is now that function's failure on its row, bounded by
+    --reward-timeout + 1 s (the watchdog), in both modes."""
+    (tmp_path / "rude.py").write_text(
+        "import signal, time\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if solution_str == 'deaf':\n        signal.signal(signal.SIGALRM, signal.SIG_IGN)\n        time.sleep(60)\n"
+        "    if solution_str == 'busy':\n        signal.signal(signal.SIGALRM, lambda *a: None)\n"
+        "        while True:\n            pass\n"
+        "    if solution_str == 'ctrl-c':\n        raise KeyboardInterrupt\n"
+        "    if solution_str == 'lambda':\n        return {'score': 1.0, 'f': lambda: 0}\n"
+        "    return 1.0\n"
+    )
+    rows = [PromptRow("p", "x", None, {}, i) for i in range(3)]
+    r = Reward("rule:1.0", f"{tmp_path}/rude.py:score", timeout=0.3, fallback=-1.0, workers=workers)
+    for bad in ("deaf", "busy", "ctrl-c") + (("lambda",) if workers else ()):
+        start = time.monotonic()
+        scores, _, _ = r(rows, ["ok", bad, "ok"], torch.ones(3))
+        assert scores.tolist() == [1.0, -1.0, 1.0], bad
+        assert time.monotonic() - start < 8, bad  # timeout 0.3 s + the watchdog's 1 s (+ a pool restart)
+    r = Reward("rule:1.0", f"{tmp_path}/rude.py:score", timeout=0.3, workers=workers)
+    with pytest.raises(RewardError, match=r"row 1.*ignores SIGALRM"):
+        r(rows, ["ok", "busy", "ok"], torch.ones(3))
+    with pytest.raises(RewardError, match=r"row 1.*KeyboardInterrupt"):
+        r(rows, ["ok", "ctrl-c", "ok"], torch.ones(3))
+    if workers:
+        with pytest.raises(RewardError, match=r"row 1.*cannot be sent back from the reward worker"):
+            r(rows, ["ok", "lambda", "ok"], torch.ones(3))
+        r.pool.close()
+
+
+def test_a_leaking_reward_function_gets_fresh_workers(tmp_path):
+    """A worker above --reward-worker-max-gb of resident memory is replaced after the batch (a leak grew workers
+    1.0 -> 3.2 GiB in 11 steps, issue 38); the next batch scores on new processes."""
+    (tmp_path / "leak.py").write_text(
+        "import os\nKEEP = []\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    KEEP.append(bytearray(60 * 2**20))\n    return {'score': 1.0, 'pid': os.getpid()}\n"
+    )
+    rows = [PromptRow("p", "x", None, {}, i) for i in range(4)]
+    r = Reward("rule:1.0", f"{tmp_path}/leak.py:score", workers=2, worker_max_gb=0.15)
+    first = set(r(rows, ["a"] * 4, torch.ones(4))[2]["pid"].tolist())
+    assert r.pool.recycled == 1 and r.pool.pool is None  # above 0.15 GiB: the workers went
+    second = set(r(rows, ["a"] * 4, torch.ones(4))[2]["pid"].tolist())
+    assert not first & second
+    keep = Reward("rule:1.0", f"{tmp_path}/leak.py:score", workers=2, worker_max_gb=0)  # 0: never
+    keep(rows, ["a"] * 4, torch.ones(4))
+    assert keep.pool.recycled == 0 and keep.pool.pool is not None
+    keep.pool.close()
+
+
+@pytest.mark.e2e
+def test_reward_workers_die_with_the_trainer(tmp_path):
+    """A trainer that exits at once (a second Ctrl-C: os._exit) or is killed left its two reward workers as
+    orphans of ~480 MB each (issue 38): they now die with it (PR_SET_PDEATHSIG)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "pid.py").write_text(
+        "import os\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': 1.0, 'pid': os.getpid()}\n"
+    )
+    code = (
+        "import os, sys, torch\nsys.path.insert(0, sys.argv[1])\nfrom common.rewards import Reward\n"
+        "from common.data import PromptRow\n"
+        f"r = Reward('rule:1.0', '{tmp_path}/pid.py:score', workers=2)\n"
+        "rows = [PromptRow('p', 'x', None, {}, i) for i in range(4)]\n"
+        "print(*sorted(set(r(rows, ['a'] * 4, torch.ones(4))[2]['pid'].int().tolist())), flush=True)\n"
+        "os._exit(130)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parents[1])], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    pids = [int(p) for p in out.stdout.split()]
+    assert out.returncode == 130 and len(pids) == 2, out.stderr[-2000:]
+    deadline = time.monotonic() + 10
+
+    def alive(pid):
+        try:
+            return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return False
+
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids), pids
