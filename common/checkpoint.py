@@ -5,6 +5,7 @@ name, fsynced and renamed, so a crash never leaves a half checkpoint; loaded wit
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 import shutil
@@ -122,7 +123,10 @@ def save_checkpoint(
                 for folder in folders if tokenizer is not None else []:
                     tokenizer.save_pretrained(folder)
             meta = {"algo": run_dir.name.split("__")[0], "args": flat_args(args) if args is not None else {}}
+            meta["run_id"] = run_id_of(run_dir)  # which run wrote it: a step folder from another run is refused
             torch.save({**state, **meta, "rng": rng_state(), "step": step}, tmp / "trainer_state.pt")
+            # the same, readable without unpickling the (large) state: what --resume checks first
+            (tmp / "checkpoint.json").write_text(json.dumps({**meta, "step": step}, indent=1, default=str))
             _fsync_tree(tmp)  # on disk before the rename makes it the checkpoint
         except BaseException as e:  # whatever stopped the write, the half-written folder goes
             shutil.rmtree(tmp, ignore_errors=True)
@@ -225,6 +229,28 @@ def step_of(p: Path) -> int:
     if p.name.startswith("step_") and p.name[5:].isdigit():
         return int(p.name[5:])
     return int(torch.load(p / "trainer_state.pt", weights_only=True)["step"])
+
+
+def run_id_of(run_dir: Path) -> str:
+    """A run's identity: the name its folder was created with (args.json's run_id; a renamed folder keeps it)."""
+    try:
+        return json.loads((Path(run_dir) / "args.json").read_text()).get("run_id") or Path(run_dir).name
+    except (OSError, ValueError, AttributeError):
+        return Path(run_dir).name
+
+
+def checkpoint_record(ckpt: Path) -> dict:
+    """What a checkpoint says of itself (algo, run_id, step, the flags as run): checkpoint.json, or for
+    checkpoints written before it existed the same keys of trainer_state.pt; {} if neither can be read."""
+    try:
+        return json.loads((Path(ckpt) / "checkpoint.json").read_text())
+    except (OSError, ValueError):
+        pass
+    try:
+        saved = load_trainer_state(Path(ckpt))
+        return {k: saved[k] for k in ("algo", "args", "run_id", "step") if k in saved}
+    except Exception:
+        return {}
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:

@@ -22,11 +22,13 @@ import torch
 from common.args import flat_args, resume_may_change, runtime_values
 from common.checkpoint import (
     BestKeeper,
+    checkpoint_record,
     list_checkpoints,
     load_weights,
     remove_stale_temp_checkpoints,
     resolve_checkpoint,
     restore_checkpoint,
+    run_id_of,
     save_checkpoint,
     step_of,
 )
@@ -159,9 +161,19 @@ def resolve_resume(args, algo: str) -> Path | None:
             f"--resume {r.resume}: the checkpoint is at step {step}; --total-steps {r.total_steps} "
             f"must be larger to continue"
         )
-    recorded = run_dir / "args.json"
-    if recorded.exists():
-        before, now, may_change = read_args_json(recorded), flat_args(args), resume_may_change(args)
+    # a step folder that is a symlink to, or a copy of, another run's checkpoint would load that run's state into
+    # this folder and overwrite its later checkpoints: refused (the checkpoint carries its run's identity)
+    if ckpt.is_symlink():
+        user_error(f"--resume {r.resume}: {ckpt} is a link to {ckpt.resolve()}, another run's checkpoint; resume "
+                   f"that run, or start a new one from {ckpt.resolve()}/<model> with --model-name-or-path")  # fmt: skip
+    record, recorded = checkpoint_record(ckpt), run_dir / "args.json"
+    if record.get("run_id") and record["run_id"] != run_id_of(run_dir):
+        user_error(f"--resume {r.resume}: {ckpt.name} was written by run {record['run_id']}, not by "
+                   f"{run_id_of(run_dir)} (a checkpoint copied from another run folder); resume its own run")  # fmt: skip
+    if recorded.exists() or record.get("args"):  # args.json deleted: the checkpoint's own record of the flags
+        before = read_args_json(recorded) if recorded.exists() else record["args"]
+        recorded = recorded if recorded.exists() else ckpt / "checkpoint.json"
+        now, may_change = flat_args(args), resume_may_change(args)
         changed = {k: (before[k], v) for k, v in now.items() if k in before and before[k] != v and k not in may_change}
         if changed:
             lines = "; ".join(f"--{k.replace('_', '-')} {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items()))
@@ -237,6 +249,7 @@ def make_run_dir(accelerator, algo: str, args, resume_from: Path | None = None) 
             ]
             record.update(now)
             record["resumes"] = resumes
+            record.setdefault("run_id", checkpoint_record(Path(resume_from)).get("run_id") or run_dir.name)
             _write_atomic(run_dir / "args.json", json.dumps(record, indent=2, default=str))
         accelerator.wait_for_everyone()
         return run_dir
@@ -270,6 +283,7 @@ def make_run_dir(accelerator, algo: str, args, resume_from: Path | None = None) 
             "git_dirty": bool(_git("status", "--porcelain")),
             "versions": library_versions(),
             "argv": sys.argv,
+            "run_id": run_dir.name,  # kept if the folder is renamed; every checkpoint records it (checkpoint.json)
         }
         _write_atomic(run_dir / "args.json", json.dumps(record, indent=2, default=str))
     accelerator.wait_for_everyone()

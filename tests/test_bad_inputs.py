@@ -601,3 +601,82 @@ def test_a_model_folder_whose_bin_holds_code_is_one_line(tiny, tmp_path):
         with pytest.raises(UserError, match="a weights file holds code, not only tensors; refused"):
             load(str(folder))
     assert not marker.exists()
+
+
+# --------------------------------------------------------------------------- the resume guard (issue 38)
+def _resume_args(**run):
+    from dataclasses import dataclass
+
+    from common.args import Group, RunArgs, group
+
+    @dataclass
+    class Args:
+        lr: float = 0.1
+        """a flag a resume may not change"""
+        run: Group[RunArgs] = group(RunArgs, exp_name="x")
+
+    return Args
+
+
+def _run_with_checkpoint(root, name, lr=0.1, run_id=None, args_json=True):
+    """A run folder as save_checkpoint and make_run_dir leave it: checkpoints/step_1 with checkpoint.json."""
+    from accelerate import Accelerator
+
+    from common import checkpoint as C
+    from common.args import RunArgs, flat_args
+
+    Args = _resume_args()
+    run = root / name
+    (run / "checkpoints").mkdir(parents=True)
+    args = Args(lr=lr, run=RunArgs(exp_name="x", output_dir=str(root), total_steps=5))
+    (run / "args.json").write_text(json.dumps({**flat_args(args), "run_id": run_id or name}))
+    C.save_checkpoint(Accelerator(cpu=True), run, 1, {}, {}, args=args)
+    if not args_json:
+        (run / "args.json").unlink()
+    return run
+
+
+def _resume(path, lr=0.1):
+    from common.args import RunArgs
+    from common.run import resolve_resume
+
+    Args = _resume_args()
+    return resolve_resume(Args(lr=lr, run=RunArgs(exp_name="x", resume=str(path), total_steps=5)), "ppo_llm")
+
+
+def test_the_resume_guard_holds_without_args_json(tmp_path, capsys):
+    """args.json deleted: a changed --lr was silently applied and recorded (issue 38); the checkpoint carries its
+    own record of the flags (checkpoint.json), and the guard reads it."""
+    run = _run_with_checkpoint(tmp_path, "ppo_llm__x__1__1", args_json=False)
+    assert (run / "checkpoints/step_1/checkpoint.json").exists()
+    assert json.loads((run / "checkpoints/step_1/checkpoint.json").read_text())["run_id"] == run.name
+    assert _resume(run) == run / "checkpoints/step_1"  # the same flags: resumes
+    with pytest.raises(SystemExit) as e:
+        _resume(run, lr=0.5)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--lr 0.1 -> 0.5" in err and "checkpoint.json" in err, err
+
+
+def test_a_step_folder_from_another_run_is_refused(tmp_path, capsys):
+    """A step_N that is a symlink to, or a copy of, another run's checkpoint loaded that run's state, overwrote
+    this run's later checkpoints and duplicated metric rows (issue 38): refused by name. A renamed run folder
+    (its checkpoints and args.json agree on the run) still resumes."""
+    import shutil
+
+    mine = _run_with_checkpoint(tmp_path, "ppo_llm__x__1__1")
+    other = _run_with_checkpoint(tmp_path, "ppo_llm__x__1__2")
+    (mine / "checkpoints/step_2").symlink_to(other / "checkpoints/step_1")
+    for path, says in ((mine / "checkpoints/step_2", "is a link to"), (mine, "is a link to")):
+        with pytest.raises(SystemExit) as e:
+            _resume(path)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    (mine / "checkpoints/step_2").unlink()
+    shutil.copytree(other / "checkpoints/step_1", mine / "checkpoints/step_3")
+    with pytest.raises(SystemExit) as e:
+        _resume(mine)  # its latest: step_3, the copy
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "written by run ppo_llm__x__1__2" in err, err
+    shutil.rmtree(mine / "checkpoints/step_3")
+    renamed = mine.rename(tmp_path / "ppo_llm__x__1__renamed")
+    assert _resume(renamed) == renamed / "checkpoints/step_1"
