@@ -309,7 +309,7 @@ def main(args: Args):
         return dict(
             rows=rows, texts=texts, queries=queries, query_mask=query_mask, responses=rollout.responses,
             mask=rollout.response_mask, logprobs=rollout.logprobs, truncated=rollout.truncated, scores=scores,
-            solved=extras.get("acc", (scores >= 1).float()), **{f"reward/{k}": v for k, v in components.items()},
+            solved=extras.get("acc", (scores >= 1).float()), **{f"reward/{k}": v for k, v in (components | extras).items()},
         )  # fmt: skip
 
     for step in run.steps():  # after each: checkpoints (periodic, final, on a signal), --max-wall-minutes

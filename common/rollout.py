@@ -370,6 +370,8 @@ def select_rows(parts: list[dict], picks: list[tuple[int, list[int]]], pad_id: i
     T = max(p["responses"].shape[1] for p, _ in chosen)
     out = {}
     for key, v in parts[0].items():
+        if not all(key in p for p in parts):  # a logged field only some sampling rounds produced
+            continue
         items = [(p[key], idx) for p, idx in chosen]
         fill = pad_id if key in ("queries", "responses") else 0
         if isinstance(v, list):

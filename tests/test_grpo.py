@@ -118,6 +118,9 @@ def _tiny_flags(model, prompts, out, *extra):
 
 @pytest.mark.e2e
 def test_two_iterations_end_to_end(tiny_peaky, toy_prompts, tmp_path):
+    (tmp_path / "second.py").write_text(
+        "def brevity(data_source, solution_str, ground_truth, extra_info=None):\n    return -len(solution_str) / 100\n"
+    )
     run_script(
         "grpo_llm.py",
         *_tiny_flags(
@@ -134,6 +137,8 @@ def test_two_iterations_end_to_end(tiny_peaky, toy_prompts, tmp_path):
             2,
             "--learning-rate",
             1e-3,
+            "--reward-fn",
+            f"{tmp_path}/second.py:brevity",
         ),
         env={"TOY_MODEL": tiny_peaky},
     )
@@ -154,6 +159,8 @@ def test_two_iterations_end_to_end(tiny_peaky, toy_prompts, tmp_path):
     ):
         assert key in rows[-1], key
     assert rows[-1]["train/kl"] > 0
+    # two --reward-fn functions: each logged as reward/<fn>, as PPO does (issue 38: GRPO did not)
+    assert "reward/compute_score" in rows[-1] and rows[-1]["reward/brevity"] < 0
     base = load_file(Path(tiny_peaky) / "model.safetensors")
     pol = load_file(run / "checkpoints" / "step_2" / "policy" / "model.safetensors")
     assert any(not torch.equal(base[k], pol[k]) for k in base)
