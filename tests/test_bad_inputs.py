@@ -680,3 +680,28 @@ def test_a_step_folder_from_another_run_is_refused(tmp_path, capsys):
     shutil.rmtree(mine / "checkpoints/step_3")
     renamed = mine.rename(tmp_path / "ppo_llm__x__1__renamed")
     assert _resume(renamed) == renamed / "checkpoints/step_1"
+
+
+def test_export_leaves_out_stray_files(tiny, tmp_path, capsys):
+    """tools.export copied every file of the checkpoint's model folder, a stray pytorch_model.bin (a pickle) too,
+    into the folder meant for the Hub (issue 38): it copies the safetensors model folder's own files only, says
+    what it left out, and refuses a folder with no safetensors weights."""
+    import shutil
+
+    from common.errors import UserError
+    from tools import export
+
+    src = tmp_path / "ckpt" / "policy"
+    shutil.copytree(tiny, src)
+    (src / "pytorch_model.bin").write_bytes(b"not a model")
+    (src / "notes.txt").write_text("scratch")
+    out = export.main(export.Args(checkpoint=str(src), out=str(tmp_path / "out")))
+    names = sorted(p.name for p in out.iterdir())
+    assert "pytorch_model.bin" not in names and "notes.txt" not in names and "model.safetensors" in names
+    assert "config.json" in names and "tokenizer_config.json" in names and "README.md" in names
+    said = capsys.readouterr().out
+    assert "left out pytorch_model.bin" in said and "left out notes.txt" in said
+    (src / "model.safetensors").unlink()
+    with pytest.raises(UserError, match="no .safetensors weights; nothing was written"):
+        export.main(export.Args(checkpoint=str(src), out=str(tmp_path / "out2")))
+    assert not (tmp_path / "out2").exists()

@@ -59,6 +59,17 @@ def find_model_folder(path: str, model: str = "policy") -> Path:
     return step_dir / model
 
 
+# what a model folder for the Hub holds: safetensors weights, configs, tokenizer files (no pickles, no stray files)
+MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json", "tokenizer*",
+               "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "chat_template*", "*.model")  # fmt: skip
+
+
+def is_model_file(name: str) -> bool:
+    import fnmatch
+
+    return any(fnmatch.fnmatch(name, pattern) for pattern in MODEL_FILES)
+
+
 def model_card(folder: Path, run_dir: Path | None) -> str:
     lines = [
         f"# {run_dir.name if run_dir else folder.name}",
@@ -114,9 +125,14 @@ def main(args: Args) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        for f in src.iterdir():
-            if f.is_file() and f.name != "merged_from.json":
+        files = [f for f in src.iterdir() if f.is_file()]
+        if not any(f.name.endswith(".safetensors") for f in files):
+            raise UserError(f"{folder}: no .safetensors weights; nothing was written")
+        for f in files:
+            if is_model_file(f.name):
                 shutil.copy2(f, tmp / f.name)
+            elif f.name != "merged_from.json":  # e.g. a stray pytorch_model.bin: a pickle, not for the Hub
+                print(f"left out {f.name}: not part of a safetensors model folder")
         if not (tmp / "tokenizer_config.json").exists():
             raise UserError(
                 f"{folder}: no tokenizer files (a checkpoint from before tokenizers were saved); "
