@@ -65,6 +65,28 @@ def merged_state_dict(model) -> dict:
     return merge_lora_state_dict(sd, cfg.lora_alpha / cfg.r)
 
 
+def _check_cpu_head_size(model_path: str, trust_remote_code: bool) -> None:
+    """vLLM's CPU attention runs only some head sizes; say so before the engine starts (its own error is a
+    RuntimeError deep in its start-up: 'Unsupported CPU attention configuration: head_dim=16')."""
+    from transformers import AutoConfig
+
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+    except Exception:  # another vLLM layout: its own start-up check applies
+        return
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    config = getattr(config, "text_config", None) or config
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if head_dim and head_dim not in supported:
+        raise UserError(
+            f"--rollout-engine vllm: vLLM's CPU attention supports head sizes {supported}; {model_path} has "
+            f"{head_dim} (hidden {config.hidden_size} / {heads} heads); use --rollout-engine hf"
+        )
+
+
 class VLLMEngine:
     """A colocated vLLM engine for one policy: `sync(model)` then `generate(...)`."""
 
@@ -102,6 +124,8 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if not cuda:  # the CPU backend's KV cache size (GPUs: gpu_memory_utilization)
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gb)))))
+        if not cuda:
+            _check_cpu_head_size(model_path, trust_remote_code)
         from vllm import LLM
 
         kw = {}
@@ -110,21 +134,28 @@ class VLLMEngine:
             kw["distributed_executor_backend"] = "external_launcher"
         self.tok = tok
         self.version = None  # the policy's parameter versions at the last sync (None: never synced)
-        self.llm = LLM(
-            model=model_path,
-            tokenizer=model_path,
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            enforce_eager=True,  # CUDA graphs / torch.compile: minutes of start-up for a few rollouts
-            gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_parallel_size,
-            enable_sleep_mode=sleep,
-            logprobs_mode="processed_logprobs",
-            generation_config="vllm",
-            trust_remote_code=trust_remote_code,
-            **kw,
-        )
+        try:
+            self.llm = LLM(
+                model=model_path,
+                tokenizer=model_path,
+                dtype=dtype,
+                seed=seed,
+                max_model_len=max_model_len,
+                enforce_eager=True,  # CUDA graphs / torch.compile: minutes of start-up for a few rollouts
+                gpu_memory_utilization=gpu_memory_utilization,
+                tensor_parallel_size=tensor_parallel_size,
+                enable_sleep_mode=sleep,
+                logprobs_mode="processed_logprobs",
+                generation_config="vllm",
+                trust_remote_code=trust_remote_code,
+                **kw,
+            )
+        except Exception as e:  # vLLM's own refusal (an architecture it cannot load, memory, ...): one line
+            first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+            raise UserError(
+                f"--rollout-engine vllm: vLLM could not start an engine for {model_path} ({type(e).__name__}: "
+                f"{first[:300]}); use --rollout-engine hf (CLEANRLHF_DEBUG=1 shows vLLM's traceback)"
+            ) from e
         self.sleep, self.asleep = sleep, False
         self._sleep()
 

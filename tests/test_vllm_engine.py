@@ -355,3 +355,22 @@ def test_online_dpo_with_lora_and_dynamic_kl_ppo_run_on_the_vllm_engine(peaky_vl
     rows = read_metrics(only_run(tmp_path / "dkl"))
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval/accuracy" in rows[-1]
     assert all(r["train/sampler_logprob_diff"] < 1e-3 for r in rows[1:])
+
+
+def test_engine_start_up_refusals_are_one_line(tiny, tmp_path):
+    """vLLM's own start-up failures surfaced raw (issue 38): a 16-wide attention head on CPU
+    ('Unsupported CPU attention configuration: head_dim=16') is said before the engine starts, and an
+    architecture vLLM cannot load is one line naming the model and suggesting --rollout-engine hf."""
+    import shutil
+
+    from common.errors import UserError
+
+    tok = M.load_tokenizer(tiny)
+    with pytest.raises(UserError, match=r"CPU attention supports head sizes .*has 16 .*--rollout-engine hf"):
+        VLLMEngine(tiny, tok, max_model_len=64, seed=0)  # the tiny test model: hidden 64 over 4 heads
+    odd = tmp_path / "odd"
+    shutil.copytree(M.tiny_model(tmp_path / "h32", heads=2), odd)
+    config = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
+    with pytest.raises(UserError, match=r"vLLM could not start an engine for .*odd.*--rollout-engine hf"):
+        VLLMEngine(str(odd), tok, max_model_len=64, seed=0)
