@@ -12,8 +12,22 @@ import torch
 
 
 def user_error(message: str) -> None:
-    """A user error: one line on stderr, exit code 2 (no traceback)."""
-    print(message, file=sys.stderr, flush=True)
+    """A user error: one line on stderr, exit code 2 (no traceback). Under torchrun / accelerate launch the line is
+    printed by rank 0 only (not once per process), and every rank writes it to torchelastic's error file, so the
+    launcher's failure report (which follows, and which no child can suppress) quotes it instead of '<N/A>'."""
+    import json
+    import os
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": message, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 

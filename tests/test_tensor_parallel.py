@@ -220,6 +220,11 @@ def test_tp_refusals_name_the_flag(tiny, tmp_path):
     assert cfg.returncode == 2 and "--tp-size 2: the 1 processes" in cfg.stderr
     lora = launch_unchecked("grpo_llm.py", *base, "--tp-size", 2, "--lora-r", 4)
     assert lora.returncode != 0 and "--tp-size 2 with --lora-r" in lora.stderr
+    # under a launcher: the line once (rank 0), and the launcher's own report quotes it (issue 38; its banner
+    # and exit code 1 are the launcher's, which no child can change)
+    line = next(x for x in lora.stderr.splitlines() if "--tp-size 2 with --lora-r" in x)
+    assert lora.stderr.count(line) >= 2 and sum(x == line for x in lora.stderr.splitlines()) == 1
+    assert "error_file: <N/A>" not in lora.stderr, lora.stderr[-3000:]
     vllm = launch_unchecked("grpo_llm.py", *base, "--tp-size", 2, "--rollout-engine", "vllm")
     assert vllm.returncode != 0 and "--rollout-engine vllm with --tp-size 2" in vllm.stderr
     fsdp = launch_unchecked("grpo_llm.py", *base, "--tp-size", 2, config="cpu_2proc_fsdp2")
