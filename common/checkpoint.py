@@ -130,9 +130,13 @@ def save_checkpoint(
             _fsync_tree(tmp)  # on disk before the rename makes it the checkpoint
         except BaseException as e:  # whatever stopped the write, the half-written folder goes
             shutil.rmtree(tmp, ignore_errors=True)
-            # torch.save on a full disk raises RuntimeError ("unexpected pos ..."), not OSError(ENOSPC)
-            full = getattr(e, "errno", None) == errno.ENOSPC or (
-                isinstance(e, RuntimeError) and ("unexpected pos" in str(e) or _nearly_full(ckpt_root))
+            # torch.save on a full disk raises RuntimeError ("unexpected pos ..."), safetensors its SafetensorError
+            # ("No space left on device (os error 28)"), neither an OSError(ENOSPC): found on a real full tmpfs
+            said = str(e)
+            full = (
+                getattr(e, "errno", None) == errno.ENOSPC
+                or "No space left on device" in said
+                or (isinstance(e, RuntimeError) and ("unexpected pos" in said or _nearly_full(ckpt_root)))
             )
             if full:
                 intact = max(list_checkpoints(run_dir), key=step_of, default=None)

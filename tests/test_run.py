@@ -334,3 +334,32 @@ def test_a_run_folder_takes_one_run_at_a_time(tmp_path):
     held.close()  # the other run ended: its lock went with it
     R.lock_run_dir(run)
     assert "pid" in (run / ".lock").read_text()
+
+
+def test_a_real_full_disk_keeps_the_previous_checkpoint(tiny, tmp_path):
+    """A full filesystem for real (a small tmpfs, issue 38; the test above fakes torch's error): the checkpoint
+    that does not fit is the no-space error naming the intact one, its temp folder is gone (the disk is not left
+    full), and the earlier checkpoint still loads."""
+    import subprocess
+
+    from common import models as M
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        acc, tok = Accelerator(cpu=True), M.load_tokenizer(tiny)
+        model = M.load_causal_lm(tiny, tok)
+        run = disk / "run"
+        C.save_checkpoint(acc, run, 1, {"policy": model}, {}, tokenizer=tok)
+        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+        (disk / "filler").write_bytes(b"\0" * (free - 2 * 2**20))  # 2 MiB left: less than a checkpoint
+        with pytest.raises(E.UserError, match=r"no space left on .* while writing checkpoint step_2; step_1 is intact"):
+            C.save_checkpoint(acc, run, 2, {"policy": model}, {}, tokenizer=tok)
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_1"]  # no temp folder left
+        assert os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize >= 2 * 2**20 - 2**20  # its space came back
+        reloaded = M.load_causal_lm(str(run / "checkpoints/step_1/policy"), tok)
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()))
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
