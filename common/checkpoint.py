@@ -291,6 +291,38 @@ def load_trainer_state(ckpt: Path) -> dict:
             f"{ckpt / 'trainer_state.pt'}: holds objects other than tensors and plain values "
             f"({str(e).splitlines()[0][:160]}); refusing to load it"
         ) from None
+    except (RuntimeError, OSError, EOFError) as e:  # a truncated zip: "PytorchStreamReader failed ...", EINVAL
+        raise UserError(f"{ckpt / 'trainer_state.pt'}: damaged ({type(e).__name__}: {str(e)[:160]})"
+                        f"{earlier_intact(ckpt)}") from None  # fmt: skip
+
+
+def damage(ckpt: Path) -> str | None:
+    """What is visibly damaged in a checkpoint folder, cheaply (no weights read): trainer_state.pt that is not a
+    whole zip archive (torch.save's format: its directory sits at the end, so a cut file fails), a .safetensors
+    file whose header does not cover the file. None when it looks whole."""
+    import zipfile
+
+    from safetensors import safe_open
+
+    try:
+        zipfile.ZipFile(Path(ckpt) / "trainer_state.pt").close()
+    except (zipfile.BadZipFile, OSError) as e:
+        return f"{Path(ckpt) / 'trainer_state.pt'}: damaged ({e})"
+    for f in sorted(Path(ckpt).glob("*/*.safetensors")):
+        try:
+            with safe_open(str(f), "pt"):
+                pass
+        except Exception as e:
+            return f"{f}: damaged ({e})"
+    return None
+
+
+def earlier_intact(ckpt: Path) -> str:
+    """'; <the newest earlier checkpoint of the run that looks whole> is intact: --resume it' (or '')."""
+    ckpt = Path(ckpt)
+    earlier = sorted((c for c in list_checkpoints(ckpt.parent.parent) if step_of(c) < step_of(ckpt)), key=step_of)
+    intact = next((c for c in reversed(earlier) if damage(c) is None), None)
+    return f"; {intact.name} is intact: --resume {intact} (or --resume auto)" if intact else ""
 
 
 # Keys added to trainer_state.pt after the first checkpoints were written: an older checkpoint

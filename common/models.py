@@ -308,13 +308,18 @@ def default_dtype(device: torch.device | str | None = None, override: str = "aut
 @contextlib.contextmanager
 def _only_tensors(path: str):
     """A weights file that would run code when unpickled (a `pytorch_model.bin` with a payload) is refused by
-    torch's weights_only loading; say so in one line instead of torch's migration text."""
+    torch's weights_only loading; say so in one line instead of torch's migration text. A truncated or overwritten
+    safetensors file is one line too (a policy, a critic, a reference or a reward-model folder alike)."""
     import pickle
 
     try:
         yield
     except pickle.UnpicklingError as e:
         raise UserError(f"model {path}: a weights file holds code, not only tensors; refused (weights_only)") from e
+    except Exception as e:
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise UserError(f"model {path}: a damaged .safetensors weights file ({e})") from e
 
 
 class _quiet_load:

@@ -23,6 +23,8 @@ from common.args import flat_args, resume_may_change, runtime_values
 from common.checkpoint import (
     BestKeeper,
     checkpoint_record,
+    damage,
+    earlier_intact,
     list_checkpoints,
     load_weights,
     remove_stale_temp_checkpoints,
@@ -146,11 +148,19 @@ def resolve_resume(args, algo: str) -> Path | None:
         if not runs:
             return None
         ckpt = resolve_checkpoint(str(runs[-1]))
+        while damage(ckpt) is not None:  # auto: the newest checkpoint of the run that looks whole
+            earlier = [c for c in list_checkpoints(ckpt.parent.parent) if step_of(c) < step_of(ckpt)]
+            if not earlier:
+                user_error(f"--resume auto: {damage(ckpt)}; no earlier checkpoint of {ckpt.parent.parent} is whole")
+            print(f"[cleanrlhf] --resume auto: {damage(ckpt)}; trying the checkpoint before it", file=sys.stderr)
+            ckpt = max(earlier, key=step_of)
     else:
         try:
             ckpt = resolve_checkpoint(r.resume)
         except FileNotFoundError as e:
             user_error(str(e))
+        if damage(ckpt) is not None:
+            user_error(f"--resume {r.resume}: {damage(ckpt)}{earlier_intact(ckpt)}")
     run_dir = ckpt.parent.parent
     theirs = run_dir.name.split("__")[0]
     if theirs != algo:

@@ -567,11 +567,13 @@ def test_a_damaged_args_json_on_resume_is_one_line(tmp_path, capsys):
     """--resume of a run whose args.json was cut short: one line naming the file, exit 2 (was a JSONDecodeError)."""
     import types
 
+    import torch
+
     from common.run import resolve_resume
 
     run = tmp_path / "ppo_llm__x__1__1"
     (run / "checkpoints" / "step_1").mkdir(parents=True)
-    (run / "checkpoints" / "step_1" / "trainer_state.pt").write_bytes(b"")
+    torch.save({}, run / "checkpoints" / "step_1" / "trainer_state.pt")
     (run / "args.json").write_text('{"seed": 1, "learning_ra')
     args = types.SimpleNamespace(
         run=types.SimpleNamespace(resume=str(run), output_dir=str(tmp_path), exp_name="x", seed=1, total_steps=5)
@@ -705,3 +707,74 @@ def test_export_leaves_out_stray_files(tiny, tmp_path, capsys):
     with pytest.raises(UserError, match="no .safetensors weights; nothing was written"):
         export.main(export.Args(checkpoint=str(src), out=str(tmp_path / "out2")))
     assert not (tmp_path / "out2").exists()
+
+
+def test_a_damaged_checkpoint_names_the_file_and_the_intact_one(tmp_path, capsys):
+    """A truncated trainer_state.pt (PytorchStreamReader traceback) or model.safetensors (SafetensorError) on
+    --resume: one line naming the damaged file and the newest earlier checkpoint that is whole (issue 38);
+    --resume auto resumes that one, saying why."""
+    from pathlib import Path
+
+    import torch
+    from accelerate import Accelerator
+
+    from common import checkpoint as C
+    from common.args import RunArgs, flat_args
+    from common.errors import UserError
+
+    Args = _resume_args()
+    run = tmp_path / "ppo_llm__x__1__1"
+    args = Args(run=RunArgs(exp_name="x", output_dir=str(tmp_path), total_steps=5))
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "args.json").write_text(json.dumps({**flat_args(args), "run_id": run.name}))
+
+    class Weights(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(64, 64))
+
+        def save_pretrained(self, path, state_dict=None, safe_serialization=True):
+            from safetensors.torch import save_file
+
+            Path(path).mkdir(parents=True)
+            save_file({k: v.contiguous() for k, v in state_dict.items()}, Path(path) / "model.safetensors")
+
+    for step in (1, 2, 3):
+        C.save_checkpoint(Accelerator(cpu=True), run, step, {"policy": Weights()}, {}, args=args)
+    cut = lambda f: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    cut(run / "checkpoints/step_3/trainer_state.pt")
+    cut(run / "checkpoints/step_2/policy/model.safetensors")
+    for path, damaged in (
+        (run, "step_3/trainer_state.pt"),
+        (run / "checkpoints/step_2", "step_2/policy/model.safetensors"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            _resume(path)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"{damaged}: damaged" in err and "step_1 is intact: --resume" in err, err
+    from common.run import resolve_resume
+
+    auto = Args(run=RunArgs(exp_name="x", resume="auto", output_dir=str(tmp_path), total_steps=5))
+    assert resolve_resume(auto, "ppo_llm") == run / "checkpoints/step_1"
+    assert "trying the checkpoint before it" in capsys.readouterr().err
+    with pytest.raises(UserError, match=r"trainer_state.pt: damaged .*step_1 is intact"):
+        C.load_trainer_state(run / "checkpoints/step_3")  # the loader's own message, had a check been skipped
+
+
+def test_a_damaged_model_folder_is_one_line_for_every_loader(tiny, tmp_path):
+    """A truncated model.safetensors in a folder given as the policy, the critic's body or --reward-model:
+    SafetensorError tracebacks (issue 38's neighbours); one line naming the folder for each loader."""
+    import shutil
+
+    from common import models as M
+    from common.errors import UserError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny, bad)
+    f = bad / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    tok = M.load_tokenizer(tiny)
+    for load in (M.load_causal_lm, M.load_value_model, M.load_reward_model):
+        with pytest.raises(UserError, match=r"model .*bad: a damaged .safetensors weights file"):
+            load(str(bad), tok)

@@ -261,7 +261,8 @@ def test_reward_functions_that_ignore_sigalrm_interrupt_or_return_unpicklable_re
         assert scores.tolist() == [1.0, -1.0, 1.0], bad
         assert time.monotonic() - start < 8, bad  # timeout 0.3 s + the watchdog's 1 s (+ a pool restart)
     r = Reward("rule:1.0", f"{tmp_path}/rude.py:score", timeout=0.3, workers=workers)
-    with pytest.raises(RewardError, match=r"row 1.*ignores SIGALRM"):
+    # the watchdog's message; in a worker on a loaded machine the pool's own deadline (5 s later) may come first
+    with pytest.raises(RewardError, match=r"row 1.*(ignores SIGALRM|gave no result within)"):
         r(rows, ["ok", "busy", "ok"], torch.ones(3))
     with pytest.raises(RewardError, match=r"row 1.*KeyboardInterrupt"):
         r(rows, ["ok", "ctrl-c", "ok"], torch.ones(3))
