@@ -1,4 +1,4 @@
-"""The reliability catalogue as users meet it: 91 bad inputs and faults, each run in a fresh process
+"""The reliability catalogue as users meet it: the bad inputs and faults, each run in a fresh process
 against a checkout of this repository, and what happened, counted.
 
     python benchmarks/bad_inputs.py                      # this checkout
@@ -73,6 +73,9 @@ def setup(work: Path) -> dict:
         "one": "return 1.0",
         "none": "return None",
         "big": "return 3e38 if len(solution_str) % 2 else -3e38",
+        "deaf": "import signal, time; signal.signal(signal.SIGALRM, signal.SIG_IGN); time.sleep(10000)",
+        "ctrlc": "raise KeyboardInterrupt",
+        "exits": "import sys; sys.exit(3)",
     }
     for name, body in fns.items():
         (work / f"r_{name}.py").write_text(
@@ -276,6 +279,57 @@ def cases(f) -> list[dict]:
             "extra": ["--total-steps", "3", "--learning-rate", "0.1"],
             "argv": ["algos/grpo_llm.py", *run, "--total-steps", "2", "--save-every", "2", "--reward-fn", f["r_one"]],
         },
+        # issue 38, second part: functions that ignore SIGALRM, raise KeyboardInterrupt or exit, in-process too
+        *[
+            {
+                "name": f"reward fn {fn}, --reward-workers {w}, --reward-fallback 0",
+                "kind": "survive",
+                "timeout": 120,
+                "argv": [
+                    "algos/grpo_llm.py",
+                    *run,
+                    "--total-steps",
+                    "1",
+                    "--save-every",
+                    "1",
+                    "--reward-fn",
+                    f[f"r_{fn}"],
+                    "--reward-fallback",
+                    "0",
+                    "--reward-timeout",
+                    "2",
+                    "--reward-workers",
+                    str(w),
+                ],
+            }  # fmt: skip
+            for fn in ("deaf", "ctrlc", "exits")
+            for w in (0, 2)
+        ],
+        # a resume of a run folder that was tampered with: damaged files, a foreign or linked step, no args.json
+        *[
+            {
+                "name": f"resume after: {what}",
+                "kind": "tamper",
+                "tamper": what,
+                "argv": [
+                    "algos/grpo_llm.py",
+                    *run,
+                    "--total-steps",
+                    "2",
+                    "--save-every",
+                    "1",
+                    "--reward-fn",
+                    f["r_one"],
+                ],
+            }
+            for what in (
+                "cut trainer_state.pt",
+                "cut model.safetensors",
+                "args.json deleted, new --learning-rate",
+                "step_N copied from another run",
+                "step_N linked to another run",
+            )  # fmt: skip
+        ],
         {
             "name": "resume with --total-steps <= the checkpoint's step",
             "kind": "resume_error",
@@ -411,6 +465,33 @@ def run_case(repo: Path, case: dict, cwd: Path, env: dict) -> dict:
             script = str(repo / case.get("resume_with", case["argv"][0]))
             flags = case.get("resume_flags", argv[1:])
             proc = call([script, *flags, *case.get("extra", []), "--resume", str(runs[0].parents[1])])
+            outcome = classify_error(proc, cwd)
+            detail = (significant(proc.stderr) or [""])[-1][:160] if proc else ""
+    elif kind == "tamper":  # two runs of 2 steps (a checkpoint each step); the first is tampered with, then resumed
+        import shutil
+
+        call(argv)
+        call(argv)
+        runs = sorted((cwd / "out").glob("*/checkpoints"), key=lambda p: p.stat().st_mtime)
+        if len(runs) < 2:
+            outcome, detail = "lost run", "no checkpoints"
+        else:
+            mine, other, what, extra = runs[0], runs[1], case["tamper"], []
+            cut = lambda f: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+            if what.startswith("cut trainer_state"):
+                cut(mine / "step_2/trainer_state.pt")
+            elif what.startswith("cut model"):
+                cut(mine / "step_2/policy/model.safetensors")
+            elif what.startswith("args.json"):
+                (mine.parent / "args.json").unlink()
+                extra = ["--learning-rate", "0.1"]
+            elif "copied" in what:
+                shutil.copytree(other / "step_2", mine / "step_3")
+            else:
+                (mine / "step_3").symlink_to(other / "step_2")
+            proc = call(
+                [*argv[:-4], "--reward-fn", argv[-1], "--total-steps", "4", *extra, "--resume", str(mine.parent)]
+            )
             outcome = classify_error(proc, cwd)
             detail = (significant(proc.stderr) or [""])[-1][:160] if proc else ""
     return {
