@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -123,6 +124,8 @@ def resolve_model_path(name_or_path: str) -> str:
     once into the cache, so every loader (policy, reference, critic body, tokenizer) takes it.
 
     Anything else (a hub id or a local folder) is returned unchanged."""
+    if Path(name_or_path).is_dir():
+        _check_json_files(Path(name_or_path))
     if (Path(name_or_path) / "adapter_config.json").is_file():
         return _merged_adapter(Path(name_or_path))
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") >= 2  # a hub id is "org/name"
@@ -137,6 +140,16 @@ def resolve_model_path(name_or_path: str) -> str:
         _convert_gguf(_smollm2_gguf(), out)
         print(f"[cleanrlhf] converted in {time.time() - t0:.1f}s", flush=True)
     return str(out)
+
+
+def _check_json_files(folder: Path) -> None:
+    """A model folder's JSON files (config, tokenizer, generation and adapter configs) must parse: a cut or
+    overwritten one is one line naming it, not transformers' JSONDecodeError from deep in a loader."""
+    for f in sorted(folder.glob("*.json")):
+        try:
+            json.loads(f.read_bytes())
+        except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise UserError(f"model {folder}: {f.name} is damaged (not valid JSON: {e})") from None
 
 
 def _merged_adapter(folder: Path) -> str:

@@ -778,3 +778,24 @@ def test_a_damaged_model_folder_is_one_line_for_every_loader(tiny, tmp_path):
     for load in (M.load_causal_lm, M.load_value_model, M.load_reward_model):
         with pytest.raises(UserError, match=r"model .*bad: a damaged .safetensors weights file"):
             load(str(bad), tok)
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "tokenizer_config.json"])
+def test_a_damaged_json_file_in_a_model_folder_is_one_line(tiny, tmp_path, name):
+    """A cut config or tokenizer file in a model folder (a checkpoint's policy/ used to start the next stage):
+    transformers' JSONDecodeError / OSError traceback before; one line naming the folder and the file, for the
+    tokenizer and every model loader."""
+    import shutil
+
+    from common import models as M
+    from common.errors import UserError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny, bad)
+    f = bad / name
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    tok = M.load_tokenizer(tiny)
+    loaders = (M.load_tokenizer, lambda p: M.load_causal_lm(p, tok), lambda p: M.load_reward_model(p, tok))
+    for load in loaders:
+        with pytest.raises(UserError, match=rf"model .*bad: {name} is damaged \(not valid JSON"):
+            load(str(bad))
