@@ -21,11 +21,16 @@ def small_attention_forward(module, query, key, value, attention_mask, dropout=0
 
     query: (B, H, q, d); key, value: (B, Hkv, k, d) (grouped-query: H = g * Hkv); attention_mask: bool
     (B, 1, q, k), True = attend (transformers' sdpa mask), or None = causal (q > 1, the query being the last
-    q of the k positions) / everything (q = 1); a float mask goes to SDPA. Returns ((B, q, H, d), None)."""
+    q of the k positions, in a causal module) / everything (q = 1); a float mask, or None in a module that is
+    not causal (an encoder), goes to SDPA. Returns ((B, q, H, d), None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     q_len, k_len = query.shape[2], key.shape[2]
     device = query.device.type
+    # a missing mask means "causal" only for a causal module (transformers' own rule); an encoder's (a RoBERTa
+    # reward model's) unpadded batch also arrives without one, and is SDPA's
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
     # under autocast the query and key arrive in float32 (rotary embedding in float32), and SDPA runs in bf16
     low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else value.dtype
     if (
@@ -37,6 +42,7 @@ def small_attention_forward(module, query, key, value, attention_mask, dropout=0
         or kwargs.get("position_bias") is not None
         or kwargs.get("cache") is not None
         or (attention_mask is not None and attention_mask.dtype != torch.bool)  # a custom additive mask
+        or (attention_mask is None and q_len > 1 and not causal)  # bidirectional attention without a mask
     ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     (B, H, _, d), Hkv = query.shape, key.shape[1]

@@ -184,6 +184,54 @@ def test_small_attention_matches_plain_loops_under_bf16_autocast(case):
         assert (got.double() - ref).abs().max() < 3e-2 * ref.abs().max()
 
 
+def test_small_attention_without_a_mask_is_causal_only_in_a_causal_module():
+    """transformers passes attention_mask=None for an unpadded batch of a bidirectional module (an encoder reward
+    model); the small path read that as causal (issue 32.3). Against plain bidirectional softmax attention
+    computed here: the encoder sees every key; a causal module still masks the future."""
+    from types import SimpleNamespace
+
+    import common.attention as O
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=g) for _ in range(3))
+    scores = (q.double() @ k.double().transpose(-1, -2)) * 8**-0.5  # (1, 2, 5, 5)
+    full = scores.softmax(-1) @ v.double()
+    causal = scores.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf")).softmax(-1) @ v.double()
+    for is_causal, want in ((False, full), (True, causal)):
+        module = SimpleNamespace(training=False, num_key_value_groups=1, is_causal=is_causal)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = O.small_attention_forward(module, q, k, v, None)[0].transpose(1, 2).double()  # (1, 2, 5, 8)
+        assert (got - want).abs().max() < 2e-2, is_causal
+        assert (got - (causal if not is_causal else full)).abs().max() > 5e-2  # the other reading is far off
+
+
+def test_an_encoder_reward_model_scores_as_with_sdpa(tiny, tmp_path):
+    """A RoBERTa-class reward model loaded by load_reward_model in bf16 scores unpadded inputs exactly as with
+    transformers' SDPA (before: the small path's causal mask gave other, near-identical scores)."""
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    from common import models as M
+
+    tok = M.load_tokenizer(tiny)
+    cfg = RobertaConfig(
+        vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        num_labels=1, pad_token_id=tok.pad_token_id, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    RobertaForSequenceClassification(cfg).save_pretrained(tmp_path / "enc")
+    tok.save_pretrained(tmp_path / "enc")
+    rm = M.load_reward_model(str(tmp_path / "enc"), tok, dtype="bfloat16").eval()
+    assert rm.config._attn_implementation == M.SMALL_ATTENTION
+    with torch.no_grad():
+        for text in ("hello there my friend", "what a different text"):
+            ids = tok(text, return_tensors="pt")
+            got = rm(**ids).logits
+            rm.set_attn_implementation("sdpa")
+            want = rm(**ids).logits
+            rm.set_attn_implementation(M.SMALL_ATTENTION)
+            assert torch.equal(got, want), text
+
+
 def test_small_attention_is_sdpa_in_float32_and_beyond_its_size(monkeypatch):
     """Float32 (no autocast) and score matrices over SMALL_ATTENTION_MAX_SCORES go to transformers' SDPA function
     unchanged: bit-identical outputs (the float32 training path does not change)."""
