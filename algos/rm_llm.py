@@ -204,6 +204,7 @@ def main(args: Args):
         unwrapped = unwrapped.get_base_model()
     unwrapped.config.reward_gain, unwrapped.config.reward_bias = gain, bias
     unwrapped.config.reward_max_length = args.max_length  # the RL scorer truncates as training did
+    unwrapped.config.reward_prompt_format = M.prompt_format(tok)  # and renders prompts as they were here
     if accelerator.is_main_process:
         with saved_by_one_process(unwrapped):  # under --tp-size: see common.distributed
             unwrapped.save_pretrained(run.dir / "reward_model", state_dict=state_dict)

@@ -244,6 +244,27 @@ def set_prompt_format(
     return tok
 
 
+def prompt_format(tok) -> dict:
+    """The keywords of `set_prompt_format` that render prompts as `tok` does now (saved with a reward model)."""
+    fmt = getattr(tok, "cleanrlhf_format", None) or {"apply_chat_template": True, "kwargs": {}, "system_prompt": None}
+    return dict(
+        apply_chat_template=fmt["apply_chat_template"],
+        chat_template_kwargs=fmt["kwargs"],
+        system_prompt=fmt["system_prompt"],
+    )
+
+
+def load_reward_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    """A reward model's own tokenizer, rendering prompts as rm_llm.py trained it: the --apply-chat-template,
+    --chat-template-kwargs and --system-prompt of its run, saved in its config as `reward_prompt_format`
+    (a reward model from elsewhere: the tokenizer's defaults)."""
+    from transformers import AutoConfig
+
+    tok = load_tokenizer(name_or_path, trust_remote_code)
+    config = AutoConfig.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code)
+    return set_prompt_format(tok, **(getattr(config, "reward_prompt_format", None) or {}))
+
+
 def check_context(name_or_path: str, n_tokens: int, what: str, trust_remote_code: bool = False) -> None:
     """A sequence budget (`what`, e.g. --max-prompt-length + --max-new-tokens) that the model's context
     cannot hold is a user error, said before the weights load (positions past it give garbage or crash)."""

@@ -35,11 +35,21 @@ TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
 # 1. reward models: scored exactly as trained
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.e2e
-def test_trained_rm_scores_identically_in_rl_and_in_rm_eval(tiny, tmp_path):
+@pytest.mark.parametrize("system_prompt", [None, "You grade answers strictly."])
+def test_trained_rm_scores_identically_in_rl_and_in_rm_eval(tiny, tmp_path, system_prompt):
+    """Through rm_llm's evaluation and through the RL scripts' scorer (common.rewards.reward_from_args): the same
+    scores. With --system-prompt (issue 32.6): the prompt format is saved with the reward model and the RL side
+    renders prompts with it (before: the RM tokenizer's defaults, no system prompt)."""
+    from accelerate import Accelerator
+
+    from common.args import ModelArgs, RewardArgs
+    from common.rewards import reward_from_args
+
     rows = [{"prompt": f"Question {i}?", "chosen": "yes indeed", "rejected": "no way"} for i in range(16)]
     pd.DataFrame(rows).to_parquet(tmp_path / "pairs.parquet")
     run_script(
         "rm_llm.py",
+        *(["--system-prompt", system_prompt] if system_prompt else []),
         "--model-name-or-path",
         tiny,
         "--train-files",
@@ -67,6 +77,7 @@ def test_trained_rm_scores_identically_in_rl_and_in_rm_eval(tiny, tmp_path):
     cfg = json.loads((rm_dir / "config.json").read_text())
     assert cfg["reward_max_length"] == 512
     tok = M.load_tokenizer(str(rm_dir))  # saved next to the model: the RL scripts load the RM's own
+    M.set_prompt_format(tok, system_prompt=system_prompt)  # as rm_llm's flags rendered its prompts
     rm = M.load_reward_model(str(rm_dir), tok).eval()
     pairs = load_preferences([str(tmp_path / "pairs.parquet")], tok)[:4]
     with torch.no_grad():  # rm_llm's eval path (raw scores), normalised as the loader does
@@ -77,10 +88,17 @@ def test_trained_rm_scores_identically_in_rl_and_in_rm_eval(tiny, tmp_path):
         PromptRow(p["prompt"], "x", None, {}, i, [{"role": "user", "content": f"Question {i}?"}])
         for i, p in enumerate(pairs)
     ]
-    scores, _, _ = Reward("model:1.0", reward_model=rm, reward_tok=tok)(
-        prow * 2, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], torch.ones(8), is_eos=[True] * 8
+    rl = reward_from_args(
+        RewardArgs(reward="model:1.0", reward_model=str(rm_dir)), ModelArgs(), 48, Accelerator(cpu=True)
     )
+    responses = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
+    scores, _, _ = rl(prow * 2, responses, torch.ones(8), is_eos=[True] * 8)
     assert torch.allclose(scores, expected, atol=1e-5), (scores, expected)
+    if system_prompt:  # the RM tokenizer's defaults (what RL used before) score other text
+        plain, _, _ = Reward("model:1.0", reward_model=rm, reward_tok=M.load_tokenizer(str(rm_dir)))(
+            prow * 2, responses, torch.ones(8), is_eos=[True] * 8
+        )
+        assert (plain - expected).abs().max() > 1e-3
     # before: no EOS, so the head was read at the last content token, a position it never learned
     no_eos, _, _ = Reward("model:1.0", reward_model=rm, reward_tok=tok)(
         prow * 2, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], torch.ones(8)
