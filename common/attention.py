@@ -4,12 +4,19 @@ that every loader in common.models swaps in where transformers chose SDPA."""
 import torch
 
 SMALL_ATTENTION = "cleanrlhf_sdpa"  # the name models are loaded with (common.models), registered below
-SMALL_ATTENTION_MAX_SCORES = 192 * 192  # query x key positions up to which the plain matmul path runs
+SMALL_ATTENTION_MAX_SCORES = 192 * 192  # key x key positions up to which the plain matmul path runs (keys <= 192)
+
+
+def exact_over_a_cache(k_len: int) -> bool:
+    """A forward over a prompt cache (q < k) reproduces the full forward (q = k) of the same k positions bit for bit
+    in bf16 only on the small path (its rows do not depend on q). SDPA's CPU kernel blocks the queries, so past the
+    small path's size the two differ (~1e-3 in log-probs on a tiny model); callers run the full forward there."""
+    return k_len * k_len <= SMALL_ATTENTION_MAX_SCORES
 
 
 def small_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' attention function (AttentionInterface signature) = its SDPA one, except for bf16/fp16
-    inputs with at most SMALL_ATTENTION_MAX_SCORES query x key positions per head: there two matmuls.
+    inputs with at most 192 key positions (SMALL_ATTENTION_MAX_SCORES = 192 x 192): there two matmuls.
 
     Why by hand: torch's CPU flash-attention kernel is slow in bf16 at RL's lengths. Measured on 2 cores
     (SmolLM2 shapes, 9 heads of 64 over 3 key/value heads, 30 layers): 32 prompts x 64 sampled tokens 7.6 s vs
@@ -35,7 +42,9 @@ def small_attention_forward(module, query, key, value, attention_mask, dropout=0
     low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else value.dtype
     if (
         low not in (torch.bfloat16, torch.float16)
-        or q_len * k_len > SMALL_ATTENTION_MAX_SCORES
+        # by the keys alone: a row's full forward (q = k) and its forward over a prompt cache (q < k) must take the
+        # same kernel, or pi_old from the cache differs from the update's log-probs before any step (issue 32.4)
+        or k_len * k_len > SMALL_ATTENTION_MAX_SCORES
         or (dropout and module.training)
         or kwargs.get("s_aux") is not None  # attention sinks, soft-capping, position biases: SDPA's handling
         or kwargs.get("softcap") is not None

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from common.attention import exact_over_a_cache
 from common.ops import logprobs_and_entropy, selective_log_softmax
 from common.parallel import sharded_logits, tensor_parallel_active
 
@@ -291,11 +292,13 @@ def forward_by_micro_batch(
 ) -> torch.Tensor:
     """fn(query_responses, attn, p) -> (b, t) run over `micros`, each at its own lengths, assembled
     into (B, T) (0 beyond a micro-batch's t). query_responses, attn: (B, P+T). With a `prompt_cache`,
-    fn also gets `prompt_cache=` its micro-batch's part (`PromptCache.select`), for `forward_logprobs`."""
+    fn also gets `prompt_cache=` its micro-batch's part (`PromptCache.select`), for `forward_logprobs`, where
+    that gives the full forward's numbers exactly (`common.attention.exact_over_a_cache`: up to 192 positions)."""
     out = torch.zeros(query_responses.shape[0], T, device=query_responses.device)
     for m in micros:
         cut = slice(P - m.p, P + m.t)
-        kw = {} if prompt_cache is None else {"prompt_cache": prompt_cache.select(m.ids, m.p)}
+        exact = prompt_cache is not None and exact_over_a_cache(m.p + m.t)  # else the full forward (issue 32.4)
+        kw = {"prompt_cache": prompt_cache.select(m.ids, m.p)} if exact else {}
         out[m.ids, : m.t] = fn(query_responses[m.ids, cut], attn[m.ids, cut], m.p, **kw).float()
     return out
 

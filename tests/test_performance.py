@@ -424,15 +424,24 @@ def test_update_guard_marks_parameters_changed_after_a_fused_step():
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-def test_pi_old_from_the_rollouts_prompt_cache_equals_a_full_forward(tiny, bf16):
+@pytest.mark.parametrize("long", [False, True])
+def test_pi_old_from_the_rollouts_prompt_cache_equals_a_full_forward(tiny, bf16, long):
     """forward_by_micro_batch with Rollout.prompt_cache (PPO's pi_old: the responses' forward over the prompts'
     KV cache) gives the full forward's log-probs: bit-identical under bf16 autocast, within 2e-5 in float32,
     with row and packed (prompt- and response-trimmed) micro-batches, distinct and repeated (shared-cache) prompts;
-    the decoding never wrote into the kept cache; no cache unless asked for."""
+    the decoding never wrote into the kept cache; no cache unless asked for. `long`: prompts of ~200 tokens, where
+    the full forward's (p+t)^2 scores pass SMALL_ATTENTION_MAX_SCORES and the cached one's t(p+t) do not (issue
+    32.4: the two took different kernels, |d log p| ~1e-2 in bf16 before any update)."""
+    from common.attention import SMALL_ATTENTION_MAX_SCORES
+
     tok = M.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok)
     assert model.config._attn_implementation == M.SMALL_ATTENTION
     texts = [M.apply_chat(tok, "x" * k) for k in (1, 30, 5, 12, 2, 40)]
+    if long:
+        texts = [M.apply_chat(tok, " x" * (170 + k)) for k in (1, 30, 5, 12, 2, 20)]
+        P = tokenize_queries(tok, texts)[0].shape[1]
+        assert (P + 10) ** 2 > SMALL_ATTENTION_MAX_SCORES >= 10 * (P + 10), P
     region = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
     for batch in (texts, texts[:3] * 2):  # distinct prompts, then each twice (shared_prompt_cache)
         q, qm = tokenize_queries(tok, batch)
@@ -447,7 +456,7 @@ def test_pi_old_from_the_rollouts_prompt_cache_equals_a_full_forward(tiny, bf16)
                 full = forward_by_micro_batch(fn, micros, ro.query_responses, attn, P, T) * mask
                 cached = forward_by_micro_batch(fn, micros, ro.query_responses, attn, P, T, ro.prompt_cache) * mask
             if bf16:
-                assert torch.equal(cached, full)
+                assert torch.equal(cached, full), (cached - full).abs().max()
             else:
                 assert (cached - full).abs().max() < 2e-5
 
