@@ -38,8 +38,8 @@ import tyro
 
 from common import models as M
 from common.args import (
-    Check, GenerationArgs, Group, ModelArgs, NonNegFloat, NonNegInt, OptimArgs, PositiveFloat, PositiveInt, PromptArgs,
-    RewardArgs, RunArgs, group,
+    Check, GenerationArgs, Group, MismatchArgs, ModelArgs, NonNegFloat, NonNegInt, OptimArgs, PositiveFloat, PositiveInt,
+    PromptArgs, RewardArgs, RunArgs, group,
 )
 from common.cli import cli
 from common.data import Sampler
@@ -50,7 +50,7 @@ from common.distributed import (
 from common.errors import mix_seed, seed_everything
 from common.eval import evaluate_policy
 from common.health import HealthConfig
-from common.ops import all_sum, exact_div, global_mean_divisor, kl_estimate, masked_mean, masked_var
+from common.ops import exact_div, global_mean_divisor, kl_estimate, masked_mean, masked_var, rollout_correction
 from common.perf import mfu, peak_mem_gb
 from common.rewards import reward_by_data_source, reward_from_args
 from common.rollout import (
@@ -109,8 +109,6 @@ class Args:
     """reward subtracted at max_new_tokens (linear from 0 at max_new_tokens - buffer)"""
     mask_truncated: bool = False
     """exclude responses cut at max_new_tokens from the loss (DAPO overlong filtering)"""
-    tis_cap: NonNegFloat = 0.0
-    """truncated importance sampling: weight each token's loss by min(pi_old / pi_sampler, C) (0 = off)"""
     health: HealthConfig = field(default_factory=HealthConfig)
     """training-health warning thresholds (--health.kl-max, ...; docs/experiments.md)"""
 
@@ -129,6 +127,7 @@ class Args:
     rewards: Group[RewardArgs] = group(RewardArgs)
     gen: Group[GenerationArgs] = group(GenerationArgs)
     optim: Group[OptimArgs] = group(OptimArgs, learning_rate=5e-6)
+    mismatch: Group[MismatchArgs] = group(MismatchArgs)  # --tis-cap, --tis-level, --tis-mode
     old_logprobs_from: str = field(default="", init=False)
     """runtime: pi_old's source, 'current' (the update forward's own, detached) or 'trainer' (recomputed)"""
 
@@ -265,7 +264,8 @@ def main(args: Args):
     opt, sched = adamw(policy, args.optim, n_updates)
     # pi_old with one optimizer step per batch (mu = 1, one minibatch) is the policy the update's forward runs:
     # its own log-probs, detached (ratio 1, as TRL does), no extra forward; else recomputed before the update
-    pi_old_from_update = args.update_epochs == 1 and args.mini_batch_size == args.num_prompts * G and not args.tis_cap
+    one_step = args.update_epochs == 1 and args.mini_batch_size == args.num_prompts * G
+    pi_old_from_update = one_step and not args.mismatch.tis_cap
     args.old_logprobs_from = "current" if pi_old_from_update else "trainer"  # recorded in args.json
 
     # ------------------------------------------------------- checkpoint state, run folder  # TRY NOT TO MODIFY
@@ -348,8 +348,9 @@ def main(args: Args):
             else:
                 old_logprobs = by_micro(lambda qr, am, p: forward_logprobs(policy, qr, am, p, args.gen.temperature))
             ref_logprobs = by_micro(ref_logprobs_of) if args.kl_coef > 0 else None  # (B, T)
-        to_sampler = torch.exp(old_logprobs - batch["logprobs"])  # (B, T) pi_old / pi_sampler (--tis-cap: trainer's)
-        tis_weights = to_sampler.clamp(max=args.tis_cap) * mask if args.tis_cap > 0 else None
+        # sampler vs pi_old: --tis-* weights (B, T) of each token's loss, mismatch/* (after the update if pi_old is its)
+        fix = lambda: rollout_correction(old_logprobs, batch["logprobs"], mask, **args.mismatch.correction())
+        tis_weights, mismatch = (None, {}) if pi_old_from_update else fix()
 
         # ------------------------------------------------------------------ 3. update
         t_train, stats, seq_ratios = time.time(), {k: [] for k in ("pg", "kl", "ent", "clip")}, []  # GSPO's s
@@ -390,9 +391,8 @@ def main(args: Args):
                 sched.step()
                 opt.zero_grad()
         train_s = time.time() - t_train
-        # pi_old (the trainer's) vs the sampler's log-probs of the sampled tokens: mean |delta| per token
-        gap = (old_logprobs - batch["logprobs"]).abs() * mask  # (B, T)
-        sampler_diff = all_sum(gap.sum()) / all_sum(mask.sum()).clamp(min=1)
+        # pi_old (the trainer's) vs the sampler's log-probs of the sampled tokens: mismatch/*, sampler_logprob_diff
+        mismatch = mismatch or fix()[1]
         # train/kl as in the PPO scripts: per response, the token mean of KL(pi_old || pi_ref); batch mean
         kl = kl_estimate(old_logprobs, ref_logprobs, args.kl_estimator) * mask if args.kl_coef > 0 else None  # (B, T)
         mean_kl = accelerator.gather(masked_mean(kl, mask, dim=1)).mean().item() if kl is not None else 0.0
@@ -413,7 +413,7 @@ def main(args: Args):
                 "train/solve_none": (solved.max(1).values == 0).float().mean().item(),
                 "train/kl": mean_kl,
                 "train/kl_coef": args.kl_coef,
-                "train/sampler_logprob_diff": sampler_diff.item(),
+                **mismatch,
                 "train/entropy": mean(stats["ent"]),
                 "train/clip_frac": mean(stats["clip"]),
                 "train/response_len": accelerator.gather(lengths).float().mean().item(),

@@ -40,8 +40,8 @@ import tyro
 
 from common import models as M
 from common.args import (
-    Check, GenerationArgs, Group, ModelArgs, NonNegFloat, NonNegInt, OptimArgs, PositiveFloat, PositiveInt, PromptArgs,
-    RewardArgs, RunArgs, UnitFloat, group,
+    Check, GenerationArgs, Group, MismatchArgs, ModelArgs, NonNegFloat, NonNegInt, OptimArgs, PositiveFloat, PositiveInt,
+    PromptArgs, RewardArgs, RunArgs, UnitFloat, group,
 )
 from common.cli import cli
 from common.data import Sampler
@@ -52,7 +52,9 @@ from common.distributed import (
 from common.errors import mix_seed, seed_everything
 from common.eval import evaluate_policy
 from common.health import HealthConfig
-from common.ops import all_sum, exact_div, gae, global_mean_divisor, kl_estimate, masked_mean, masked_whiten
+from common.ops import (
+    exact_div, gae, global_mean_divisor, kl_estimate, masked_mean, masked_whiten, rollout_correction,
+)
 from common.perf import mfu, peak_mem_gb
 from common.rewards import reward_from_args
 from common.rollout import (
@@ -98,8 +100,6 @@ class Args:
     """adaptive controller horizon (samples)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """per-token KL estimator in the reward penalty"""
-    tis_cap: NonNegFloat = 0.0
-    """truncated importance sampling: weight each token's loss by min(pi_old / pi_sampler, C) (0 = off)"""
     whiten_rewards: bool = False
     """scale per-token rewards to unit variance (mean kept) before GAE"""
     whiten_advantages: bool = True
@@ -130,6 +130,7 @@ class Args:
     rewards: Group[RewardArgs] = group(RewardArgs)
     gen: Group[GenerationArgs] = group(GenerationArgs)
     optim: Group[OptimArgs] = group(OptimArgs, learning_rate=5e-6)
+    mismatch: Group[MismatchArgs] = group(MismatchArgs)  # --tis-cap, --tis-level, --tis-mode
 
 
 # ALGO LOGIC: the PPO losses
@@ -270,11 +271,8 @@ def main(args: Args):
             values = by_micro(lambda *a: forward_values(critic, *a))  # (B, T) V_old
             ref_logprobs = by_micro(ref_logprobs_of) if use_ref else logprobs
         # pi_old is the trainer's recomputed log-probs; the sampler's (KV cache, maybe another precision
-        # or engine) can differ: the gap is a metric, and --tis-cap corrects for it
-        sampler_diff = all_sum(((logprobs - rollout.logprobs).abs() * mask).sum()) / all_sum(mask.sum()).clamp(min=1)
-        tis_weights = (
-            torch.exp(logprobs - rollout.logprobs).clamp(max=args.tis_cap) * mask if args.tis_cap > 0 else None
-        )  # (B, T)
+        # or engine) can differ: the gap is metrics (mismatch/*), and --tis-* corrects for it: weights (B, T) or None
+        tis_weights, mismatch = rollout_correction(logprobs, rollout.logprobs, mask, **args.mismatch.correction())
         kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T) per-token KL
         rewards = -kl_ctl.value * kl  # (B, T)
         last = (lengths.long() - 1).clamp(min=0)  # (B,) index of the last real token
@@ -355,7 +353,7 @@ def main(args: Args):
                 "train/reward_std": all_scores.std().item(),
                 "train/kl": mean_kl,
                 "train/kl_coef": kl_coef_used,
-                "train/sampler_logprob_diff": sampler_diff.item(),
+                **mismatch,
                 "train/entropy": mean(stats["ent"]),
                 "train/clip_frac": mean(stats["clip"]),
                 "train/approx_kl": mean(stats["akl"]),

@@ -98,6 +98,14 @@ def _writable_dir(flag: str, out) -> None:
         raise UserError(f"{flag} {out}: {existing} cannot be written (permissions)")
 
 
+def _trained_dtype(flag: str, v) -> None:
+    if v == "float16":
+        raise UserError(
+            f"{flag} float16: training float16 weights needs a loss scaler, which is not built; use --dtype float32 "
+            "(the default: with --mixed-precision bf16 on GPUs) or --dtype bfloat16"
+        )
+
+
 # ----------------------------------------------------------------------------------------------------- the groups
 @dataclass
 class RunArgs:
@@ -152,8 +160,9 @@ class ModelArgs:
     """the trained model: hub id, local folder (a checkpoint's model folder), or the offline default alias"""
     trust_remote_code: bool = False
     """allow model code from the hub"""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """weights dtype (auto: float32 on CPU, bfloat16 on GPUs that support it)"""
+    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Check(fn=_trained_dtype)] = "auto"
+    """weights dtype of the trained models (auto: float32, with bf16 autocast on GPUs; under LoRA the frozen base
+    at the device's default, bf16 on GPUs); bfloat16: bf16 weights with a Kahan-compensated AdamW (common/optim.py)"""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     """bf16: autocast forward/backward in bfloat16 (float32 weights, optimizer, log-softmax); auto: bf16 where it
     pays (float32 weights, a CPU with native bf16 matmul, hidden size >= 256: docs/performance.md), else as
@@ -263,6 +272,33 @@ class GenerationArgs:
         return dict(
             max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p
         )
+
+
+def _tis_cap(flag: str, v) -> None:
+    if v < 0:
+        raise UserError(f"{flag} {v}: must be >= 0")
+    if 0 < v < 1:
+        raise UserError(f"{flag} {v}: must be 0 (off) or >= 1 (a threshold of the ratio pi_old / pi_sampler)")
+
+
+@dataclass
+class MismatchArgs:
+    """the sampler-trainer mismatch: importance correction of rollouts whose sampler (engine, kernels, precision)
+    is not the trainer's pi_old (docs/rollout.md)"""
+
+    tis_cap: Annotated[float, Check(fn=_tis_cap)] = 0.0
+    """threshold C of the importance ratio pi_old / pi_sampler: each token's loss weighted as --tis-mode says
+    (0 = off; TRL's default 3, at sequence level)"""
+    tis_level: Literal["token", "sequence", "geometric"] = "token"
+    """the ratio of a token (token), of its whole response (sequence: the product), or the response's per-token
+    geometric mean (geometric)"""
+    tis_mode: Literal["truncate", "mask", "reject"] = "truncate"
+    """truncate: weight min(ratio, C) (TIS); mask: weight ratio, 0 above C (MIS); reject: weight 1 inside
+    [1/C, C], else 0"""
+
+    def correction(self) -> dict:
+        """The keywords of common.ops.rollout_correction that these flags set."""
+        return dict(cap=self.tis_cap, level=self.tis_level, mode=self.tis_mode)
 
 
 @dataclass

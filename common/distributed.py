@@ -257,9 +257,16 @@ def auto_mixed_precision(model: str | None, dtype: str = "auto") -> str | None:
     """--mixed-precision auto: 'bf16' where it was measured to pay (docs/performance.md), else None (as
     launched). It pays on a CPU with native bf16 matmul, float32 weights, and a model of hidden size
     >= 256 (SmolLM2-135M: the step at 0.67x the float32 time; the hidden-64 test models train 2.3x
-    slower in bf16: the casts cost more than the small matmuls save). On GPUs the weights already
-    default to bf16; `accelerate launch --mixed_precision` decides there."""
-    if torch.cuda.is_available() or model is None or dtype not in ("auto", "float32"):
+    slower in bf16: the casts cost more than the small matmuls save). On a GPU with bf16 it is bf16 for
+    float32 weights (the default: float32 master weights, bf16 compute, as verl, DeepSpeed and FSDP mixed
+    precision train), unless the launch config chose fp16 or bf16 itself; `accelerate launch`'s own default
+    'no' is not read as a choice there (--mixed-precision no asks for float32 compute)."""
+    if dtype not in ("auto", "float32"):
+        return None
+    if torch.cuda.is_available():
+        launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+        return "bf16" if torch.cuda.is_bf16_supported() and launched in ("no", "") else None
+    if model is None:
         return None
     if os.environ.get("ACCELERATE_MIXED_PRECISION") or not cpu_has_native_bf16():
         return None
@@ -368,11 +375,17 @@ def adamw(model: torch.nn.Module, optim, n_updates: int, lr: float | None = None
     """(AdamW over `model`'s trainable parameters, its transformers learning-rate schedule) from a script's
     OptimArgs `optim`: --learning-rate (or `lr`), --weight-decay, --lr-scheduler and --warmup-steps over
     `n_updates` optimizer steps. fused: one kernel per step over all parameters (5-9x faster than foreach on
-    CPU: docs/performance.md)."""
+    CPU: docs/performance.md). Weights not in float32 (--dtype bfloat16) get `common.optim.KahanAdamW`."""
     from transformers import get_scheduler
 
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr or optim.learning_rate, weight_decay=optim.weight_decay, fused=True)
+    kw = dict(lr=lr or optim.learning_rate, weight_decay=optim.weight_decay)
+    if all(p.dtype == torch.float32 for p in params):
+        opt = torch.optim.AdamW(params, **kw, fused=True)
+    else:  # bf16 weights (--dtype bfloat16): torch's AdamW would round away most RL-sized updates
+        from common.optim import KahanAdamW
+
+        opt = KahanAdamW(params, **kw)
     sched = get_scheduler(optim.lr_scheduler, opt, num_warmup_steps=optim.warmup_steps, num_training_steps=n_updates)
     return opt, sched
 
@@ -520,11 +533,6 @@ class UpdateGuard:
         self.in_row = 0
         with tp_region(self.accelerator):
             opt.step()
-        # a fused optimizer (the scripts' AdamW) writes the parameters without bumping their in-place
-        # version counters, which is how the vLLM engine tells that the policy changed: bump them here
-        for group in opt.param_groups:
-            for p in group["params"]:
-                torch.autograd.graph.increment_version(p)
         return norm
 
     def state_dict(self) -> dict:

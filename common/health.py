@@ -28,6 +28,9 @@ class HealthConfig:
     """warn when train/clip_frac stays above this for --health.patience steps"""
     truncated_max: float = 0.5
     """warn when the fraction of responses cut at max_new_tokens exceeds this (and has grown)"""
+    mismatch_max: float = 1.05
+    """warn when mismatch/mult_prob_error (mean exp|log pi_old - log pi_sampler| per token: the sampler and the
+    trainer disagree) exceeds this (NeMo-RL's alarm level)"""
     patience: int = 3
     """consecutive steps a condition must hold before it warns"""
     reward_abs_max: float = 1e4
@@ -41,6 +44,7 @@ ADVICE = {
     "reward_up_accuracy_down": "train reward rises while eval accuracy falls: likely reward hacking; inspect samples.jsonl",
     "clip_frac": "many ratios are clipped every step: updates are too large; lower the learning rate or the epochs per batch",
     "reward_scale": "the reward (or a loss) is huge or not finite: check the reward function's output range; non-finite updates are skipped (train/skipped_steps)",
+    "mismatch": "the sampler's log-probs drift from the trainer's (engine, precision, stale weights): check the weight sync and dtypes, or correct for it (--tis-cap, --tis-level, --tis-mode; docs/rollout.md)",
     "truncated": "many responses hit --max-new-tokens: raise it, or penalise overlong answers (--missing-eos-penalty, --overlong-buffer)",
 }
 
@@ -102,6 +106,8 @@ class HealthMonitor:
             "truncated", m["train/truncated"] > c.truncated_max and m["train/truncated"] > self.first["train/truncated"]
         ):
             fired.append("truncated")
+        if "mismatch/mult_prob_error" in m and self._hold("mismatch", m["mismatch/mult_prob_error"] > c.mismatch_max):
+            fired.append("mismatch")
         if "eval/accuracy" in m:
             acc = m["eval/accuracy"]
             if self.best_acc is None or acc > self.best_acc:

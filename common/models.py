@@ -286,10 +286,18 @@ def prompt_tokenizer(model, data, n_tokens: int, what: str):
     return set_prompt_format(tok, data.apply_chat_template, data.chat_template_kwargs, data.system_prompt)
 
 
+def trained_dtype(model) -> str:
+    """The weights dtype of the trained models (and their frozen reference) from a script's ModelArgs: --dtype auto
+    is float32 for full fine-tuning on every device, GPUs included (bf16 compute comes from autocast: --mixed-precision
+    auto is bf16 there), so no update is lost to bf16 rounding (issue 32.1); under LoRA the base weights are frozen
+    and load at the device's default (bf16 on GPUs), the adapters float32 (peft's autocast_adapter_dtype)."""
+    return "float32" if model.dtype == "auto" and not model.lora_r else model.dtype
+
+
 def train_kwargs(model) -> dict:
     """The loader keywords of a model to train, from a script's ModelArgs: dtype, LoRA / QLoRA, checkpointing."""
     return dict(
-        dtype=model.dtype,
+        dtype=trained_dtype(model),
         trust_remote_code=model.trust_remote_code,
         lora_r=model.lora_r,
         lora_alpha=model.lora_alpha,
@@ -300,7 +308,7 @@ def train_kwargs(model) -> dict:
 
 def frozen_kwargs(model) -> dict:
     """The loader keywords of a frozen copy (a reference model), from a script's ModelArgs."""
-    return dict(dtype=model.dtype, trust_remote_code=model.trust_remote_code)
+    return dict(dtype=trained_dtype(model), trust_remote_code=model.trust_remote_code)
 
 
 def apply_chat(tok, prompt, add_generation_prompt: bool = True) -> str:

@@ -210,6 +210,86 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
 
 
 # ---------------------------------------------------------------------------------------------
+# Sampler-trainer mismatch (rollouts sampled from mu: the engine; the loss's pi_old: the trainer)
+# ---------------------------------------------------------------------------------------------
+def rollout_correction(
+    old_logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float = 0.0,
+    level: str = "token",
+    mode: str = "truncate",
+) -> tuple[torch.Tensor | None, dict]:
+    """Importance correction for rollouts sampled from mu (the engine: another kernel, precision or engine than
+    the trainer's) used by a loss written for pi_old, and the mismatch metrics. (B, T) each; collective under
+    DDP (every rank calls it every step). Returns (weights (B, T) multiplying each token's loss, or None when
+    cap == 0; {metric: float} of the whole batch).
+
+    With d_t = log pi_old - log mu of a sampled token (mask 1), the ratio rho at `level`:
+      token      rho_t = exp(d_t)
+      sequence   rho_t = exp(sum_t d_t) for every token of the response (the exact ratio of the sequences)
+      geometric  rho_t = exp(mean_t d_t) (the per-token geometric mean: length-independent)
+    and the weight by `mode`, with threshold C = cap >= 1:
+      truncate   w = min(rho, C)                 TIS (Yao et al. 2025; TRL *_truncate, verl rollout_is)
+      mask       w = rho if rho <= C else 0      MIS (TRL *_mask, its default at sequence level, C = 3)
+      reject     w = 1 if 1/C <= rho <= C else 0 rejection, no reweighting (verl rollout_rs)
+    A masked or rejected token keeps its place in the loss's denominator (its loss is 0), as in TRL.
+
+    Metrics (mean over the batch's tokens unless said):
+      mismatch/kl               KL(mu || pi_old) per token, k3 on the samples of mu: rho - 1 - log rho, >= 0
+      mismatch/mult_prob_error  mean of exp(|d_t|) (NeMo-RL's token_mult_prob_error; 1 = no mismatch)
+      mismatch/ratio_max        the largest rho at `level` (over tokens, or responses)
+      mismatch/capped_frac      tokens whose weight the threshold changed (truncated, masked, rejected); with a cap
+      train/sampler_logprob_diff  mean |d_t|
+    Naive equivalent: a loop over rows and tokens (tests/test_ops.py)."""
+    d = (old_logprobs - sampler_logprobs) * mask  # (B, T) 0 on padding
+    n = all_sum(mask.sum()).clamp(min=1)
+    if level == "token":
+        log_rho = d  # (B, T)
+    elif level in ("sequence", "geometric"):
+        log_rho = d.sum(1, keepdim=True)  # (B, 1)
+        if level == "geometric":
+            log_rho = log_rho / mask.sum(1, keepdim=True).clamp(min=1)
+        log_rho = log_rho.expand_as(d)  # (B, T)
+    else:
+        raise ValueError(f"unknown correction level {level!r}: use token, sequence or geometric")
+    rho = torch.exp(log_rho.clamp(-20, 20))  # (B, T) a ratio that exploded stays finite
+    k3 = (torch.expm1(d.clamp(-20, 20)) - d).clamp(min=0)  # (B, T) per token, whatever the level; expm1: exact at d ~ 0
+    live = mask > 0
+    rho_max = rho.masked_fill(~live, 0).max() if rho.numel() else torch.zeros((), device=rho.device)
+    metrics = {
+        "mismatch/kl": all_sum((k3 * mask).sum()) / n,
+        "mismatch/mult_prob_error": all_sum((torch.exp(d.abs().clamp(max=20)) * mask).sum()) / n,
+        "mismatch/ratio_max": _all_max(rho_max),
+        "train/sampler_logprob_diff": all_sum((d.abs() * mask).sum()) / n,
+    }
+    weights = None
+    if cap > 0:
+        if mode == "truncate":
+            weights, acted = rho.clamp(max=cap), rho > cap
+        elif mode == "mask":
+            weights, acted = torch.where(rho <= cap, rho, torch.zeros_like(rho)), rho > cap
+        elif mode == "reject":
+            acted = (rho > cap) | (rho < 1 / cap)
+            weights = (~acted).float()
+        else:
+            raise ValueError(f"unknown correction mode {mode!r}: use truncate, mask or reject")
+        weights = weights * mask  # (B, T)
+        metrics["mismatch/capped_frac"] = all_sum((acted.float() * mask).sum()) / n
+    return weights, {k: float(v) for k, v in metrics.items()}
+
+
+def _all_max(x: torch.Tensor) -> torch.Tensor:
+    """The max of a 0-dim tensor over the data-parallel processes."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(STATE.dp_group) > 1:
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=STATE.dp_group)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
 # Advantages
 # ---------------------------------------------------------------------------------------------
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95):

@@ -30,8 +30,10 @@ def sample_tokens(
 
     logits: (b, V) next-token logits; uniforms: (b,) float64 in [0, 1), the row's own random number
     for this position. Temperature, then top-k and top-p, shape the distribution sampled from; the
-    returned log-prob is log softmax(logits / temperature) before top-k/top-p: the quantity the
-    trainer recomputes, so the sampler's log-probs equal the trainer's at step 0. Returns (tokens (b,),
+    returned log-prob is the sampled token's under that distribution, renormalised after top-k/top-p:
+    the behaviour policy mu that importance corrections need, and what vLLM returns
+    (logprobs_mode="processed_logprobs"), so both engines mean the same (docs/rollout.md). Without top-k/top-p
+    it is log softmax(logits / temperature), the quantity the trainer recomputes. Returns (tokens (b,),
     logprobs (b,)).
 
     Why not `torch.multinomial` with a per-row `torch.Generator`: it draws V exponential variates per
@@ -49,6 +51,8 @@ def sample_tokens(
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
         drop_sorted = cum - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the token crossing p
         logits = logits.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
+    if filtered:  # mu: the truncated distribution, renormalised
+        logp = torch.log_softmax(logits, dim=-1)
     probs = torch.softmax(logits, dim=-1) if filtered else logp.exp()  # (b, V)
     cdf = probs.double().cumsum(-1)  # (b, V) float64
     u = uniforms[:, None] * cdf[:, -1:]  # (b, 1) in [0, total)

@@ -87,6 +87,14 @@ def _check_cpu_head_size(model_path: str, trust_remote_code: bool) -> None:
         )
 
 
+def weights_fingerprint(state_dict: dict) -> torch.Tensor:
+    """(n tensors, 2) float64 on CPU: each tensor's sum and sum of squares, in name order. Equal fingerprints:
+    the same weights, for any change an optimizer makes (a step that kept every tensor's sum and sum of squares
+    is not one that happens); computed where the weights live, one small copy back."""
+    rows = [torch.stack([t.double().sum(), t.double().square().sum()]) for _, t in sorted(state_dict.items())]
+    return torch.stack(rows).cpu() if rows else torch.zeros(0, 2, dtype=torch.float64)
+
+
 class VLLMEngine:
     """A colocated vLLM engine for one policy: `sync(model)` then `generate(...)`."""
 
@@ -133,7 +141,7 @@ class VLLMEngine:
             # one engine per training process, in the process group the launcher made (as TRL's colocate mode)
             kw["distributed_executor_backend"] = "external_launcher"
         self.tok = tok
-        self.version = None  # the policy's parameter versions at the last sync (None: never synced)
+        self.fingerprint = None  # weights_fingerprint of the weights pushed last (None: never synced)
         try:
             self.llm = LLM(
                 model=model_path,
@@ -170,30 +178,24 @@ class VLLMEngine:
             self.llm.wake_up()
             self.asleep = False
 
-    @staticmethod
-    def _version(model):
-        """The parameters' in-place version counters: an optimizer step (UpdateGuard.step bumps them after a
-        fused AdamW, which does not) or a resume bumps them. Under
-        DeepSpeed ZeRO-3 the step writes DeepSpeed's own partitions, not the module's parameters: a new
-        object every time (never equal), so every rollout phase pushes."""
-        params = list(model.parameters())
-        if any(hasattr(p, "ds_id") for p in params):
-            return object()
-        return sum(p._version for p in params)
-
     @torch.no_grad()
     def sync(self, model, force: bool = False) -> bool:
-        """Push `model`'s current weights into the engine if they changed since the last push. `model`: the
-        plain module (inside `unwrap_for_generation`, full weights). Returns whether it pushed."""
-        version = self._version(model)
-        if not force and version == self.version:
+        """Push `model`'s current weights into the engine if they differ from the last push. `model`: the plain
+        module (inside `unwrap_for_generation`, full weights). Returns whether it pushed.
+
+        "Differ" is decided from the weights themselves (`weights_fingerprint` of what the engine would receive),
+        not from how they were written: DeepSpeed ZeRO-1/2 steps its own flat float32 partitions and copies them
+        into the module, ZeRO-3 re-gathers them, a fused AdamW writes without bumping tensor versions (issue
+        32.2). Cost: one read of the weights per rollout phase (SmolLM2: ~0.05 s on this CPU)."""
+        sd = merged_state_dict(model)
+        fingerprint = weights_fingerprint(sd)
+        if not force and self.fingerprint is not None and torch.equal(fingerprint, self.fingerprint):
             return False
         self._wake()
-        sd = merged_state_dict(model)
         # a list, not a generator: with worker processes (GPU tensor parallelism) the argument is pickled
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(sd.items())})
         self.llm.reset_prefix_cache()  # cached prompt KV came from the old weights
-        self.version = version
+        self.fingerprint = fingerprint
         return True
 
     def generate(

@@ -13,6 +13,7 @@ def healthy(step):
         "train/response_len": 30 + (step % 3),
         "train/clip_frac": 0.05,
         "train/truncated": 0.1,
+        "mismatch/mult_prob_error": 1.002,
     }
 
 
@@ -38,6 +39,7 @@ def test_healthy_stream_is_silent():
         ("length_drift", lambda m, s: m.update({"train/response_len": 100}) if s >= 5 else None),
         ("clip_frac", lambda m, s: m.update({"train/clip_frac": 0.6}) if s >= 5 else None),
         ("truncated", lambda m, s: m.update({"train/truncated": 0.9}) if s >= 5 else None),
+        ("mismatch", lambda m, s: m.update({"mismatch/mult_prob_error": 1.08}) if s >= 5 else None),
     ],
 )
 def test_each_warning_fires(name, mutate):

@@ -15,6 +15,7 @@ from common.ops import (
     masked_mean,
     masked_var,
     masked_whiten,
+    rollout_correction,
     selective_log_softmax,
 )
 
@@ -258,3 +259,64 @@ def test_small_attention_is_sdpa_in_float32_and_beyond_its_size(monkeypatch):
             sdpa_attention_forward(module, q, k, v, None)[0],
         )
     assert torch.equal(got, want)
+
+
+# --------------------------------------------------------------------------- sampler-trainer mismatch (issue 32.7)
+def _naive_correction(old, mu, mask, cap, level, mode):
+    """Per row and token, plain Python floats: the weights and metrics rollout_correction documents."""
+    w, k3, mpe, absd, n, acted, rhos = [], 0.0, 0.0, 0.0, 0, 0, []
+    for i in range(len(old)):
+        ds = [old[i][t] - mu[i][t] for t in range(len(old[i])) if mask[i][t]]
+        row = []
+        for t in range(len(old[i])):
+            if not mask[i][t]:
+                row.append(0.0)
+                continue
+            d = old[i][t] - mu[i][t]
+            n, k3, mpe, absd = n + 1, k3 + math.exp(d) - 1 - d, mpe + math.exp(abs(d)), absd + abs(d)
+            log_rho = {"token": d, "sequence": sum(ds), "geometric": sum(ds) / len(ds)}[level]
+            rho = math.exp(max(-20, min(20, log_rho)))
+            rhos.append(rho)
+            if mode == "truncate":
+                row.append(min(rho, cap))
+                acted += rho > cap
+            elif mode == "mask":
+                row.append(rho if rho <= cap else 0.0)
+                acted += rho > cap
+            else:
+                ok = 1 / cap <= rho <= cap
+                row.append(1.0 if ok else 0.0)
+                acted += not ok
+        w.append(row)
+    metrics = {"mismatch/kl": k3 / n, "mismatch/mult_prob_error": mpe / n, "mismatch/ratio_max": max(rhos),
+               "train/sampler_logprob_diff": absd / n, "mismatch/capped_frac": acted / n}  # fmt: skip
+    return np.array(w), metrics
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+@pytest.mark.parametrize("mode", ["truncate", "mask", "reject"])
+def test_rollout_correction_against_a_loop(level, mode):
+    """Rows: near agreement, a large gap one way and the other, a fully masked row, and one whose sequence log-ratio
+    (30) would overflow without the clamp; every weight finite, padding weight 0."""
+    old = [[-1.0, -2.0, -0.5, -3.0], [-0.1, -4.0, -1.0, -1.0], [-2.0, -2.0, -2.0, -2.0], [-1.0, -1.0, -1.0, -1.0],
+           [10.0, 10.0, 10.0, 0.0]]  # fmt: skip
+    mu = [[-1.01, -1.98, -0.5, -3.2], [-1.5, -1.0, -1.0, -9.0], [-2.0, -2.0, -2.0, -2.0], [-0.2, -3.0, -1.0, -1.0],
+          [0.0, 0.0, 0.0, 0.0]]  # fmt: skip
+    mask = [[1, 1, 1, 1], [1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]]
+    t = lambda x: torch.tensor(x, dtype=torch.float64)
+    weights, metrics = rollout_correction(t(old), t(mu), t(mask), 2.0, level, mode)
+    want_w, want_m = _naive_correction(old, mu, mask, 2.0, level, mode)
+    assert np.allclose(weights.numpy(), want_w, rtol=1e-9) and torch.isfinite(weights).all()
+    assert metrics == pytest.approx(want_m, rel=1e-9)
+    assert rollout_correction(t(old), t(mu), t(mask), 0.0, level, mode)[0] is None  # off: no weights, same metrics
+
+
+def test_rollout_correction_kl_is_the_kl_of_mu_to_pi_old_on_average():
+    """mismatch/kl on tokens sampled from mu equals KL(mu || pi_old) computed over a small vocabulary."""
+    g = torch.Generator().manual_seed(0)
+    log_mu = torch.log_softmax(torch.randn(6, generator=g), 0)
+    log_pi = torch.log_softmax(log_mu + 0.6 * torch.randn(6, generator=g), 0)
+    tokens = torch.multinomial(log_mu.exp(), 200000, replacement=True, generator=g)[None]  # (1, n) samples of mu
+    _, m = rollout_correction(log_pi[tokens].double(), log_mu[tokens].double(), torch.ones(tokens.shape))
+    exact = float((log_mu.exp() * (log_mu - log_pi)).sum())
+    assert m["mismatch/kl"] == pytest.approx(exact, rel=0.03) and exact > 0.01

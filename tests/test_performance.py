@@ -55,7 +55,10 @@ def test_inverse_cdf_sampling_draws_from_the_distribution(temperature, top_k, to
     freq = np.bincount(tokens.numpy(), minlength=V) / n
     assert np.all(freq[want == 0] == 0)  # filtered tokens are never drawn
     assert np.abs(freq - want).max() < 4 * np.sqrt(want.max() / n)  # within 4 standard errors
-    assert np.allclose(logp.numpy(), np_logp[tokens.numpy()], atol=1e-5)  # log-prob before top-k/top-p
+    # the log-prob is mu's, the distribution sampled (renormalised after top-k/top-p), as vLLM's processed_logprobs
+    assert np.allclose(logp.numpy(), np.log(want[tokens.numpy()]), atol=1e-5)
+    if top_k or top_p < 1:  # and not the full distribution's (the definition before issue 32.5)
+        assert not np.allclose(logp.numpy(), np_logp[tokens.numpy()], atol=1e-3)
 
 
 def _tok_with_eos(tok, eos):
@@ -407,20 +410,22 @@ def test_one_autocast_region_per_rollout_changes_no_sample(tiny):
     assert torch.equal(one.responses, plain.responses) and torch.equal(one.logprobs, plain.logprobs)
 
 
-def test_update_guard_marks_parameters_changed_after_a_fused_step():
-    """A fused AdamW step does not bump the parameters' in-place version counters (torch's fused kernel);
-    the vLLM engine relies on them to push new weights, so UpdateGuard.step bumps them itself."""
-    from common.distributed import UpdateGuard
+def test_the_engines_weight_fingerprint_sees_a_change_no_version_counter_sees():
+    """A fused AdamW step and a `.data` write (DeepSpeed ZeRO-1/2's copy-back) leave the parameters' version counters
+    where they were; the vLLM engine decides "changed" from the weights' fingerprint, which moves (issue 32.2)."""
+    from common.vllm_engine import weights_fingerprint
 
     m = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(m.parameters(), lr=0.1, fused=True)
     m(torch.randn(2, 4)).sum().backward()
-    before = [p._version for p in m.parameters()]
+    before, fp = [p._version for p in m.parameters()], weights_fingerprint(m.state_dict())
+    assert torch.equal(weights_fingerprint(m.state_dict()), fp)  # unchanged weights: the same fingerprint
     opt.step()
-    assert [p._version for p in m.parameters()] == before  # what the guard works around
-    acc = SimpleNamespace(clip_grad_norm_=torch.nn.utils.clip_grad_norm_, print=print)
-    UpdateGuard(acc).step(m, opt, 1.0, "policy", 1)
-    assert all(p._version > v for p, v in zip(m.parameters(), before))
+    assert [p._version for p in m.parameters()] == before  # what version counters miss
+    fp2 = weights_fingerprint(m.state_dict())
+    assert not torch.equal(fp2, fp)
+    m.bias.data[0] += 1e-6
+    assert not torch.equal(weights_fingerprint(m.state_dict()), fp2) and [p._version for p in m.parameters()] == before
 
 
 @pytest.mark.parametrize("bf16", [False, True])

@@ -73,6 +73,33 @@ def test_sampled_logprobs_equal_the_trainers(tiny_vllm):
         assert (r.response_mask.sum(1) > 0).all()
 
 
+def test_both_engines_return_the_log_prob_of_the_distribution_sampled(tiny_vllm):
+    """Under top-k / top-p a sample's log-prob is mu's, the temperature-scaled distribution truncated and
+    renormalised (issue 32.5): the same definition on both engines, recomputed here from the model's logits."""
+    _, tok, model, engine = tiny_vllm
+    q, qm = _queries(tok, PROMPTS * 2)
+    seeds = [mix_seed(2, 1, i) for i in range(len(q))]
+    for top_k, top_p in ((5, 1.0), (0, 0.7)):
+        for eng in (None, engine):
+            r = generate(model, tok, q, qm, 8, 0.8, top_k=top_k, top_p=top_p, seeds=seeds, engine=eng)
+            with torch.no_grad():
+                logits = (
+                    model(input_ids=r.query_responses, attention_mask=sequence_attention_mask(qm, r.responses.shape[1]))
+                    .logits[:, q.shape[1] - 1 : -1]
+                    .float()
+                    / 0.8
+                )  # (B, T, V) the logits of each response token
+            if top_k:
+                logits = logits.masked_fill(logits < logits.topk(top_k, -1).values[..., -1:], float("-inf"))
+            else:
+                probs, order = torch.softmax(logits, -1).sort(-1, descending=True)
+                drop = probs.cumsum(-1) - probs > top_p  # the token crossing p is kept
+                logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+            mu = torch.log_softmax(logits, -1).gather(-1, r.responses[..., None])[..., 0]  # (B, T)
+            diff = ((mu - r.logprobs).abs() * r.response_mask).sum() / r.response_mask.sum()
+            assert diff < 1e-4, (top_k, top_p, "vllm" if eng else "hf", diff)
+
+
 def test_a_sample_depends_on_its_seed_not_on_its_batch(tiny_vllm):
     _, tok, model, engine = tiny_vllm
     q, qm = _queries(tok)
@@ -106,6 +133,31 @@ def test_weight_sync_after_updates(tiny_vllm):
         vl = generate(model, tok, q, qm, 10, engine=engine)  # syncs: the parameters' versions moved
         assert not torch.equal(hf.responses, before.responses)  # the update changed what greedy says
         assert torch.equal(vl.responses, hf.responses)
+    finally:
+        with torch.no_grad():
+            model.load_state_dict(saved)
+        engine.sync(model, force=True)
+
+
+def test_a_change_that_bumps_no_version_counter_is_pushed(tiny_vllm):
+    """DeepSpeed ZeRO-1/2 steps its own flat float32 partitions and copies them into the module's weights, which
+    leaves the weights' version counters where they were (issue 32.2: 0 -> 0 -> 0 in a ZeRO-2 repro); the engine
+    decides from the weights themselves (their fingerprint) that they changed, and decodes as the new weights do."""
+    _, tok, model, engine = tiny_vllm
+    q, qm = _queries(tok)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.sync(model, force=True)
+    before = generate(model, tok, q, qm, 10, engine=engine)
+    versions = [p._version for p in model.parameters()]
+    with torch.no_grad():
+        model.get_output_embeddings().weight.data[42] += 3.0  # .data: the write DeepSpeed's copy-back makes
+    try:
+        assert [p._version for p in model.parameters()] == versions  # nothing a version counter would see
+        hf = generate(model, tok, q, qm, 10)
+        assert not torch.equal(hf.responses, before.responses)
+        vl = generate(model, tok, q, qm, 10, engine=engine)  # sync: pushed on the fingerprint
+        assert torch.equal(vl.responses, hf.responses)
+        assert engine.sync(model) is False  # unchanged since: nothing pushed
     finally:
         with torch.no_grad():
             model.load_state_dict(saved)
@@ -166,14 +218,18 @@ def _grpo_flags(model, prompts, out, *extra):
     ]  # fmt: skip
 
 
-def test_grpo_learns_with_the_vllm_engine(peaky_vllm, toy_prompts, tmp_path):
+@pytest.mark.parametrize(
+    "correction",
+    [[], ["--tis-cap", 3, "--tis-level", "sequence", "--tis-mode", "mask"], ["--tis-cap", 2, "--tis-level", "geometric",
+     "--tis-mode", "reject"]],
+    ids=["none", "sequence-mask", "geometric-reject"],
+)  # fmt: skip
+def test_grpo_learns_with_the_vllm_engine(peaky_vllm, toy_prompts, tmp_path, correction):
     """Rollouts from vLLM, weights synced after every update: the toy reward rises as with the hf engine,
-    pi_old is recomputed (the sampler is not the trainer) and the sampler-trainer gap stays small."""
-    run_script(
-        "grpo_llm.py",
-        *_grpo_flags(peaky_vllm, toy_prompts, tmp_path, "--total-steps", 15, "--update-epochs", 2, "--eval-every", 0),
-        env={"TOY_MODEL": peaky_vllm},
-    )
+    pi_old is recomputed (the sampler is not the trainer) and the sampler-trainer gap stays small; with each
+    mismatch correction (issue 32.7; token-level truncation: test_bf16_training_gets_a_bf16_engine) too."""
+    extra = ["--total-steps", 15, "--update-epochs", 2, "--eval-every", 0, *correction]
+    run_script("grpo_llm.py", *_grpo_flags(peaky_vllm, toy_prompts, tmp_path, *extra), env={"TOY_MODEL": peaky_vllm})
     run = only_run(tmp_path)
     rows = read_metrics(run)
     rewards = [r["train/reward"] for r in rows]
@@ -181,6 +237,10 @@ def test_grpo_learns_with_the_vllm_engine(peaky_vllm, toy_prompts, tmp_path):
     assert last > first + 0.1, rewards
     assert all(r["train/sampler_logprob_diff"] < 1e-3 for r in rows), [r["train/sampler_logprob_diff"] for r in rows]
     assert json.loads((run / "args.json").read_text())["old_logprobs_from"] == "trainer"
+    assert all(1 <= r["mismatch/mult_prob_error"] < 1.01 and r["mismatch/kl"] >= 0 for r in rows)
+    assert (
+        all(0 <= r["mismatch/capped_frac"] <= 1 for r in rows) if correction else "mismatch/capped_frac" not in rows[0]
+    )
 
 
 def test_ppo_learns_with_the_vllm_engine(peaky_vllm, toy_prompts, tmp_path):
@@ -305,9 +365,37 @@ def test_two_processes_sample_what_one_process_samples(peaky_vllm, toy_prompts, 
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     two = read_metrics(only_run(tmp_path))
     assert json.loads((only_run(tmp_path) / "args.json").read_text())["world_size"] == 2
+    assert all(r["train/sampler_logprob_diff"] < 1e-3 for r in two), config  # the engine got every update
     for a, b in zip(one_process_metrics, two, strict=True):
         assert a["train/reward"] == pytest.approx(b["train/reward"], abs=1e-6), (a["step"], config)
         assert a["train/response_len"] == pytest.approx(b["train/response_len"], abs=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2], ids=["ZeRO-1", "ZeRO-2"])
+def test_under_zero_1_and_2_the_engine_samples_every_updated_policy(
+    peaky_vllm, toy_prompts, tmp_path, stage, processes
+):
+    """DeepSpeed ZeRO-1/2 writes the module's weights from its own partitions without bumping their version counters:
+    before issue 32.2 the engine kept the first policy (1 process, ZeRO-2, lr 1e-2: sampler-trainer gap 1.60 and 1.97
+    at steps 2 and 3). Each step's sampler log-probs now equal the trainer's pi_old (fp32: < 1e-3)."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    cmd += [REPO / f"configs/accelerate/cpu_2proc_zero{stage}.yaml", "--num_processes", processes]
+    flags = _grpo_flags(peaky_vllm, toy_prompts, tmp_path, *TWO_PROC)
+    cmd += [REPO / "algos/grpo_llm.py", *flags, "--learning-rate", 1e-2]
+    proc = subprocess.run(
+        list(map(str, cmd)), capture_output=True, text=True, timeout=600, env={**os.environ, "TOY_MODEL": peaky_vllm}
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = read_metrics(only_run(tmp_path))
+    assert json.loads((only_run(tmp_path) / "args.json").read_text())["world_size"] == processes
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["train/sampler_logprob_diff"] < 1e-3 for r in rows), [r["train/sampler_logprob_diff"] for r in rows]
 
 
 def test_gpu_only_engine_flags_are_refused_on_cpu(tiny_vllm):
