@@ -294,6 +294,22 @@ def trained_dtype(model) -> str:
     return "float32" if model.dtype == "auto" and not model.lora_r else model.dtype
 
 
+def check_same_tokenizer(tok, other: str, flag: str, trust_remote_code: bool = False) -> None:
+    """A second model's folder (a distillation teacher) has `tok`'s vocabulary, token for id, and its EOS: per-token
+    log-probs of one model are then about the other's tokens. Else one line naming the flag and the first
+    difference (before any weights load)."""
+    theirs = load_tokenizer(other, trust_remote_code)
+    mine_v, their_v = tok.get_vocab(), theirs.get_vocab()
+    if mine_v != their_v:
+        diff = sorted(set(mine_v.items()) ^ set(their_v.items()), key=lambda kv: kv[1])[:1]
+        raise UserError(
+            f"{flag} {other}: its tokenizer differs from the student's ({len(their_v)} vs {len(mine_v)} tokens; first "
+            f"difference: {diff[0] if diff else '?'}); distillation needs the same tokenizer"
+        )
+    if theirs.eos_token_id != tok.eos_token_id:
+        raise UserError(f"{flag} {other}: its EOS token ({theirs.eos_token}) is not the student's ({tok.eos_token})")
+
+
 def train_kwargs(model) -> dict:
     """The loader keywords of a model to train, from a script's ModelArgs: dtype, LoRA / QLoRA, checkpointing."""
     return dict(

@@ -1,0 +1,296 @@
+"""On-policy distillation: the student samples its own responses, a frozen teacher grades every token of them.
+
+Docs: docs/algos/distill.md. Agarwal et al. 2024 "On-Policy Distillation of Language Models: Learning from
+Self-Generated Mistakes" (GKD); Thinking Machines 2025 "On-Policy Distillation" (the per-token reverse KL as the
+advantage, as prime-rl's opd); verl's top-k forward KL. The student learns from its own mistakes with a dense
+signal (one number per token, not one per answer): RL's on-policy data at roughly SFT's cost per token.
+
+Each step samples `num_prompts` prompts, `samples_per_prompt` responses each, from the student (the hf or the vllm
+engine), runs the teacher once over the sampled tokens and takes one optimizer step on a per-token divergence
+between student and teacher on exactly those tokens (--loss). With probability 1 - lmbda a step trains on the
+data's reference responses instead (GKD's lambda: off-policy distillation, i.e. SFT toward the teacher's grades).
+
+    python algos/distill_llm.py --teacher runs/grpo_llm__.../checkpoints/step_200/policy   # student: SmolLM2-135M
+    python algos/distill_llm.py --teacher T --loss gkd --beta 0.5          # GKD's generalized JSD, full vocabulary
+    python algos/distill_llm.py --teacher T --loss reverse-kl-pg           # sampled-token reverse KL as advantage
+    python algos/distill_llm.py --teacher T --loss topk-fkl --teacher-top-k 16     # verl's top-k forward KL
+    python algos/distill_llm.py --teacher T --lmbda 0.5 --lora-r 16         # half the steps off-policy; LoRA student
+    accelerate launch --multi_gpu --num_processes 2 algos/distill_llm.py --teacher T
+
+Legend: N prompts per rank, S samples per prompt, B = N*S sequences, P prompt length, T response length,
+        V vocabulary; b, t: rows of one micro-batch and its longest response.
+"""
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` imports from a plain `python algos/...`
+
+# fmt: off
+import torch
+import torch.nn.functional as F
+
+from common import models as M
+from common.args import (
+    GenerationArgs, Group, ModelArgs, OptimArgs, PositiveInt, PromptArgs, RewardArgs, RunArgs, UnitFloat, group,
+)
+from common.cli import cli
+from common.data import Sampler
+from common.distributed import (
+    UpdateGuard, adamw, backward, configure_deepspeed, make_accelerator, prepare_frozen, unwrap_for_generation,
+)
+from common.errors import UserError, mix_seed, seed_everything
+from common.eval import evaluate_policy
+from common.ops import all_sum, exact_div, global_mean_divisor
+from common.perf import peak_mem_gb
+from common.rewards import reward_from_args
+from common.rollout import (
+    generate, micro_batches, position_ids_from_mask, response_masks, sequence_attention_mask, tokenize_queries,
+)
+from common.run import Run
+from common.tasks import load_rl_prompts
+from common.vllm_engine import make_engine
+# fmt: on
+
+
+@dataclass
+class Args:
+    # --- algorithm
+    teacher: Optional[str] = None
+    """the teacher: a causal LM folder (a checkpoint's policy folder) or hub id, with the student's tokenizer"""
+    loss: Literal["gkd", "reverse-kl-pg", "topk-fkl"] = "gkd"
+    """gkd: GKD's divergence over the vocabulary (--beta; 1, the default: the exact per-token reverse KL);
+    reverse-kl-pg: the sampled token's reverse KL as a per-token advantage (Thinking Machines, prime-rl: needs
+    only the teacher's log-prob of each sampled token); topk-fkl: forward KL on the teacher's top-k tokens (verl)"""
+    beta: UnitFloat = 1.0
+    """gkd: 0 forward KL(teacher || student), 1 reverse KL(student || teacher), between: the generalized JSD"""
+    teacher_top_k: PositiveInt = 16
+    """topk-fkl: the teacher's tokens per position the divergence sums over"""
+    lmbda: UnitFloat = 1.0
+    """GKD's lambda: the share of steps trained on the student's own samples; the others use the data's reference
+    responses (extra_info.response, else reward_model.ground_truth)"""
+    num_prompts: PositiveInt = 16
+    """prompts per step, over all processes"""
+    samples_per_prompt: PositiveInt = 1
+    """S: responses the student samples per prompt"""
+    micro_batch_size: PositiveInt = 8
+    """sequences per forward/backward on one process"""
+
+    # --- the flags every script shares (common/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
+    run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=100)
+    model: Group[ModelArgs] = group(ModelArgs)
+    data: Group[PromptArgs] = group(PromptArgs)
+    rewards: Group[RewardArgs] = group(RewardArgs)
+    gen: Group[GenerationArgs] = group(GenerationArgs)
+    optim: Group[OptimArgs] = group(OptimArgs, learning_rate=1e-5)
+
+
+# ALGO LOGIC: the per-token divergences (--loss); student and teacher logits at the sampling temperature
+def reverse_kl_pg_loss(logprobs, teacher_logprobs, mask):
+    """The sampled token's reverse-KL estimate k1 = log pi_S(y_t) - log pi_T(y_t) as a per-token advantage
+    A_t = -sg(k1) (discount 0), in the policy-gradient form l_t = -(A_t - b) log pi_S(y_t). Over y ~ pi_S its
+    gradient is that of KL(pi_S || pi_T) at each position: E[(log pi_S - log pi_T) grad log pi_S] (the score
+    function has mean 0, so a constant b changes nothing in expectation). b: the mean advantage of the
+    micro-batch's tokens, a baseline: without it the tiny test models' KL rose at every learning rate tried (the
+    mean of A is -KL, pushing every sampled token down; Thinking Machines uses none, with large batches). Needs
+    only the teacher's log-prob of each sampled token. (b, t) each -> (loss (b, t), A (b, t))."""
+    advantage = (teacher_logprobs - logprobs).detach()
+    baseline = (advantage * mask).sum() / mask.sum().clamp(min=1)
+    return -(advantage - baseline) * logprobs, advantage
+
+
+def generalized_jsd(student_logits, teacher_logits, beta):
+    """GKD's divergence per position over the whole vocabulary, p_S = softmax(student), p_T = softmax(teacher):
+      beta = 0   KL(p_T || p_S)   forward (mode-covering; SFT on the teacher's distribution)
+      beta = 1   KL(p_S || p_T)   reverse (mode-seeking; what on-policy distillation minimises)
+      else       beta KL(p_T || m) + (1 - beta) KL(p_S || m),  m = beta p_T + (1 - beta) p_S
+    (the JSD tends to 0 at either end, so the ends are the KLs themselves, as in TRL). (b, t, V) x2 -> (b, t)."""
+    ls, lt = F.log_softmax(student_logits.float(), -1), F.log_softmax(teacher_logits.float(), -1)
+    kl = lambda lp, lq: (lp.exp() * (lp - lq)).sum(-1)  # KL(p || q) from log-probs
+    if beta == 0:
+        return kl(lt, ls)
+    if beta == 1:
+        return kl(ls, lt)
+    lm = torch.logsumexp(torch.stack([lt + math.log(beta), ls + math.log(1 - beta)]), 0)  # (b, t, V) log m
+    return beta * kl(lt, lm) + (1 - beta) * kl(ls, lm)
+
+
+def topk_forward_kl(student_logits, teacher_logits, k):
+    """verl's top-k forward KL: the teacher's k most likely tokens, their probabilities renormalised to q, against
+    the student's log-probs of them: sum_k q_k (log q_k - log p_S(k)) >= 0, zero when the student puts q on the
+    top-k and nothing elsewhere. Only k numbers per position come from the teacher (what a served teacher
+    returns). (b, t, V) x2 -> (b, t)."""
+    top, index = F.log_softmax(teacher_logits.float(), -1).topk(k, -1)  # (b, t, k)
+    lq = top - torch.logsumexp(top, -1, keepdim=True)  # (b, t, k) renormalised
+    ls = F.log_softmax(student_logits.float(), -1).gather(-1, index)  # (b, t, k)
+    return (lq.exp() * (lq - ls)).sum(-1)
+
+
+def response_logits(model, query_responses, attention_mask, P, temperature):
+    """The logits that predicted each response token, divided by the temperature, float32: (b, t, V)."""
+    T = query_responses.shape[1] - P
+    logits = model(
+        input_ids=query_responses, attention_mask=attention_mask, logits_to_keep=T + 1,
+        position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+    ).logits[:, :-1]  # fmt: skip
+    return logits.float() / temperature
+
+
+def reference_responses(tok, rows, device):
+    """Off-policy steps (--lmbda < 1): each row's reference response (extra_info.response, else its ground truth)
+    with EOS, right-padded. Returns (responses (B, T), mask (B, T))."""
+    texts = [str(x.extra_info.get("response", x.ground_truth)) for x in rows]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
+    T = max(len(x) for x in ids)
+    responses = torch.tensor([x + [tok.pad_token_id] * (T - len(x)) for x in ids], device=device)  # (B, T)
+    return responses, response_masks(responses, tok.eos_token_id, tok.pad_token_id)[0]
+
+
+def main(args: Args):
+    # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
+    if not args.teacher:
+        raise UserError("--teacher: required (a causal LM folder, e.g. a checkpoint's policy folder, or a hub id)")
+    accelerator = make_accelerator(args.model)  # as launched: DDP, FSDP2, DeepSpeed; --mixed-precision
+    device, W, S = accelerator.device, accelerator.num_processes, args.samples_per_prompt
+    local_num_prompts = exact_div(args.num_prompts, W, "--num-prompts over the number of processes")
+    local_batch = local_num_prompts * S
+    exact_div(
+        local_batch, args.micro_batch_size, "--num-prompts x --samples-per-prompt per process over --micro-batch-size"
+    )
+    configure_deepspeed(
+        accelerator, args.micro_batch_size, local_batch // args.micro_batch_size, args.optim.max_grad_norm
+    )
+    seed_everything(args.run.seed)
+    run = Run(accelerator, args, Path(__file__).stem)  # --resume: resolved and checked before anything loads
+    max_len = args.data.max_prompt_length + args.gen.max_new_tokens
+    tok = M.prompt_tokenizer(args.model, args.data, max_len, "--max-prompt-length + --max-new-tokens")
+    M.check_same_tokenizer(tok, args.teacher, "--teacher", args.model.trust_remote_code)  # before any weights load
+    reward = reward_from_args(args.rewards, args.model, args.gen.max_new_tokens, accelerator)  # eval, train/reward
+    train_rows, val_rows = load_rl_prompts(args.data, tok, reward, accelerator.print)
+    sampler = Sampler(len(train_rows), args.run.seed)
+
+    # ALGO LOGIC: the student (trained) and the teacher (frozen, placed and sharded like a reference model)
+    policy = M.load_causal_lm(args.model.model_name_or_path, tok, **M.train_kwargs(args.model))
+    teacher = M.load_causal_lm(args.teacher, tok, **M.frozen_kwargs(args.model))
+    teacher = prepare_frozen(accelerator, teacher, under_autocast=True)  # its forwards run in accelerator.autocast()
+    opt, sched = adamw(policy, args.optim, args.run.total_steps)
+
+    # ------------------------------------------------------- checkpoint state, run folder  # TRY NOT TO MODIFY
+    guard = UpdateGuard(accelerator)  # non-finite gradients: step skipped, never NaN weights
+    run.load_weights(policy=policy)  # resumed: the checkpoint's weights
+    policy, opt, sched = accelerator.prepare(policy, opt, sched)
+    engine = make_engine(args.gen, args.model, tok, policy, accelerator, max_len, args.run.seed)  # vllm, or None
+    evaluate = lambda: evaluate_policy(
+        accelerator, policy, tok, reward, val_rows, args.gen.max_new_tokens, args.micro_batch_size, engine
+    )
+    # what a checkpoint holds, by name (restored here when resuming); evaluation before the first step
+    run.begin(
+        tok,
+        models={"policy": policy},
+        optimizers={"opt": ("policy", opt)},
+        state=dict(sched=sched, sampler=sampler, guard=guard),
+        evaluate=evaluate if val_rows else None,
+    )
+    temperature = args.gen.temperature
+
+    for step in run.steps():  # after each: checkpoints (periodic, final, on a signal), --max-wall-minutes
+        # ------------------------------------------------------------------ 1. rollout: the student's own samples
+        t_step = time.time()
+        r = accelerator.process_index
+        ids = sampler.take(args.num_prompts)[r * local_num_prompts : (r + 1) * local_num_prompts]  # this rank's
+        rows = [train_rows[i] for i in ids for _ in range(S)]  # (B,) a prompt's samples adjacent
+        queries, query_mask = tokenize_queries(tok, [x.text for x in rows], device)  # (B, P)
+        # GKD's lambda: the same draw on every rank (seeded by step), so all ranks take the same kind of step
+        on_policy = (
+            torch.rand((), generator=torch.Generator().manual_seed(mix_seed(args.run.seed, step, -1))) < args.lmbda
+        )
+        if on_policy:
+            seeds = [mix_seed(args.run.seed, step, r * local_batch + j) for j in range(len(rows))]
+            with unwrap_for_generation(accelerator, policy) as gen_model:
+                rollout = generate(
+                    gen_model, tok, queries, query_mask, **args.gen.sampling(), seeds=seeds, engine=engine
+                )
+            responses, mask = rollout.responses, rollout.response_mask  # (B, T) each
+        else:  # off-policy: the data's reference responses
+            responses, mask = reference_responses(tok, rows, device)
+        gen_s = time.time() - t_step
+        texts = tok.batch_decode(responses, skip_special_tokens=True)
+        scores = reward(rows, texts, mask.sum(1), device)[0]  # (B,) monitored, not trained on
+        P, T = queries.shape[1], responses.shape[1]
+        query_responses = torch.cat([queries, responses], 1)  # (B, P+T)
+        attn = sequence_attention_mask(query_mask, T)  # (B, P+T)
+
+        # ------------------------------------------------------------------ 2. teacher grades, 3. update
+        t_train, n_tokens = time.time(), global_mean_divisor(mask.sum())  # token-mean over all ranks' tokens
+        stats = {k: torch.zeros((), device=device) for k in ("loss", "kl", "ent", "kl_first", "kl_last")}
+        micros = micro_batches(list(range(len(rows))), query_mask, mask, args.micro_batch_size, 0, accelerator)
+        for k, m in enumerate(micros):
+            micro, cut = m.ids, slice(P - m.p, P + m.t)
+            qr, am, m_mask = query_responses[micro, cut], attn[micro, cut], mask[micro, : m.t]  # (b, p+t), (b, t)
+            with torch.no_grad(), accelerator.autocast():
+                teacher_logits = response_logits(teacher, qr, am, m.p, temperature)  # (b, t, V)
+            with accelerator.autocast():
+                logits = response_logits(policy, qr, am, m.p, temperature)  # (b, t, V)
+            if args.loss == "reverse-kl-pg":
+                index = qr[:, m.p :, None]  # (b, t, 1) the sampled tokens
+                lp = F.log_softmax(logits, -1).gather(-1, index)[..., 0]  # (b, t)
+                token_loss = reverse_kl_pg_loss(
+                    lp, F.log_softmax(teacher_logits, -1).gather(-1, index)[..., 0], m_mask
+                )[0]
+            elif args.loss == "gkd":
+                token_loss = generalized_jsd(logits, teacher_logits, args.beta)  # (b, t)
+            else:
+                token_loss = topk_forward_kl(logits, teacher_logits, args.teacher_top_k)  # (b, t)
+            loss = (token_loss * m_mask).sum() / n_tokens
+            backward(accelerator, policy, loss, last=k == len(micros) - 1)
+            with torch.no_grad():  # the exact reverse KL per token, and the student's entropy, over the vocabulary
+                kl = generalized_jsd(logits, teacher_logits, 1.0) * m_mask  # (b, t)
+                ls = F.log_softmax(logits, -1)
+                ent = -(ls.exp() * ls).sum(-1) * m_mask  # (b, t)
+                last = (m_mask.sum(1).long() - 1).clamp(min=0)  # (b,) each row's last real token
+                stats["kl_first"] += kl[:, 0].sum()
+                stats["kl_last"] += kl.gather(1, last[:, None]).sum()
+                for key, v in (("loss", loss * n_tokens), ("kl", kl.sum()), ("ent", ent.sum())):
+                    stats[key] += v.detach()
+        guard.step(policy, opt, args.optim.max_grad_norm, "policy", step)  # these: no-ops under DeepSpeed
+        sched.step()
+        opt.zero_grad()
+        train_s = time.time() - t_train
+
+        # ------------------------------------------------------------------ 4. log, evaluate, checkpoint
+        if run.logging(step):  # --log-every, and every evaluation step and the last
+            tokens, seqs = all_sum(mask.sum()), len(rows) * W
+            per = lambda key, n: (all_sum(stats[key]) / n).item()
+            all_scores, step_s = accelerator.gather(scores), time.time() - t_step
+            metrics = {
+                "train/reward": all_scores.mean().item(),
+                "train/reward_std": all_scores.std().item() if all_scores.numel() > 1 else 0.0,
+                "train/kl": per("kl", tokens),  # KL(student || teacher) per token, exact over the vocabulary
+                "train/kl_first_token": per("kl_first", seqs),
+                "train/kl_last_token": per("kl_last", seqs),
+                "train/entropy": per("ent", tokens),
+                "train/on_policy": float(on_policy),
+                "train/response_len": accelerator.gather(mask.sum(1)).float().mean().item(),
+                "train/lr": sched.get_last_lr()[0],
+                "train/skipped_steps": guard.skipped,
+                "loss/policy": per("loss", tokens),
+                "loss/total": per("loss", tokens),
+                **{"perf/step_s": step_s, "perf/gen_s": gen_s, "perf/train_s": train_s},
+                "perf/tokens_per_s": tokens.item() / step_s,
+                "perf/peak_mem_gb": peak_mem_gb(device),
+            }
+            samples = [
+                {"prompt": x.text, "response": t, "reward": float(s), "split": "train" if on_policy else "reference"}
+                for x, t, s in zip(rows, texts, scores)
+            ]
+            run.log(step, metrics, samples)  # + evaluation when due, health warnings, --save-best
+
+    return run.end()
+
+
+if __name__ == "__main__":
+    cli(main, Args)  # parse flags and presets; a user error is one line and exit code 2
