@@ -54,6 +54,7 @@ ONLINE_SIZES = {
     "ppo_llm.py": ["--batch-size", 4, "--mini-batch-size", 4, "--micro-batch-size", 1],
     "grpo_llm.py": ["--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 1],
     "dynamic_kl_ppo.py": ["--batch-size", 4, "--mini-batch-size", 4, "--micro-batch-size", 1],
+    "distill_llm.py": ["--num-prompts", 2, "--samples-per-prompt", 2, "--micro-batch-size", 1],
 }
 
 
@@ -62,9 +63,12 @@ ONLINE_SIZES = {
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "script,sizes,kind",
-    [(s, sizes, k) for s, sizes in ONLINE_SIZES.items() for k in RUN_ALL_SCRIPTS if s == "grpo_llm.py" or k == "DDP"],
-)
-def test_two_processes(script, sizes, kind, tiny_peaky, toy_prompts, tmp_path):
+    [(s, sizes, k) for s, sizes in ONLINE_SIZES.items() for k in RUN_ALL_SCRIPTS
+     if s == "grpo_llm.py" or k == "DDP" or (s, k) == ("distill_llm.py", "FSDP")],  # the teacher sharded as a reference
+)  # fmt: skip
+def test_two_processes(script, sizes, kind, tiny, tiny_peaky, toy_prompts, tmp_path):
+    if script == "distill_llm.py":  # a student (tiny_peaky) and a teacher of its tokenizer (tiny)
+        sizes = sizes + ["--teacher", tiny]
     launch(
         script,
         "--model-name-or-path",

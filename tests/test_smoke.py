@@ -22,6 +22,7 @@ SCRIPTS = {
         RL + ["--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 2],
         ["policy"],
     ),
+    "distill_llm.py": (RL + ["--num-prompts", 2, "--samples-per-prompt", 2, "--micro-batch-size", 2], ["policy"]),
     "dpo_llm.py": (
         [
             "--batch-size",
@@ -84,6 +85,8 @@ def test_script_runs_two_steps(script, tiny, tiny_peaky, toy_prompts, tmp_path):
             tiny_peaky,
             flags + ["--train-files", toy_prompts, "--val-files", toy_prompts, "--reward-fn", TOY_REWARD],
         )
+    if script == "distill_llm.py":  # the student (tiny) learns toward another model of its tokenizer
+        flags = flags + ["--teacher", tiny_peaky]
     proc = run_script(
         script,
         "--model-name-or-path",

@@ -445,6 +445,26 @@ def test_online_dpo_with_lora_and_dynamic_kl_ppo_run_on_the_vllm_engine(peaky_vl
     assert all(r["train/sampler_logprob_diff"] < 1e-3 for r in rows[1:])
 
 
+def test_distillation_of_a_lora_student_from_a_preset_on_the_vllm_engine(peaky_vllm, toy_prompts, tmp_path):
+    """algos/distill_llm.py as a preset (--config) names it: a LoRA student sampled by the engine (merged weights
+    pushed after each update), graded by a teacher: 2 steps, the KL to the teacher logged, evaluation on the engine."""
+    teacher = M.tiny_model(tmp_path / "teacher", heads=1, seed=3, init_std=0.2)
+    preset = tmp_path / "distill.yaml"
+    preset.write_text(f"teacher: {teacher}\nloss: reverse-kl-pg\nlora-r: 4\nnum-prompts: 4\nsamples-per-prompt: 2\n")
+    run_script(
+        "distill_llm.py", "--config", preset, "--model-name-or-path", peaky_vllm, "--train-files", toy_prompts,
+        "--val-files", toy_prompts, "--num-eval-prompts", 4, "--reward-fn", TOY_REWARD, "--total-steps", 2,
+        "--eval-every", 2, "--max-new-tokens", 6, "--micro-batch-size", 4, "--learning-rate", 1e-3,
+        "--rollout-engine", "vllm", "--output-dir", tmp_path / "out", env={"TOY_MODEL": peaky_vllm},
+    )  # fmt: skip
+    run = only_run(tmp_path / "out")
+    rows = read_metrics(run)
+    recorded = json.loads((run / "args.json").read_text())
+    assert (recorded["loss"], recorded["lora_r"], recorded["teacher"]) == ("reverse-kl-pg", 4, str(teacher))
+    assert [r["step"] for r in rows] == [0, 1, 2] and "eval/accuracy" in rows[-1]
+    assert all(r["train/kl"] > 0 for r in rows[1:])
+
+
 def test_engine_start_up_refusals_are_one_line(tiny, tmp_path):
     """vLLM's own start-up failures surfaced raw (issue 38): a 16-wide attention head on CPU
     ('Unsupported CPU attention configuration: head_dim=16') is said before the engine starts, and an
