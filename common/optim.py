@@ -24,6 +24,17 @@ class KahanAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loader casts every floating state tensor but `step` to its parameter's dtype, which would round
+        the float32 moments of a bf16 parameter to bf16 on resume: put them back from the saved values."""
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        for p, i in zip(params, ids):
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state_dict["state"].get(i, {}):
+                    self.state[p][key] = state_dict["state"][i][key].to(device=p.device, dtype=torch.float32)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

@@ -11,6 +11,7 @@ from common.args import ModelArgs, OptimArgs, check_args
 from common.distributed import adamw, auto_mixed_precision
 from common.errors import UserError
 from common.optim import KahanAdamW
+from conftest import REPO, only_run, read_metrics, run_script
 
 
 @pytest.fixture
@@ -119,3 +120,45 @@ def test_bf16_weights_keep_the_float32_trajectory_under_kahan_adamw(tiny):
         exact = start[n] + carried[n]
         ulp = exact.abs().clamp(min=1e-30) * 2.0**-7
         assert ((p.detach().float() - exact).abs() <= 0.51 * ulp + 1e-12).all(), n
+
+
+def test_kahan_adamw_resumes_exactly_with_float32_moments():
+    """A state_dict round trip (what a checkpoint stores) keeps the moments float32 (torch's loader would cast them
+    to the bf16 parameter's dtype) and the next steps equal an uninterrupted run's, bit for bit."""
+    torch.manual_seed(0)
+    grads = [torch.randn(64, dtype=torch.bfloat16) for _ in range(6)]
+    a = torch.nn.Parameter(torch.randn(64).bfloat16())
+    b = torch.nn.Parameter(a.detach().clone())
+    oa = KahanAdamW([a], lr=1e-3, weight_decay=0.01)
+    ob = KahanAdamW([b], lr=1e-3, weight_decay=0.01)
+    for g in grads[:3]:
+        a.grad, b.grad = g.clone(), g.clone()
+        oa.step(), ob.step()
+    resumed = KahanAdamW([b], lr=1e-3, weight_decay=0.01)
+    resumed.load_state_dict(ob.state_dict())
+    assert {k: v.dtype for k, v in resumed.state[b].items()} == {
+        "step": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32, "kahan_comp": torch.bfloat16
+    }  # fmt: skip
+    for g in grads[3:]:
+        a.grad, b.grad = g.clone(), g.clone()
+        oa.step(), resumed.step()
+    assert torch.equal(a, b) and torch.equal(oa.state[a]["kahan_comp"], resumed.state[b]["kahan_comp"])
+
+
+@pytest.mark.e2e
+def test_bf16_weights_train_and_resume_exactly(tiny_peaky, toy_prompts, tmp_path):
+    """GRPO with --dtype bfloat16 (KahanAdamW): 4 steps straight = 2 steps + --resume + 2, metric for metric."""
+    flags = lambda out, n: [
+        "--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn",
+        f"{REPO}/tests/toy_reward.py:compute_score", "--output-dir", out, "--total-steps", n, "--num-prompts", 4,
+        "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 4, "--max-new-tokens", 6, "--eval-every", 0,
+        "--learning-rate", 3e-3, "--dtype", "bfloat16",
+    ]  # fmt: skip
+    env = {"TOY_MODEL": tiny_peaky}
+    run_script("grpo_llm.py", *flags(tmp_path / "a", 4), env=env)
+    run_script("grpo_llm.py", *flags(tmp_path / "b", 2), env=env)
+    first = only_run(tmp_path / "b")
+    run_script("grpo_llm.py", *flags(tmp_path / "c", 4), "--resume", first, env=env)
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+    straight, resumed = strip(read_metrics(only_run(tmp_path / "a"))), strip(read_metrics(first))
+    assert straight == resumed and [r["step"] for r in straight] == [1, 2, 3, 4]

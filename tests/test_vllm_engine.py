@@ -220,14 +220,14 @@ def _grpo_flags(model, prompts, out, *extra):
 
 @pytest.mark.parametrize(
     "correction",
-    [[], ["--tis-cap", 3, "--tis-level", "sequence", "--tis-mode", "mask"], ["--tis-cap", 2, "--tis-level", "geometric",
-     "--tis-mode", "reject"]],
-    ids=["none", "sequence-mask", "geometric-reject"],
+    [["--tis-cap", 2], ["--tis-cap", 3, "--tis-level", "sequence", "--tis-mode", "mask"], ["--tis-cap", 2,
+     "--tis-level", "geometric", "--tis-mode", "reject"]],
+    ids=["token-truncate", "sequence-mask", "geometric-reject"],
 )  # fmt: skip
 def test_grpo_learns_with_the_vllm_engine(peaky_vllm, toy_prompts, tmp_path, correction):
     """Rollouts from vLLM, weights synced after every update: the toy reward rises as with the hf engine,
     pi_old is recomputed (the sampler is not the trainer) and the sampler-trainer gap stays small; with each
-    mismatch correction (issue 32.7; token-level truncation: test_bf16_training_gets_a_bf16_engine) too."""
+    mismatch correction of issue 32.7 (each mode, each level once; no correction: the PPO test below)."""
     extra = ["--total-steps", 15, "--update-epochs", 2, "--eval-every", 0, *correction]
     run_script("grpo_llm.py", *_grpo_flags(peaky_vllm, toy_prompts, tmp_path, *extra), env={"TOY_MODEL": peaky_vllm})
     run = only_run(tmp_path)
