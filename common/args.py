@@ -106,6 +106,16 @@ def _trained_dtype(flag: str, v) -> None:
         )
 
 
+def _http_url(flag: str, v) -> None:
+    if v is not None and not str(v).startswith(("http://", "https://")):
+        raise UserError(f"{flag} {v}: not an http:// or https:// URL")
+
+
+def _readable_file(flag: str, v) -> None:
+    if v is not None and not Path(v).is_file():
+        raise UserError(f"{flag} {v}: no such file")
+
+
 # ----------------------------------------------------------------------------------------------------- the groups
 @dataclass
 class RunArgs:
@@ -241,6 +251,23 @@ class RewardArgs:
     reward_worker_max_gb: Annotated[NonNegFloat, RESUME_MAY_CHANGE] = 4.0
     """a reward worker whose resident memory passes this many GiB is replaced after the batch (a leaking
     --reward-fn function); 0: never"""
+    reward_url: Annotated[Optional[str], Check(fn=_http_url)] = None
+    """a reward service (the protocol: docs/data.md; `python -m tools.serve_rm RM_FOLDER` serves a reward model):
+    the 'remote' term of --reward"""
+    judge_url: Annotated[Optional[str], Check(fn=_http_url)] = None
+    """an OpenAI-compatible endpoint (e.g. http://localhost:8000/v1 of `vllm serve`) grading each response: the
+    'judge' term of --reward"""
+    judge_model: Optional[str] = None
+    """the model name the --judge-url endpoint serves"""
+    judge_template: Annotated[Optional[str], Check(fn=_readable_file)] = None
+    """a file holding the judge's prompt, with {prompt}, {response}, {ground_truth}, {data_source}; it asks for
+    "Score: N", N from 0 to 10 (default: such a grading prompt, common/remote_rewards.py)"""
+    service_timeout: Annotated[PositiveFloat, RESUME_MAY_CHANGE] = 30.0
+    """seconds one request to --reward-url / --judge-url may take"""
+    service_retries: Annotated[NonNegInt, RESUME_MAY_CHANGE] = 3
+    """retries of a failed request (backoff 0.5 s, doubled each time); then the error, or --reward-fallback"""
+    service_concurrency: Annotated[PositiveInt, RESUME_MAY_CHANGE] = 4
+    """requests in flight at once to a reward service"""
 
 
 @dataclass

@@ -401,7 +401,7 @@ class RewardPool:
 # exact: 1 when the rule scorer calls the answer exactly right (its `acc`), else 0: the rule score without
 # partial credit. reasoning-gym's letter_counting gives 0.25 for "1.28" when the answer is 1 (containment),
 # a credit GRPO learned to farm while exact accuracy fell to 0 (docs/results.md).
-SOURCES = ("rule", "exact", "model", "format", "length", "length_bonus")
+SOURCES = ("rule", "exact", "model", "format", "length", "length_bonus", "remote", "judge")
 
 
 def parse_mix(spec: str) -> dict[str, float]:
@@ -439,6 +439,8 @@ class Reward:
         timeout: float = 60.0,
         workers: int = 2,
         worker_max_gb: float = 0.0,
+        remote=None,
+        judge=None,
     ):
         self.mix = parse_mix(mix)
         specs = [reward_fn] if isinstance(reward_fn, str) else list(reward_fn or [])
@@ -461,6 +463,15 @@ class Reward:
         if "model" in self.mix and reward_model is None:
             raise UserError("--reward includes 'model' but no --reward-model was given")
         self.reward_model, self.reward_tok = reward_model, reward_tok
+        # services (common.remote_rewards): each term needs its service and each service its term
+        for term, service, flag in (("remote", remote, "--reward-url"), ("judge", judge, "--judge-url")):
+            if (term in self.mix) != (service is not None):
+                raise UserError(
+                    f"--reward includes '{term}' but no {flag} was given"
+                    if service is None
+                    else f"{flag} was given but --reward has no '{term}' term (e.g. --reward rule:1.0,{term}:0.5)"
+                )
+        self.remote, self.judge = remote, judge
         self.max_new_tokens, self.fallback, self.batch_size = max_new_tokens, fallback, batch_size
         self.errors = 0
 
@@ -554,6 +565,12 @@ class Reward:
                 comps["exact"] = extras["acc"].clone() if "acc" in extras else (rule >= 1).float()
         if "model" in self.mix:
             comps["model"] = self._model(rows, responses, is_eos, device).to(device)
+        for term, service in (("remote", self.remote), ("judge", self.judge)):
+            if term in self.mix:  # a service: its failures after retries are the error, or --reward-fallback
+                args = (rows, responses, is_eos) if term == "remote" else (rows, responses)
+                vals, failed = service(*args, fallback=self.fallback)
+                self.errors += failed
+                comps[term] = torch.tensor(vals, device=device, dtype=torch.float)
         if "format" in self.mix:
             comps["format"] = torch.tensor([format_score(s) for s in responses], device=device)
         if "length" in self.mix:
@@ -595,4 +612,21 @@ def reward_from_args(rewards, model, max_new_tokens: int, accelerator) -> Reward
         timeout=rewards.reward_timeout,
         workers=rewards.reward_workers,
         worker_max_gb=rewards.reward_worker_max_gb,
+        **services_from_args(rewards),
     )
+
+
+def services_from_args(rewards) -> dict:
+    """The reward services of RewardArgs `rewards`: {remote: RemoteScorer | None, judge: JudgeScorer | None}."""
+    from common.remote_rewards import DEFAULT_JUDGE_TEMPLATE, JudgeScorer, RemoteScorer, ServiceConfig
+
+    cfg = lambda url: ServiceConfig(
+        url, timeout=rewards.service_timeout, retries=rewards.service_retries, concurrency=rewards.service_concurrency
+    )
+    judge = None
+    if rewards.judge_url:
+        if not rewards.judge_model:
+            raise UserError("--judge-url needs --judge-model (the model name the endpoint serves)")
+        template = Path(rewards.judge_template).read_text() if rewards.judge_template else DEFAULT_JUDGE_TEMPLATE
+        judge = JudgeScorer(cfg(rewards.judge_url), rewards.judge_model, template)
+    return dict(remote=RemoteScorer(cfg(rewards.reward_url)) if rewards.reward_url else None, judge=judge)

@@ -108,7 +108,7 @@ LAYERS = [
     ("tensor functions", {"ops", "attention", "optim"}),
     ("models and data files", {"models", "data"}),
     ("placement, generation, tasks", {"distributed", "rollout", "tasks", "vllm_engine"}),
-    ("rewards and evaluation", {"rewards", "eval"}),
+    ("rewards and evaluation", {"rewards", "remote_rewards", "eval"}),
     ("run harness: flags, checkpoints, run folder, perf metrics", {"args", "cli", "checkpoint", "run", "perf"}),
 ]
 

@@ -1,0 +1,183 @@
+"""Rewards as services (issue 37.3): the --reward-url client against servers started here (threads in this
+process), tools.serve_rm against the same reward model in process, the LLM judge against a stub OpenAI-compatible
+server, retries, a dead service, the fallback, and mixes with rule rewards."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from common.data import PromptRow
+from common.errors import UserError
+from common.remote_rewards import JudgeScorer, RemoteScorer, ServiceConfig, ServiceError, parse_judge_score
+from common.rewards import Reward
+from conftest import REPO, only_run, read_metrics, run_script
+
+ROWS = [PromptRow(f"q{i}", "match", str(i), {"i": i}, uid=i, messages=f"what is {i}?") for i in range(7)]
+RESPONSES = [f"<answer>{i if i % 2 else i + 1}</answer>" for i in range(7)]  # odd rows right
+
+
+class Stub:
+    """A local HTTP server answering POSTs with `answer(body) -> (code, json)`, counting requests."""
+
+    def __init__(self, answer, delay: float = 0.0):
+        stub = self
+        self.bodies, self.lock = [], threading.Lock()
+
+        class H(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with stub.lock:
+                    stub.bodies.append(body)
+                    n = len(stub.bodies)
+                time.sleep(delay)
+                code, out = answer(body, n)
+                data = json.dumps(out).encode() if not isinstance(out, bytes) else out
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def length_scores(body, n):
+    return 200, {"scores": [float(len(r)) for r in body["responses"]]}
+
+
+def test_remote_scores_in_chunks_and_mix_with_rule_rewards():
+    stub = Stub(length_scores)
+    try:
+        cfg = ServiceConfig(stub.url, batch_size=3, concurrency=2)
+        reward = Reward("rule:1.0,remote:0.5", remote=RemoteScorer(cfg))
+        scores, comps, _ = reward(ROWS, RESPONSES, torch.full((7,), 5))
+        assert comps["remote"].tolist() == [float(len(r)) for r in RESPONSES]
+        assert torch.allclose(scores, comps["rule"] + 0.5 * comps["remote"])
+        assert comps["rule"].tolist() == [float(i % 2) for i in range(7)]
+        assert len(stub.bodies) == 3 and sorted(len(b["responses"]) for b in stub.bodies) == [1, 3, 3]
+        body = next(b for b in stub.bodies if b["responses"][0] == RESPONSES[0])
+        assert body["prompts"][0] == "what is 0?" and body["ground_truths"][0] == "0" and body["is_eos"][0] is False
+    finally:
+        stub.close()
+
+
+def test_a_flaky_service_is_retried_with_backoff():
+    stub = Stub(lambda body, n: (503, {"error": "busy"}) if n <= 2 else length_scores(body, n))
+    try:
+        t = time.time()
+        scores, failed = RemoteScorer(ServiceConfig(stub.url, backoff=0.05, retries=3))(ROWS[:2], RESPONSES[:2])
+        assert scores == [float(len(r)) for r in RESPONSES[:2]] and failed == 0 and len(stub.bodies) == 3
+        assert time.time() - t >= 0.05 + 0.1  # two backoffs: 0.05 s, then 0.1 s
+    finally:
+        stub.close()
+
+
+def test_a_dead_slow_or_wrong_service_is_one_line_or_the_fallback():
+    dead = ServiceConfig("http://127.0.0.1:9/score", retries=1, backoff=0.01, timeout=2)
+    with pytest.raises(ServiceError, match=r"http://127.0.0.1:9/score: no valid answer after 2 tries"):
+        RemoteScorer(dead)(ROWS, RESPONSES)
+    reward = Reward("remote:1.0", remote=RemoteScorer(dead), fallback=-1.0)
+    scores, _, _ = reward(ROWS, RESPONSES, torch.full((7,), 5))
+    assert scores.tolist() == [-1.0] * 7 and reward.errors == 7
+    slow = Stub(length_scores, delay=1.0)
+    wrong = Stub(lambda body, n: (200, {"scores": [1.0]}))
+    refuses = Stub(lambda body, n: (400, {"error": "no"}))
+    try:
+        with pytest.raises(ServiceError, match="TimeoutError|timed out"):
+            RemoteScorer(ServiceConfig(slow.url, timeout=0.2, retries=1, backoff=0.01))(ROWS[:2], RESPONSES[:2])
+        with pytest.raises(ServiceError, match=r"not \{'scores': \[2 numbers\]\}"):
+            RemoteScorer(ServiceConfig(wrong.url))(ROWS[:2], RESPONSES[:2])
+        with pytest.raises(ServiceError, match="refused the request"):
+            RemoteScorer(ServiceConfig(refuses.url, retries=3))(ROWS[:2], RESPONSES[:2])
+        assert len(refuses.bodies) == 1  # a 4xx is not retried
+    finally:
+        for s in (slow, wrong, refuses):
+            s.close()
+
+
+def test_terms_and_services_go_together():
+    with pytest.raises(UserError, match="--reward includes 'remote' but no --reward-url"):
+        Reward("rule:1.0,remote:0.5")
+    with pytest.raises(UserError, match="--judge-url was given but --reward has no 'judge' term"):
+        Reward("rule:1.0", judge=JudgeScorer(ServiceConfig("http://x/v1"), "m"))
+
+
+def test_serve_rm_scores_as_the_reward_model_in_process(tiny, tmp_path):
+    """tools.serve_rm over HTTP = --reward-model in process, to 1e-5 (the same encoding, the same normalisation)."""
+    from common import models as M
+    from tools.serve_rm import make_server
+
+    rm_dir = tmp_path / "rm"
+    rm = M.load_reward_model(tiny)
+    torch.manual_seed(0)
+    torch.nn.init.normal_(rm.score.weight, std=0.5)
+    rm.save_pretrained(rm_dir)
+    M.load_tokenizer(tiny).save_pretrained(rm_dir)
+    server = make_server(str(rm_dir))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/score"
+        is_eos = torch.tensor([True, False] * 3 + [True])
+        remote = Reward("remote:1.0", remote=RemoteScorer(ServiceConfig(url, batch_size=4)))
+        tok = M.load_reward_tokenizer(str(rm_dir))
+        local = Reward("model:1.0", reward_model=M.load_reward_model(str(rm_dir), tok).eval(), reward_tok=tok)
+        a = remote(ROWS, RESPONSES, torch.full((7,), 5), is_eos=is_eos)[0]
+        b = local(ROWS, RESPONSES, torch.full((7,), 5), is_eos=is_eos)[0]
+        assert torch.allclose(a, b, atol=1e-5) and b.std() > 0, (a, b)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_judge_renders_its_template_and_parses_the_grade(tmp_path):
+    def grade(body, n):  # an OpenAI-compatible chat completion: the grade is the response's length mod 11
+        content = body["messages"][0]["content"]
+        answer = content.split("ANSWER[")[1].split("]")[0]
+        reply = "I cannot tell" if "GT: 3 " in content else f"Score: {len(answer) % 11}"
+        return 200, {"choices": [{"message": {"role": "assistant", "content": reply}}]}
+
+    stub = Stub(grade)
+    try:
+        judge = JudgeScorer(ServiceConfig(stub.url.replace("/score", "/v1"), retries=1, backoff=0.01), "judge-m",
+                            template="Q: {prompt} GT: {ground_truth} ANSWER[{response}]")  # fmt: skip
+        scores, failed = judge(ROWS[:3], RESPONSES[:3])
+        assert scores == [len(r) % 11 / 10 for r in RESPONSES[:3]] and failed == 0
+        body = stub.bodies[0]
+        assert body["model"] == "judge-m" and body["temperature"] == 0.0 and "GT: " in body["messages"][0]["content"]
+        with pytest.raises(ServiceError, match="no score in the judge's answer after 2 tries"):
+            judge(ROWS[3:4], RESPONSES[3:4])  # "I cannot tell": no number
+        assert judge(ROWS[3:4], RESPONSES[3:4], fallback=0.0) == ([0.0], 1)
+    finally:
+        stub.close()
+    assert parse_judge_score("Score: 7/10") == 7 and parse_judge_score("it is 8") == 8
+    assert parse_judge_score("none") is None
+
+
+@pytest.mark.e2e
+def test_grpo_with_a_served_reward_model_mixed_with_rules(tiny_peaky, toy_prompts, tmp_path):
+    """grpo_llm.py as a user runs it: --reward 'rule:1.0,remote:0.5' against a service this test runs; the logged
+    remote component is the service's score (the response's length here)."""
+    stub = Stub(lambda body, n: (200, {"scores": [len(r) / 10 for r in body["responses"]]}))
+    try:
+        run_script(
+            "grpo_llm.py", "--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn",
+            f"{REPO}/tests/toy_reward.py:compute_score", "--reward", "rule:1.0,remote:0.5", "--reward-url", stub.url,
+            "--output-dir", tmp_path, "--total-steps", 2, "--num-prompts", 2, "--group-size", 2, "--mini-batch-size",
+            4, "--micro-batch-size", 4, "--max-new-tokens", 6, "--eval-every", 0, env={"TOY_MODEL": tiny_peaky},
+        )  # fmt: skip
+    finally:
+        stub.close()
+    rows = read_metrics(only_run(tmp_path))
+    assert len(stub.bodies) >= 2 and all(r["reward/remote"] > 0 for r in rows), rows
