@@ -106,6 +106,15 @@ def _trained_dtype(flag: str, v) -> None:
         )
 
 
+TRACKERS = ("wandb", "tensorboard", "mlflow", "trackio", "swanlab", "clearml", "comet_ml", "aim", "dvclive")
+
+
+def _trackers(flag: str, v) -> None:
+    unknown = [n for n in str(v).split(",") if n and n not in TRACKERS]
+    if unknown:
+        raise UserError(f"{flag} {v}: unknown tracker(s) {unknown}; use {', '.join(TRACKERS)}")
+
+
 def _http_url(flag: str, v) -> None:
     if v is not None and not str(v).startswith(("http://", "https://")):
         raise UserError(f"{flag} {v}: not an http:// or https:// URL")
@@ -128,7 +137,10 @@ class RunArgs:
     total_steps: Annotated[PositiveInt, RESUME_MAY_CHANGE] = 100
     """training steps (RL: one rollout + update each; otherwise one optimizer step)"""
     track: Annotated[bool, RESUME_MAY_CHANGE] = False
-    """log to Weights & Biases (works with WANDB_MODE=offline)"""
+    """log to Weights & Biases (works with WANDB_MODE=offline); the same as --report-to wandb"""
+    report_to: Annotated[str, RESUME_MAY_CHANGE, Check(fn=_trackers)] = ""
+    """trackers besides metrics.jsonl, comma-separated: wandb, tensorboard, mlflow, trackio, swanlab, clearml,
+    comet_ml, aim, dvclive (Accelerate's tracker classes; docs/experiments.md)"""
     wandb_project_name: Annotated[str, RESUME_MAY_CHANGE] = "cleanrlhf"
     """W&B project"""
     wandb_entity: Annotated[Optional[str], RESUME_MAY_CHANGE] = None

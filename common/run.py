@@ -330,7 +330,9 @@ def _drop_rows_after(path: Path, step: int, warn=None) -> None:
 
 
 class Tracker:
-    """metrics.jsonl (always), samples.jsonl, W&B (--track), and a rich progress line. Main process only."""
+    """metrics.jsonl (always), samples.jsonl, W&B (--track), the trackers of --report-to (Accelerate's tracker
+    classes: the same metric names and values, the flags as their config), and a rich progress line. Main process
+    only."""
 
     SHOW = (
         "train/reward",
@@ -351,9 +353,12 @@ class Tracker:
         self.run_dir = run_dir
         self.wandb = None
         self.progress = None
+        self.others = []  # --report-to trackers other than W&B
         if not self.main:
             return
-        if args.run.track:
+        names = [n for n in args.run.report_to.split(",") if n]
+        self.others = [open_tracker(n, args, run_dir, fresh=start_step == 0) for n in names if n != "wandb"]
+        if args.run.track or "wandb" in names:
             import wandb
 
             tags = [t for t in os.environ.get("WANDB_TAGS", "").split(",") if t]
@@ -396,6 +401,8 @@ class Tracker:
             f.write(json.dumps(row) + "\n")
         if self.wandb is not None:
             self.wandb.log({**row, "train/step": step})
+        for t in self.others:
+            t.log({k: v for k, v in row.items() if k != "step" and isinstance(v, float)}, step=step)
         shown = "  ".join(f"{k}={row[k]:.4g}" for k in self.SHOW if k in row)
         self.progress.update(self.task, completed=step, metrics=shown)
         if not sys.stdout.isatty():
@@ -420,6 +427,40 @@ class Tracker:
             self.progress.stop()
         if self.wandb is not None:
             self.wandb.finish()
+        for t in self.others:
+            t.finish()
+
+
+def open_tracker(name: str, args, run_dir: Path, fresh: bool):
+    """One --report-to tracker (Accelerate's class of that name), started, with the flags as its config on a fresh
+    run. TensorBoard writes run_dir/tensorboard/ (a resumed run adds an event file beside the first); MLflow logs to
+    MLFLOW_TRACKING_URI, else a file store in the output folder (runs/mlruns: MLFLOW_ALLOW_FILE_STORE is set for
+    it), in the experiment --exp-name, and a resumed run continues the same MLflow run (its id kept in
+    run_dir/trackers.json); the others take the run folder's name as their run name."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+    cls, ids_file = LOGGER_TYPE_TO_CLASS[name], run_dir / "trackers.json"
+    ids = json.loads(ids_file.read_text()) if ids_file.exists() else {}
+    if name == "tensorboard":
+        tracker = cls("tensorboard", run_dir)
+    elif name == "mlflow":
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            import mlflow
+
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps file stores behind this
+            mlflow.set_tracking_uri(f"file:{(run_dir.parent / 'mlruns').resolve()}")
+        tracker = cls(experiment_name=args.run.exp_name, run_id=ids.get("mlflow"), run_name=run_dir.name)
+    else:
+        tracker = cls(run_dir.name, run_dir) if cls.requires_logging_directory else cls(run_dir.name)
+    tracker.start()
+    if name == "mlflow" and "mlflow" not in ids:
+        _write_atomic(ids_file, json.dumps({**ids, "mlflow": tracker.active_run.info.run_id}))
+    if fresh:  # config values as the trackers take them: numbers, strings, booleans; the rest as JSON text
+        flat = flat_args(args)
+        tracker.store_init_configuration(
+            {k: v if isinstance(v, (int, float, str, bool)) else json.dumps(v) for k, v in flat.items()}
+        )
+    return tracker
 
 
 class Run:
