@@ -64,6 +64,12 @@ CASES = [
     ("ppo_llm.py", ["--save-every", "-1"], "--save-every -1: must be >= 0"),
     ("rm_llm.py", ["--micro-batch-size", "0"], "--micro-batch-size 0: must be > 0"),
     ("grpo_llm.py", ["--reward-timeout", "-5"], "--reward-timeout -5.0: must be >= 0"),
+    ("ppo_llm.py", ["--tis-cap", "0.5"], "--tis-cap 0.5: must be 0 (off) or >= 1"),
+    ("grpo_llm.py", ["--dtype", "float16"], "--dtype float16: training float16 weights needs a loss scaler"),
+    ("grpo_llm.py", ["--report-to", "tensorbord"], "--report-to tensorbord: unknown tracker(s) ['tensorbord']"),
+    ("grpo_llm.py", ["--reward-url", "ftp://x"], "--reward-url ftp://x: not an http:// or https:// URL"),
+    ("ppo_llm.py", ["--reward", "rule:1,remote:1"], "--reward includes 'remote' but no --reward-url"),
+    ("distill_llm.py", [], "--teacher: required"),
     # paths
     ("rm_llm.py", ["--model-name-or-path", "./missing_model"], "no such folder"),
     ("dpo_llm.py", ["--model-name-or-path", "../elsewhere/model"], "no such folder"),
