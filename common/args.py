@@ -362,6 +362,9 @@ class OptimArgs:
     """AdamW weight decay"""
     max_grad_norm: NonNegFloat = 1.0
     """gradient clipping (per model)"""
+    optim: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
+    """adamw: torch's (fused; KahanAdamW for bf16 weights); adamw_8bit: bitsandbytes' blockwise 8-bit moments
+    (1/4 of AdamW's state; CPU and GPU); paged_adamw_8bit: the same, paged to CPU memory under GPU pressure (CUDA)"""
 
 
 # ------------------------------------------------------------------------------------------ walking the fields
