@@ -233,14 +233,13 @@ def main(args: Args):
             qr, am, m_mask = query_responses[micro, cut], attn[micro, cut], mask[micro, : m.t]  # (b, p+t), (b, t)
             with torch.no_grad(), accelerator.autocast():
                 teacher_logits = response_logits(teacher, qr, am, m.p, temperature)  # (b, t, V)
+                teacher_lp = F.log_softmax(teacher_logits, -1)  # (b, t, V) for the sampled-token loss and the metrics
             with accelerator.autocast():
                 logits = response_logits(policy, qr, am, m.p, temperature)  # (b, t, V)
             if args.loss == "reverse-kl-pg":
                 index = qr[:, m.p :, None]  # (b, t, 1) the sampled tokens
                 lp = F.log_softmax(logits, -1).gather(-1, index)[..., 0]  # (b, t)
-                token_loss = reverse_kl_pg_loss(
-                    lp, F.log_softmax(teacher_logits, -1).gather(-1, index)[..., 0], m_mask
-                )[0]
+                token_loss = reverse_kl_pg_loss(lp, teacher_lp.gather(-1, index)[..., 0], m_mask)[0]
             elif args.loss == "gkd":
                 token_loss = generalized_jsd(logits, teacher_logits, args.beta)  # (b, t)
             else:
@@ -248,8 +247,8 @@ def main(args: Args):
             loss = (token_loss * m_mask).sum() / n_tokens
             backward(accelerator, policy, loss, last=k == len(micros) - 1)
             with torch.no_grad():  # the exact reverse KL per token, and the student's entropy, over the vocabulary
-                kl = generalized_jsd(logits, teacher_logits, 1.0) * m_mask  # (b, t)
-                ls = F.log_softmax(logits, -1)
+                ls = F.log_softmax(logits, -1)  # (b, t, V)
+                kl = (ls.exp() * (ls - teacher_lp)).sum(-1) * m_mask  # (b, t) KL(student || teacher), as gkd at beta 1
                 ent = -(ls.exp() * ls).sum(-1) * m_mask  # (b, t)
                 last = (m_mask.sum(1).long() - 1).clamp(min=0)  # (b,) each row's last real token
                 stats["kl_first"] += kl[:, 0].sum()
