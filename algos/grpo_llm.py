@@ -38,7 +38,7 @@ import tyro
 
 from common import models as M
 from common.args import (
-    Check, GenerationArgs, Group, MismatchArgs, ModelArgs, NonNegFloat, NonNegInt, OptimArgs, PositiveFloat, PositiveInt,
+    Check, EnvArgs, GenerationArgs, Group, MismatchArgs, ModelArgs, NonNegFloat, NonNegInt, OptimArgs, PositiveFloat, PositiveInt,
     PromptArgs, RewardArgs, RunArgs, group,
 )
 from common.cli import cli
@@ -47,6 +47,7 @@ from common.distributed import (
     UpdateGuard, adamw, backward, configure_deepspeed, frozen_reference, make_accelerator, micro_batch_budget,
     unwrap_for_generation,
 )
+from common.envs import episodes_from_args
 from common.errors import mix_seed, seed_everything
 from common.eval import evaluate_policy
 from common.health import HealthConfig
@@ -128,6 +129,7 @@ class Args:
     gen: Group[GenerationArgs] = group(GenerationArgs)
     optim: Group[OptimArgs] = group(OptimArgs, learning_rate=5e-6)
     mismatch: Group[MismatchArgs] = group(MismatchArgs)  # --tis-cap, --tis-level, --tis-mode
+    env: Group[EnvArgs] = group(EnvArgs)  # --env tools|feedback|file.py:Class, --max-turns, ... (docs/agents.md)
     old_logprobs_from: str = field(default="", init=False)
     """runtime: pi_old's source, 'current' (the update forward's own, detached) or 'trainer' (recomputed)"""
 
@@ -248,11 +250,12 @@ def main(args: Args):
     seed_everything(args.run.seed)
     run = Run(accelerator, args, Path(__file__).stem)  # --resume: resolved and checked before anything loads
     T_max = args.gen.max_new_tokens  # the response length limit
-    max_len = args.data.max_prompt_length + T_max
+    max_len = args.data.max_prompt_length + args.env.budget(T_max)  # --env: --max-trajectory-tokens
     tok = M.prompt_tokenizer(args.model, args.data, max_len, "--max-prompt-length + --max-new-tokens")
     reward = reward_from_args(args.rewards, args.model, args.gen.max_new_tokens, accelerator)  # rules, models, mixes
     # --train-files / --val-files, else the built-in --task; every data_source checked against the rewards
     train_rows, val_rows = load_rl_prompts(args.data, tok, reward, accelerator.print)
+    episodes = episodes_from_args(args.env, tok, reward, device, accelerator.print)  # --env: turns; else None
     sampler = Sampler(len(train_rows), args.run.seed)
 
     # ALGO LOGIC: GRPO's models and optimizer: the policy and, when --kl-coef > 0, a frozen reference;
@@ -299,24 +302,30 @@ def main(args: Args):
         r = accelerator.process_index
         ids = sampler.take(args.num_prompts)[r * local_num_prompts : (r + 1) * local_num_prompts]  # this rank's
         rows = [train_rows[i] for i in ids for _ in range(G)]  # (N*G,) a prompt's samples adjacent
-        queries, query_mask = tokenize_queries(tok, [x.text for x in rows], device)  # (B, P)
         uid0 = (round_ * args.num_prompts + r * local_num_prompts) * G
         seeds = [mix_seed(args.run.seed, step, uid0 + j) for j in range(len(rows))]
+        sampling = dict(**args.gen.sampling(), seeds=seeds, engine=engine)  # each row's own seed
         with unwrap_for_generation(accelerator, policy) as gen_model:
-            rollout = generate(gen_model, tok, queries, query_mask, **args.gen.sampling(), seeds=seeds, engine=engine)
-        texts = tok.batch_decode(rollout.responses, skip_special_tokens=True)
-        scores, components, extras = reward(rows, texts, rollout.response_mask.sum(1), device, rollout.is_eos)  # (B,)
+            if episodes is None:  # one turn: the templated prompt, one response, scored by --reward
+                queries, query_mask = tokenize_queries(tok, [x.text for x in rows], device)  # (B, P)
+                rollout = generate(gen_model, tok, queries, query_mask, **sampling)
+                texts = tok.batch_decode(rollout.responses, skip_special_tokens=True)
+            else:  # --env: turns; observations get mask 0 (no loss); rewards, env/turns, ... from it (docs/agents.md)
+                rollout = episodes.run(gen_model, rows, **sampling)
+                queries, query_mask, texts = rollout.queries, rollout.query_mask, rollout.transcripts  # (B, P) x2
+        scores, components, extras = reward(rows, texts, rollout.response_mask.sum(1), device, rollout.is_eos) \
+            if episodes is None else (rollout.scores, rollout.stats, {})  # fmt: skip
         return dict(
             rows=rows, texts=texts, queries=queries, query_mask=query_mask, responses=rollout.responses,
             mask=rollout.response_mask, logprobs=rollout.logprobs, truncated=rollout.truncated, scores=scores,
-            solved=extras.get("acc", (scores >= 1).float()), **{f"reward/{k}": v for k, v in (components | extras).items()},
+            solved=extras.get("acc", (scores >= 1).float()),
+            **{k if "/" in k else f"reward/{k}": v for k, v in (components | extras).items()},
         )  # fmt: skip
 
     for step in run.steps():  # after each: checkpoints (periodic, final, on a signal), --max-wall-minutes
         # ------------------------------------------------------------------ 1. rollout (+ dynamic sampling)
         t_step = t_gen = time.time()
-        batch = sample_groups(step, 0)
-        rounds = n_filled = 0
+        batch, rounds, n_filled = sample_groups(step, 0), 0, 0
         if args.dynamic_sampling:  # DAPO: keep groups whose rewards differ; all ranks run the same rounds
             parts = [batch]
             while rounds < args.max_resample_rounds:
@@ -354,8 +363,7 @@ def main(args: Args):
 
         # ------------------------------------------------------------------ 3. update
         t_train, stats, seq_ratios = time.time(), {k: [] for k in ("pg", "kl", "ent", "clip")}, []  # GSPO's s
-        r = accelerator.process_index
-        g = torch.Generator().manual_seed(mix_seed(args.run.seed, step, r))
+        g = torch.Generator().manual_seed(mix_seed(args.run.seed, step, accelerator.process_index))
         for it in range(args.update_epochs):
             perm = torch.randperm(len(rows), generator=g).tolist()
             for mb_start in range(0, len(rows), local_mini_batch_size):
@@ -368,10 +376,8 @@ def main(args: Args):
                     # this micro-batch's rows at its own lengths: its longest prompt (m.p) and response (t)
                     micro, t, cut = m.ids, m.t, slice(P - m.p, P + m.t)
                     m_mask = mask[micro, :t]  # (b, t)
-                    new_logprobs, entropy = forward_logprobs(
-                        policy, query_responses[micro, cut], attn[micro, cut], m.p, args.gen.temperature,
-                        with_entropy=True,
-                    )  # (b, t) each  # fmt: skip
+                    new_logprobs, entropy = forward_logprobs(policy, query_responses[micro, cut], attn[micro, cut], m.p,
+                                                             args.gen.temperature, with_entropy=True)  # (b, t) each  # fmt: skip
                     if pi_old_from_update:  # the one optimizer step: pi_old = pi_theta now
                         old_logprobs[micro, :t] = new_logprobs.detach() * m_mask
                     old_t = old_logprobs[micro, :t]  # (b, t)
@@ -411,27 +417,21 @@ def main(args: Args):
                 "train/zero_std_groups": (all_scores.view(-1, G).std(1) == 0).float().mean().item(),
                 "train/solve_all": (solved.min(1).values == 1).float().mean().item(),
                 "train/solve_none": (solved.max(1).values == 0).float().mean().item(),
-                "train/kl": mean_kl,
-                "train/kl_coef": args.kl_coef,
-                **mismatch,
-                "train/entropy": mean(stats["ent"]),
-                "train/clip_frac": mean(stats["clip"]),
+                **{"train/kl": mean_kl, "train/kl_coef": args.kl_coef, **mismatch},
+                **{"train/entropy": mean(stats["ent"]), "train/clip_frac": mean(stats["clip"])},
                 "train/response_len": accelerator.gather(lengths).float().mean().item(),
                 "train/truncated": accelerator.gather(truncated.float()).mean().item(),
                 "train/lr": sched.get_last_lr()[0],
                 **{"train/resample_rounds": rounds, "train/filled_zero_std_groups": n_filled},
-                "train/episodes": step * args.num_prompts * G,
-                "train/skipped_steps": guard.skipped,
-                "loss/policy": mean(stats["pg"]),
-                "loss/kl": mean(stats["kl"]),
+                **{"train/episodes": step * args.num_prompts * G, "train/skipped_steps": guard.skipped},
+                **{"loss/policy": mean(stats["pg"]), "loss/kl": mean(stats["kl"])},
                 "loss/total": mean(stats["pg"]) + args.kl_coef * mean(stats["kl"]),
                 **{"perf/step_s": step_s, "perf/gen_s": gen_s, "perf/train_s": train_s},
                 "perf/tokens_per_s": accelerator.gather(lengths).sum().item() / step_s,
-                "perf/peak_mem_gb": peak_mem_gb(device),
-                "perf/padding_frac": 1 - real / max(padded, 1),
+                **{"perf/peak_mem_gb": peak_mem_gb(device), "perf/padding_frac": 1 - real / max(padded, 1)},
                 "perf/mfu": mfu(policy, n_fwd * real, args.update_epochs * real, step_s, accelerator),
             }
-            metrics.update({k: accelerator.gather(batch[k]).mean().item() for k in batch if k.startswith("reward/")})
+            metrics.update({k: accelerator.gather(batch[k]).mean().item() for k in batch if k[:4] in ("rewa", "env/")})
             if seq_ratios:  # GSPO: the sequence importance ratios the loss clipped
                 s = accelerator.gather(torch.cat(seq_ratios).flatten())
                 metrics.update({f"train/seq_ratio_{k}": getattr(s, k)().item() for k in ("mean", "min", "max")})

@@ -340,6 +340,43 @@ class MismatchArgs:
         return dict(cap=self.tis_cap, level=self.tis_level, mode=self.tis_mode)
 
 
+def _env_spec(flag: str, v) -> None:
+    builtin = ("tools", "feedback")
+    if v and v not in builtin and not (":" in v and Path(v.rpartition(":")[0]).is_file()):
+        raise UserError(
+            f"{flag} {v!r}: expected {' or '.join(builtin)}, or path/to/file.py:ClassName of a file that exists"
+        )
+
+
+@dataclass
+class EnvArgs:
+    """environments: multi-turn rollouts with tools or feedback (docs/agents.md)"""
+
+    env: Annotated[str, Check(fn=_env_spec)] = ""
+    """'' (one turn: prompt, response, reward), tools (calculator / Python tool calls), feedback (another try after a
+    wrong answer), or path/to/file.py:ClassName (your common.envs.Environment)"""
+    max_turns: PositiveInt = 3
+    """model turns per trajectory at most (each up to --max-new-tokens)"""
+    max_trajectory_tokens: PositiveInt = 256
+    """tokens after the prompt per trajectory at most (model turns and observations); past it: truncated"""
+    tools: str = "calculator,python"
+    """--env tools: the tools offered, comma-separated (calculator, python)"""
+    tool_timeout: PositiveFloat = 5.0
+    """--env tools: wall-clock (and CPU) seconds of one Python tool call"""
+    tool_memory_mb: PositiveInt = 512
+    """--env tools: address-space limit of the Python tool's process (MiB)"""
+    tool_output_chars: PositiveInt = 1000
+    """--env tools: a tool's output is cut to this many characters"""
+    turn_cost: NonNegFloat = 0.0
+    """reward subtracted per tool call (tools) or per extra turn (feedback)"""
+    env_timeout: Annotated[PositiveFloat, RESUME_MAY_CHANGE] = 60.0
+    """seconds one environment call (reset, step, close) may take before its trajectory ends, counted in env/errors"""
+
+    def budget(self, max_new_tokens: int) -> int:
+        """The response positions a rollout may take: the trajectory budget with --env, else --max-new-tokens."""
+        return self.max_trajectory_tokens if self.env else max_new_tokens
+
+
 @dataclass
 class OnlineGenerationArgs(GenerationArgs):
     """sampling and greedy evaluation, the rollout engine (hf or vllm); --max-completion-length is the script's own"""

@@ -327,7 +327,7 @@ def frozen_kwargs(model) -> dict:
     return dict(dtype=trained_dtype(model), trust_remote_code=model.trust_remote_code)
 
 
-def apply_chat(tok, prompt, add_generation_prompt: bool = True) -> str:
+def apply_chat(tok, prompt, add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
     """A prompt (string or list of {role, content}) as the text the model sees.
 
     Message lists go through the tokenizer's chat template when it has one; a plain string is
@@ -347,7 +347,8 @@ def apply_chat(tok, prompt, add_generation_prompt: bool = True) -> str:
         return "".join(f"{m['role']}: {m['content']}\n" for m in prompt) + (
             "assistant: " if add_generation_prompt else ""
         )
-    return tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=add_generation_prompt, **fmt["kwargs"])
+    kw = dict(fmt["kwargs"], tools=tools) if tools else fmt["kwargs"]  # tools: an environment's (common/envs.py)
+    return tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
 
 
 # ---------------------------------------------------------------------------------------------

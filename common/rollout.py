@@ -264,7 +264,9 @@ def micro_batches(
         return [MicroBatch(ids[k : k + size], P, T) for k in range(0, len(ids), size)]
     budget = size * (P + T) if max_tokens < 0 else max_tokens
     p_len = query_mask.sum(1).long().tolist()
-    t_len = [max(n, 1) for n in response_mask.sum(1).long().tolist()]
+    # a response's length: through its last real token (multi-turn rows hold observation tokens of mask 0 before it)
+    last = torch.where(response_mask.any(1), T - response_mask.flip(1).float().argmax(1), 1)
+    t_len = last.long().tolist()
     order = sorted(ids, key=lambda i: (p_len[i] + t_len[i], i), reverse=True)
     groups, cur, p, t = [], [], 0, 0
     for i in order:

@@ -69,6 +69,8 @@ TIERS = ("smoke", "e2e", "distributed", "vllm", "slow")
 
 def _launches_python(cmd) -> bool:
     argv = [cmd] if isinstance(cmd, (str, os.PathLike)) else list(cmd)
+    if argv[1:3] == ["-I", "-S"]:  # the Python tool's child (common/sandbox.py): a bare interpreter, milliseconds
+        return False
     words = " ".join(map(str, argv)).split()
     first = Path(words[0]).name if words else ""
     return first.startswith("python") or first in ("accelerate", "torchrun") or str(words[0]) == sys.executable

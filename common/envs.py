@@ -1,0 +1,412 @@
+"""Environments: multi-turn rollouts where the policy talks to an environment (tools, feedback) over several turns.
+
+The interface (docs/agents.md): one `Environment` instance per trajectory (it may keep state), made by the harness
+with the row's scorer; `reset(row)` returns the first messages; `step(text, ids)` gets the model's turn (its text and
+its sampled token ids) and returns a `Step` (observation messages for the next turn or None, reward, done, info).
+`close()` frees what it holds. Users plug theirs with `--env path/to/file.py:ClassName`.
+
+Token in, token out (`Episodes.run`): the sampler's ids of every model turn are kept as sampled; an observation is
+the chat template's own rendering of its messages as the text that follows the model's turn (computed once per
+observation), tokenized alone and appended. Past turns are never re-rendered or re-tokenized, so the trainer
+scores exactly the ids the sampler produced and saw, whatever the template does to earlier turns (drop <think>
+blocks, reformat tool calls). The loss mask is 1 on the model's tokens only: observations get no policy gradient,
+KL, entropy or value loss.
+
+Legend: B trajectories, P (left-padded) prompt length, T the longest trajectory after its prompt.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from common.errors import UserError, mix_seed
+from common.models import apply_chat
+from common.rewards import call_with_timeout
+from common.rollout import Rollout, generate
+from common.sandbox import calculator, run_python
+
+
+@dataclass
+class Step:
+    observation: list[dict] | None = None  # messages for the next turn ({role, content}); None: nothing to add
+    reward: float = 0.0  # this step's reward; a trajectory's score is the sum over its steps
+    done: bool = False  # the trajectory ends after this step
+    info: dict = field(default_factory=dict)  # numbers summed per trajectory and logged as env/<key>
+
+
+class Environment:
+    """One trajectory's environment. The harness sets, before `reset`: `score(text) -> float`, the run's reward
+    (--reward on this row: rule, model or mix) for `text` as the answer; `max_turns`; `template_tools` (the chat
+    template renders `tools=` itself); before each `step`: `turn` (1-based) and `final` (this turn is the
+    trajectory's last: out of turns, or cut by a token budget; give the final reward now)."""
+
+    tools: list[dict] = []  # JSON schemas passed to the chat template as tools= (when it supports them)
+    score = staticmethod(lambda text: 0.0)
+    max_turns, turn, final, template_tools = 1, 0, False, False
+
+    def reset(self, row) -> list[dict] | str:
+        """The first messages of the conversation (a PromptRow's `messages`: the dataset prompt)."""
+        return row.messages if row.messages is not None else row.text
+
+    def step(self, text: str, ids: list[int]) -> Step:
+        """The model's turn -> what follows. Default: score the answer, one turn."""
+        return Step(None, self.score(text), True)
+
+    def close(self) -> None:
+        pass
+
+
+def _with_system(messages, text: str) -> list[dict]:
+    """`messages` (a string: one user message) with `text` appended to its system message, or a system message
+    first."""
+    msgs = [{"role": "user", "content": messages}] if isinstance(messages, str) else [dict(m) for m in messages]
+    if msgs and msgs[0]["role"] == "system":
+        msgs[0]["content"] = f"{msgs[0]['content']}\n\n{text}"
+        return msgs
+    return [{"role": "system", "content": text}] + msgs
+
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+
+TOOL_SCHEMAS = {
+    "calculator": {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression (+ - * / // % ** and parentheses).",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    },
+    "python": {
+        "type": "function",
+        "function": {
+            "name": "python",
+            "description": "Run Python code (standard library only) and return what it prints.",
+            "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+        },
+    },
+}
+
+
+def parse_tool_calls(text: str) -> list[dict | str]:
+    """The `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks of a model turn, each a dict, or an error
+    message (str) for a block that is not such JSON. A `<tool_call>` without its closing tag is one malformed call."""
+    calls = []
+    for body in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body.strip())
+        except json.JSONDecodeError as e:
+            calls.append(f"error: the tool call is not valid JSON ({e.msg} at character {e.pos})")
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            calls.append('error: a tool call is {"name": ..., "arguments": {...}}')
+            continue
+        args = call.get("arguments", {})
+        if isinstance(args, str):  # some models write the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                args = None
+        if not isinstance(args, dict):
+            calls.append('error: "arguments" must be an object')
+            continue
+        calls.append({"name": call["name"], "arguments": args})
+    if not calls and "<tool_call>" in text:
+        calls.append("error: <tool_call> without </tool_call>")
+    return calls
+
+
+class ToolEnv(Environment):
+    """Tools for the policy: it calls them with `<tool_call>{json}</tool_call>` (the protocol below, in the system
+    message; or the template's own tools= rendering where it has one), gets `<tool_response>` observations, and ends
+    with an answer (a turn without a tool call), scored by the run's reward. A malformed call or an unknown tool gets
+    an error observation. A call on the last turn is not run: that turn is scored as the answer."""
+
+    PROTOCOL = (
+        'You can use tools. To call one, write <tool_call>{{"name": NAME, "arguments": {{...}}}}</tool_call> and '
+        "stop; its result comes back as <tool_response>...</tool_response>. Tools:\n{tools}\n"
+        "When you know the answer, reply without a tool call."
+    )
+
+    def __init__(self, tools=("calculator", "python"), timeout=5.0, memory_mb=512, max_chars=1000, call_cost=0.0):
+        unknown = sorted(set(tools) - set(TOOL_SCHEMAS))
+        if unknown:
+            raise UserError(f"--tools {','.join(tools)}: unknown tool(s) {unknown}; known: {sorted(TOOL_SCHEMAS)}")
+        self.tools = [TOOL_SCHEMAS[t] for t in tools]
+        self.python = dict(timeout=timeout, memory_mb=memory_mb, max_chars=max_chars)
+        self.call_cost = call_cost
+
+    def reset(self, row):
+        if self.template_tools:
+            return super().reset(row)
+        listing = "\n".join(f"- {t['function']['name']}: {json.dumps(t['function']['parameters'])}" for t in self.tools)
+        return _with_system(super().reset(row), self.PROTOCOL.format(tools=listing))
+
+    def run_tool(self, call: dict) -> tuple[str, bool]:
+        """(the tool's output, ok)."""
+        name, a = call["name"], call["arguments"]
+        if name not in [t["function"]["name"] for t in self.tools]:
+            return f"error: unknown tool {name!r}", False
+        key = "expression" if name == "calculator" else "code"
+        if not isinstance(a.get(key), str):
+            return f"error: {name} needs a string argument {key!r}", False
+        if name == "calculator":
+            out = calculator(a[key])
+            return out, not out.startswith("error")
+        return run_python(a[key], **self.python)
+
+    def step(self, text, ids):
+        calls = parse_tool_calls(text)
+        if not calls or self.final:  # an answer (or no turn left to read a tool's result)
+            return Step(None, self.score(text), True)
+        t0, outputs, errors = time.time(), [], 0
+        for call in calls:
+            out, ok = (call, False) if isinstance(call, str) else self.run_tool(call)
+            errors += not ok
+            outputs.append(f"<tool_response>{out}</tool_response>")
+        role = "tool" if self.template_tools else "user"
+        info = {"tool_calls": len(calls), "tool_errors": errors, "tool_s": time.time() - t0}
+        return Step([{"role": role, "content": "\n".join(outputs)}], -self.call_cost * len(calls), False, info)
+
+
+class FeedbackEnv(Environment):
+    """A second try: the run's reward judges each answer; a wrong one gets `feedback` and another turn, up to
+    --max-turns. The reward is the last answer's score, minus `turn_cost` per turn after the first."""
+
+    def __init__(self, feedback="Your answer is incorrect. Please try again.", turn_cost=0.0):
+        self.feedback, self.turn_cost = feedback, turn_cost
+
+    def step(self, text, ids):
+        r = self.score(text)
+        if r >= 1 or self.final:
+            return Step(None, r - self.turn_cost * (self.turn - 1), True, {"solved_turn": self.turn if r >= 1 else 0})
+        return Step([{"role": "user", "content": self.feedback}], 0.0, False)
+
+
+BUILTIN = {"tools": ToolEnv, "feedback": FeedbackEnv}
+
+
+def load_env_class(spec: str):
+    """`tools` | `feedback` | `path/to/file.py:ClassName` -> the class (the file imported only when asked)."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    path, _, name = spec.rpartition(":")
+    if not path:
+        raise UserError(f"--env {spec!r}: expected {' or '.join(BUILTIN)} or path/to/file.py:ClassName")
+    if not Path(path).is_file():
+        raise UserError(f"--env {spec!r}: file {path} not found")
+    mod_spec = importlib.util.spec_from_file_location(f"_user_env_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(mod_spec)
+    try:
+        mod_spec.loader.exec_module(module)
+    except Exception as e:  # the user's file: its own error, one line
+        raise UserError(f"--env {spec!r}: {path} failed to import: {type(e).__name__}: {e}") from e
+    cls = getattr(module, name, None)
+    if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
+        raise UserError(f"--env {spec!r}: {path} has no class {name!r} with reset(row) and step(text, ids)")
+    return cls
+
+
+@dataclass
+class EpisodeRollout(Rollout):
+    queries: torch.Tensor | None = None  # (B, P) left-padded: the first messages, rendered
+    query_mask: torch.Tensor | None = None  # (B, P)
+    scores: torch.Tensor | None = None  # (B,) the environment's reward of each trajectory (sum over its steps)
+    stats: dict = field(default_factory=dict)  # env/<name>: (B,) per-trajectory counts, logged as means
+    transcripts: list[str] = field(default_factory=list)  # who said what, for samples.jsonl
+    turn_ids: list[list[tuple[list[int], list[int]]]] = field(default_factory=list)  # per trajectory, per model
+    # turn: (the context ids the sampler was given, the ids it returned): what tests compare with query_responses
+
+
+class Episodes:
+    """Runs a batch of trajectories with one environment instance each (module docstring).
+
+    env_factory() -> Environment; score(row, text) -> float (the run's reward); budgets: `max_turns` model turns,
+    each at most --max-new-tokens, and `max_tokens` after the prompt in all (model and observation tokens); a
+    trajectory that runs out is marked truncated. Environment calls (make, reset, step, close) run under `timeout`
+    seconds (common.rewards.call_with_timeout); one that raises or hangs ends its trajectory with reward 0 and
+    counts in env/errors (the first message is printed once): never a crash or a hang of the run."""
+
+    def __init__(self, env_factory, tok, score, max_turns: int, max_tokens: int, timeout: float, log=print):
+        self.factory, self.tok, self.score = env_factory, tok, score
+        self.max_turns, self.max_tokens, self.timeout, self.log = max_turns, max_tokens, timeout, log
+        self.template_tools = "tools" in (tok.chat_template or "")
+        self.errors, self._glue, self._said = 0, None, False
+
+    def _call(self, what: str, fn, *a):
+        """(ok, fn(*a)) under the timeout; a failure is counted, the first one printed."""
+        try:
+            return True, call_with_timeout(fn, self.timeout, *a)
+        except BaseException as e:  # user code: SystemExit / KeyboardInterrupt inside it are its failure too
+            self.errors += 1
+            if not self._said:
+                self._said = True
+                self.log(f"warning: environment {what} failed: {type(e).__name__}: {e} (counted in env/errors)")
+            return False, None
+
+    def glue(self) -> str:
+        """What the template writes after an assistant turn's EOS token (e.g. '\\n' after <|im_end|>): rendered once."""
+        if self._glue is None:
+            tok, eos = self.tok, self.tok.eos_token
+            text = apply_chat(tok, [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], False)
+            self._glue = text[text.rindex(eos) + len(eos) :] if eos and eos in text else ""
+        return self._glue
+
+    def observation_ids(self, messages: list[dict]) -> list[int]:
+        """The tokens that follow a model turn (ended by EOS) when `messages` come next, through the generation
+        prompt of the next assistant turn: the template's rendering of a conversation with and without them, the
+        difference, tokenized alone. Never a re-rendering of the conversation itself."""
+        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        before = apply_chat(self.tok, base, add_generation_prompt=False)
+        after = apply_chat(self.tok, base + list(messages), add_generation_prompt=True)
+        if not after.startswith(before):
+            raise UserError("the chat template renders earlier turns differently once an observation follows them")
+        return self.tok(self.glue() + after[len(before) :], add_special_tokens=False)["input_ids"]
+
+    def _left_pad(self, seqs: list[list[int]], device):
+        P = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), P), self.tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(seqs), P, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, P - len(s) :], mask[i, P - len(s) :] = torch.tensor(s, dtype=torch.long), 1
+        return ids.to(device), mask.to(device)
+
+    @torch.no_grad()
+    def run(self, model, rows, seeds, engine=None, max_new_tokens=48, temperature=1.0, top_k=0, top_p=1.0):
+        """Trajectories for `rows` (one each; `seeds` per row, None: greedy) -> EpisodeRollout. The first turn of
+        row i samples with seeds[i] (as a one-turn rollout does), turn k with mix_seed(seeds[i], k)."""
+        tok, B = self.tok, len(rows)
+        device = next(model.parameters()).device
+        envs, prompts, convs = [], [], []
+        for row in rows:
+            ok, env = self._call("construction", self.factory)
+            if ok:
+                env.score = lambda text, row=row: self.score(row, text)
+                env.max_turns, env.turn, env.template_tools = self.max_turns, 0, self.template_tools
+                ok, msgs = self._call("reset", env.reset, row)
+            msgs = msgs if ok else (row.messages if row.messages is not None else row.text)
+            tools = getattr(env, "tools", None) if ok and self.template_tools else None
+            text = apply_chat(tok, msgs, tools=tools) if not isinstance(msgs, str) or tok.chat_template else msgs
+            envs.append(env if ok else None)
+            prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+            convs.append(
+                [f"{m['role']}: {m['content']}" for m in msgs] if isinstance(msgs, list) else [f"user: {msgs}"]
+            )
+        ids, own, lps = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]  # own: 1 = model's
+        done, truncated, is_eos = [e is None for e in envs], [False] * B, [False] * B
+        score = [0.0] * B
+        stats = {k: [0.0] * B for k in ("turns", "errors")}
+        turn_ids = [[] for _ in range(B)]
+        for i in range(B):
+            stats["errors"][i] = float(envs[i] is None)
+        for turn in range(1, self.max_turns + 1):
+            active = [i for i in range(B) if not done[i]]
+            if not active:
+                break
+            budget = {i: min(max_new_tokens, self.max_tokens - len(ids[i])) for i in active}  # >= 1 (below)
+            ctx = [prompts[i] + ids[i] for i in active]
+            queries, qmask = self._left_pad(ctx, device)  # (b, P + ids so far)
+            turn_seeds = (
+                None if seeds is None else [seeds[i] if turn == 1 else mix_seed(seeds[i], turn) for i in active]
+            )
+            out = generate(model, tok, queries, qmask, max(budget.values()), temperature, top_k, top_p, turn_seeds,
+                           engine=engine)  # fmt: skip
+            for k, i in enumerate(active):
+                n = min(int(out.response_mask[k].sum()), budget[i])
+                new = out.responses[k, :n].tolist()
+                turn_ids[i].append((ctx[k], new))
+                ids[i] += new
+                own[i] += [1] * n
+                lps[i] += out.logprobs[k, :n].tolist() if out.logprobs is not None else [0.0] * n
+                ended = bool(out.is_eos[k]) and n == int(out.response_mask[k].sum())
+                is_eos[i], stats["turns"][i] = ended, stats["turns"][i] + 1
+                text = tok.decode(new, skip_special_tokens=True)
+                convs[i].append(f"assistant: {text}")
+                envs[i].turn, envs[i].final = (
+                    turn,
+                    not ended or turn == self.max_turns or len(ids[i]) >= self.max_tokens,
+                )
+                ok, step = self._call("step", envs[i].step, text, new)
+                if not ok or not isinstance(step, Step):
+                    stats["errors"][i] = 1.0
+                    done[i], score[i] = True, 0.0
+                    continue
+                score[i] += float(step.reward)
+                for key, v in step.info.items():
+                    stats.setdefault(key, [0.0] * B)[i] += float(v)
+                truncated[i] = not ended  # this turn was cut by a token budget
+                if step.done or envs[i].final:
+                    done[i], truncated[i] = True, truncated[i] or not step.done  # out of turns before it was done
+                elif step.observation:
+                    obs = self.observation_ids(step.observation)
+                    if len(ids[i]) + len(obs) >= self.max_tokens:  # no room for the observation and an answer
+                        done[i] = truncated[i] = True
+                    else:
+                        ids[i] += obs
+                        own[i] += [0] * len(obs)
+                        lps[i] += [0.0] * len(obs)
+                        convs[i] += [f"{m['role']}: {m['content']}" for m in step.observation]
+        for env in envs:
+            if env is not None:
+                self._call("close", env.close)
+        T = max(1, max(len(x) for x in ids))
+        queries, query_mask = self._left_pad(prompts, device)  # (B, P)
+        responses = torch.full((B, T), tok.pad_token_id, dtype=torch.long)
+        mask, logprobs = torch.zeros(B, T), torch.zeros(B, T)
+        for i in range(B):
+            n = len(ids[i])
+            responses[i, :n] = torch.tensor(ids[i], dtype=torch.long)
+            mask[i, :n], logprobs[i, :n] = torch.tensor(own[i], dtype=torch.float), torch.tensor(lps[i])
+        n_tokens = torch.tensor([float(len(x)) for x in ids])
+        stats["obs_frac"] = (1 - mask.sum(1) / n_tokens.clamp(min=1)).tolist()
+        responses, mask = responses.to(device), mask.to(device)
+        return EpisodeRollout(
+            torch.cat([queries, responses], 1),
+            responses,
+            mask,
+            torch.tensor(is_eos, device=device),
+            torch.tensor(truncated, device=device),
+            logprobs.to(device) if seeds is not None else None,
+            queries=queries,
+            query_mask=query_mask,
+            scores=torch.tensor(score, device=device),
+            stats={f"env/{k}": torch.tensor(v, device=device) for k, v in stats.items()},
+            transcripts=["\n".join(c) for c in convs],
+            turn_ids=turn_ids,
+        )
+
+
+def episodes_from_args(env_args, tok, reward, device, log=print) -> Episodes | None:
+    """The `Episodes` of a script's EnvArgs (common.args; None without --env): the environment class, its options,
+    and the run's reward (`reward`, common.rewards.Reward) as each trajectory's scorer."""
+    if not env_args.env:
+        return None
+    cls = load_env_class(env_args.env)
+    if cls is ToolEnv:
+        tools = tuple(t for t in env_args.tools.split(",") if t)
+        opts = dict(
+            timeout=env_args.tool_timeout, memory_mb=env_args.tool_memory_mb, max_chars=env_args.tool_output_chars
+        )
+        factory = lambda: ToolEnv(tools, call_cost=env_args.turn_cost, **opts)
+        ToolEnv(tools, **opts)  # an unknown tool: one line now, not a counted failure per trajectory
+    elif cls is FeedbackEnv:
+        factory = lambda: FeedbackEnv(turn_cost=env_args.turn_cost)
+    else:
+        factory = cls
+
+    def score(row, text):
+        scores, _, _ = reward([row], [text], torch.tensor([len(tok(text)["input_ids"])]), device, None)
+        return float(scores[0])
+
+    return Episodes(factory, tok, score, env_args.max_turns, env_args.max_trajectory_tokens, env_args.env_timeout, log)
