@@ -12,15 +12,7 @@ import torch
 
 from common import models as M
 from common.data import PromptRow
-from common.envs import (
-    Environment,
-    Episodes,
-    FeedbackEnv,
-    Step,
-    ToolEnv,
-    load_env_class,
-    parse_tool_calls,
-)
+from common.envs import Environment, Episodes, FeedbackEnv, Step, ToolEnv, load_env_class, parse_tool_calls
 from common.errors import UserError
 from common.rollout import Rollout, forward_logprobs, response_masks, sequence_attention_mask
 from common.sandbox import calculator, run_python
@@ -129,7 +121,9 @@ class ScriptedEngine:
             ctx = q[m.bool()].tolist()
             self.contexts.append(ctx)
             text = self.reply(self.tok.decode(ctx))
-            outs.append((self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id])[:max_new_tokens])
+            outs.append(
+                (self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id])[:max_new_tokens]
+            )
         T = max(len(o) for o in outs)
         responses = torch.full((len(outs), T), self.tok.pad_token_id)
         for i, o in enumerate(outs):
@@ -193,7 +187,9 @@ def test_tool_environment_rollout_keeps_sampled_ids(tiny):
 
 def test_malformed_and_unknown_tool_calls_get_error_observations(tiny):
     tok = M.load_tokenizer(tiny)
-    replies = iter(["<tool_call>{not json}</tool_call>", '<tool_call>{"name": "shell", "arguments": {}}</tool_call>', "42"])
+    replies = iter(
+        ["<tool_call>{not json}</tool_call>", '<tool_call>{"name": "shell", "arguments": {}}</tool_call>', "42"]
+    )
     engine = ScriptedEngine(tok, lambda ctx: next(replies))
     eps = Episodes(lambda: ToolEnv(("calculator",)), tok, _score, max_turns=3, max_tokens=300, timeout=10)
     ro = eps.run(M.load_causal_lm(tiny, tok), _rows(1), seeds=[0], engine=engine)
@@ -259,12 +255,16 @@ def test_hf_sampler_turns_are_scored_on_their_own_ids_and_logprobs(tiny):
     log-probs on every model token, turn after turn (observations in between are attended, never scored)."""
     tok = M.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok).eval()
-    eos_bias = lambda module, inputs, logits: logits.index_add(-1, torch.tensor([tok.eos_token_id]), logits[..., :1] * 0 + 9)
+    eos_bias = lambda module, inputs, logits: logits.index_add(
+        -1, torch.tensor([tok.eos_token_id]), logits[..., :1] * 0 + 9
+    )
     model.lm_head.register_forward_hook(eos_bias)  # turns of a few tokens: EOS ~ 1 in 5
     eps = Episodes(lambda: FeedbackEnv(), tok, _score, max_turns=3, max_tokens=60, timeout=10)
     ro = eps.run(model, _rows(3), seeds=[5, 6, 7], max_new_tokens=12)
     _check_token_in_token_out(ro)
-    assert ro.stats["env/turns"].max() > 1 and (ro.response_mask == 0).logical_and(ro.responses != tok.pad_token_id).any()
+    assert (
+        ro.stats["env/turns"].max() > 1 and (ro.response_mask == 0).logical_and(ro.responses != tok.pad_token_id).any()
+    )
     attn = sequence_attention_mask(ro.query_mask, ro.responses.shape[1])
     with torch.no_grad():
         lp = forward_logprobs(model, ro.query_responses, attn, ro.queries.shape[1]) * ro.response_mask
@@ -274,13 +274,16 @@ def test_hf_sampler_turns_are_scored_on_their_own_ids_and_logprobs(tiny):
     first = one.run(model, _rows(3), seeds=[5, 6, 7], max_new_tokens=12)
     for i in range(3):
         n = len(first.turn_ids[i][0][1])
-        assert ro.turn_ids[i][0][1] == first.turn_ids[i][0][1] and torch.equal(first.responses[i, :n], ro.responses[i, :n])
+        assert ro.turn_ids[i][0][1] == first.turn_ids[i][0][1] and torch.equal(
+            first.responses[i, :n], ro.responses[i, :n]
+        )
 
 
 def test_observation_tokens_get_no_gradient(tiny):
     """The GRPO loss (each --loss-agg), its KL term and entropy on a multi-turn batch: zero gradient on observation
     positions, non-zero on model tokens."""
     import grpo_llm as G
+
     from common.ops import kl_estimate
 
     tok = M.load_tokenizer(tiny)

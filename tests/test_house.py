@@ -104,11 +104,11 @@ def test_the_fast_tier_guard_fails_an_unmarked_launch():
 # above, and no two modules import each other, directly or round a longer circle. Imports inside functions
 # count too (a lazy import is still a dependency).
 LAYERS = [
-    ("floor: errors, seeds, process groups", {"errors", "parallel", "health"}),
+    ("floor: errors, seeds, process groups, the tools' sandbox", {"errors", "parallel", "health", "sandbox"}),
     ("tensor functions", {"ops", "attention", "optim"}),
     ("models and data files", {"models", "data"}),
     ("placement, generation, tasks", {"distributed", "rollout", "tasks", "vllm_engine"}),
-    ("rewards and evaluation", {"rewards", "remote_rewards", "eval"}),
+    ("rewards, environments and evaluation", {"rewards", "remote_rewards", "envs", "eval"}),
     ("run harness: flags, checkpoints, run folder, perf metrics", {"args", "cli", "checkpoint", "run", "perf"}),
 ]
 
