@@ -48,7 +48,7 @@ import tyro
 
 from common import models as M
 from common.args import (
-    Check, GenerationArgs, Group, MismatchArgs, ModelArgs, NonNegFloat, NonNegInt, OptimArgs, PositiveFloat, PositiveInt,
+    Check, EnvArgs, GenerationArgs, Group, MismatchArgs, ModelArgs, NonNegFloat, NonNegInt, OptimArgs, PositiveFloat, PositiveInt,
     PromptArgs, RewardArgs, RunArgs, UnitFloat, group,
 )
 from common.cli import cli
@@ -57,6 +57,7 @@ from common.distributed import (
     UpdateGuard, adamw, backward, configure_deepspeed, frozen_reference, make_accelerator, micro_batch_budget,
     unwrap_for_generation,
 )
+from common.envs import episodes_from_args
 from common.errors import mix_seed, seed_everything
 from common.eval import evaluate_policy
 from common.health import HealthConfig
@@ -149,6 +150,7 @@ class Args:
     gen: Group[GenerationArgs] = group(GenerationArgs)
     optim: Group[OptimArgs] = group(OptimArgs, learning_rate=5e-6)
     mismatch: Group[MismatchArgs] = group(MismatchArgs)  # --tis-cap, --tis-level, --tis-mode
+    env: Group[EnvArgs] = group(EnvArgs)  # --env tools|feedback|file.py:Class, --max-turns, ... (docs/agents.md)
 
 
 # ALGO LOGIC: the PPO losses
@@ -220,11 +222,12 @@ def main(args: Args):
     configure_deepspeed(accelerator, args.micro_batch_size, accumulation, args.optim.max_grad_norm)
     seed_everything(args.run.seed)
     run = Run(accelerator, args, Path(__file__).stem)  # --resume: resolved and checked before anything loads
-    max_len = args.data.max_prompt_length + args.gen.max_new_tokens
+    max_len = args.data.max_prompt_length + args.env.budget(args.gen.max_new_tokens)  # --env: --max-trajectory-tokens
     tok = M.prompt_tokenizer(args.model, args.data, max_len, "--max-prompt-length + --max-new-tokens")
     reward = reward_from_args(args.rewards, args.model, args.gen.max_new_tokens, accelerator)  # rules, models, mixes
     # --train-files / --val-files, else the built-in --task; every data_source checked against the rewards
     train_rows, val_rows = load_rl_prompts(args.data, tok, reward, accelerator.print)
+    episodes = episodes_from_args(args.env, tok, reward, device, accelerator.print)  # --env: turns; else None
     sampler = Sampler(len(train_rows), args.run.seed)
 
     # ALGO LOGIC: PPO's models and optimizers: the policy, a critic (value model), a frozen reference
@@ -267,25 +270,31 @@ def main(args: Args):
         r = accelerator.process_index
         ids = sampler.take(args.batch_size)[r * local_batch_size : (r + 1) * local_batch_size]  # this rank's slice
         rows = [train_rows[i] for i in ids]
-        queries, query_mask = tokenize_queries(tok, [x.text for x in rows], device)  # (B, P)
-        P = queries.shape[1]
         seeds = [mix_seed(args.run.seed, step, r * local_batch_size + j) for j in range(len(rows))]
         t_gen = time.time()
         with unwrap_for_generation(accelerator, policy) as gen_model:
-            # pi_old reuses the prompts' KV cache (checkpointed layers take no cache)
-            rollout = generate(
-                gen_model, tok, queries, query_mask, **args.gen.sampling(), seeds=seeds, engine=engine,
-                keep_prompt_cache=not args.model.gradient_checkpointing,
-            )  # fmt: skip
-        gen_s = time.time() - t_gen
+            if episodes is None:  # one turn: the templated prompt, one response, scored by --reward
+                queries, query_mask = tokenize_queries(tok, [x.text for x in rows], device)  # (B, P)
+                # pi_old reuses the prompts' KV cache (checkpointed layers take no cache)
+                rollout = generate(
+                    gen_model, tok, queries, query_mask, **args.gen.sampling(), seeds=seeds, engine=engine,
+                    keep_prompt_cache=not args.model.gradient_checkpointing,
+                )  # fmt: skip
+            else:  # --env: turns; observations get mask 0 (no loss; GAE skips them); scored by it (docs/agents.md)
+                rollout = episodes.run(gen_model, rows, seeds, engine, **args.gen.sampling())
+                queries, query_mask = rollout.queries, rollout.query_mask  # (B, P): the environment's first messages
+        gen_s, P = time.time() - t_gen, queries.shape[1]
         query_responses, responses, mask = rollout.query_responses, rollout.responses, rollout.response_mask
         T = responses.shape[1]  # query_responses (B, P+T); responses, mask (B, T)
         attn = sequence_attention_mask(query_mask, T)  # (B, P+T)
 
         # ------------------------------------------------------------------ 2. score
-        texts = tok.batch_decode(responses, skip_special_tokens=True)
-        lengths = mask.sum(1)  # (B,)
-        scores, components, extras = reward(rows, texts, lengths, device, rollout.is_eos)  # (B,)
+        lengths = mask.sum(1)  # (B,) the model's tokens
+        if episodes is None:
+            texts = tok.batch_decode(responses, skip_special_tokens=True)
+            scores, components, extras = reward(rows, texts, lengths, device, rollout.is_eos)  # (B,)
+        else:  # whole conversations, the trajectories' rewards (B,), and env/turns, env/tool_calls, ... (B,) each
+            texts, scores, components, extras = rollout.transcripts, rollout.scores, rollout.stats, {}
         scores = scores - args.missing_eos_penalty * (~rollout.is_eos).float()
         # micro-batched (bounds peak memory): --micro-batch-size rows, or by --micro-batch-tokens
         all_micros = micro_batches(
@@ -303,7 +312,7 @@ def main(args: Args):
         tis_weights, mismatch = rollout_correction(logprobs, rollout.logprobs, mask, **args.mismatch.correction())
         kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T) per-token KL
         rewards = -kl_ctl.value * kl  # (B, T)
-        last = (lengths.long() - 1).clamp(min=0)  # (B,) index of the last real token
+        last = T - 1 - mask.flip(1).argmax(1)  # (B,) index of the last real token (the model's, with --env)
         rewards[torch.arange(len(rows), device=device), last] += scores
 
         # ------------------------------------------------------------------ 3. advantages
@@ -419,9 +428,8 @@ def main(args: Args):
                 "perf/mfu": mfu(policy, (2 + use_ref) * real, args.update_epochs * real, step_s, accelerator)
                 + mfu(critic, real, args.update_epochs * real, step_s, accelerator),
             }
-            metrics.update(
-                {f"reward/{name}": accelerator.gather(v).mean().item() for name, v in {**components, **extras}.items()}
-            )
+            name = lambda k: k if k.startswith("env/") else f"reward/{k}"  # --env: env/turns, env/tool_calls, ...
+            metrics.update({name(k): accelerator.gather(v).mean().item() for k, v in (components | extras).items()})
             metrics.update({"reward/errors": reward.errors} if reward.errors else {})
             samples = [
                 {"prompt": x.text, "response": t, "reward": float(s), "kl": float(k), "split": "train"}

@@ -22,6 +22,7 @@ import json
 import re
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -38,7 +39,7 @@ class Step:
     observation: list[dict] | None = None  # messages for the next turn ({role, content}); None: nothing to add
     reward: float = 0.0  # this step's reward; a trajectory's score is the sum over its steps
     done: bool = False  # the trajectory ends after this step
-    info: dict = field(default_factory=dict)  # numbers summed per trajectory and logged as env/<key>
+    info: dict = field(default_factory=dict)  # numbers summed per trajectory, logged as env/<key> (see info_keys)
 
 
 class Environment:
@@ -48,6 +49,7 @@ class Environment:
     trajectory's last: out of turns, or cut by a token budget; give the final reward now)."""
 
     tools: list[dict] = []  # JSON schemas passed to the chat template as tools= (when it supports them)
+    info_keys: tuple[str, ...] = ()  # the Step.info keys logged (every process logs the same keys: declared here)
     score = staticmethod(lambda text: 0.0)
     max_turns, turn, final, template_tools = 1, 0, False, False
 
@@ -133,6 +135,7 @@ class ToolEnv(Environment):
     with an answer (a turn without a tool call), scored by the run's reward. A malformed call or an unknown tool gets
     an error observation. A call on the last turn is not run: that turn is scored as the answer."""
 
+    info_keys = ("tool_calls", "tool_errors", "tool_s")
     PROTOCOL = (
         'You can use tools. To call one, write <tool_call>{{"name": NAME, "arguments": {{...}}}}</tool_call> and '
         "stop; its result comes back as <tool_response>...</tool_response>. Tools:\n{tools}\n"
@@ -184,6 +187,8 @@ class FeedbackEnv(Environment):
     """A second try: the run's reward judges each answer; a wrong one gets `feedback` and another turn, up to
     --max-turns. The reward is the last answer's score, minus `turn_cost` per turn after the first."""
 
+    info_keys = ("solved_turn",)
+
     def __init__(self, feedback="Your answer is incorrect. Please try again.", turn_cost=0.0):
         self.feedback, self.turn_cost = feedback, turn_cost
 
@@ -232,7 +237,7 @@ class EpisodeRollout(Rollout):
 class Episodes:
     """Runs a batch of trajectories with one environment instance each (module docstring).
 
-    env_factory() -> Environment; score(row, text) -> float (the run's reward); budgets: `max_turns` model turns,
+    env_factory() -> Environment (its class, or functools.partial of it); score(row, text) -> float (the run's reward); budgets: `max_turns` model turns,
     each at most --max-new-tokens, and `max_tokens` after the prompt in all (model and observation tokens); a
     trajectory that runs out is marked truncated. Environment calls (make, reset, step, close) run under `timeout`
     seconds (common.rewards.call_with_timeout); one that raises or hangs ends its trajectory with reward 0 and
@@ -242,6 +247,8 @@ class Episodes:
         self.factory, self.tok, self.score = env_factory, tok, score
         self.max_turns, self.max_tokens, self.timeout, self.log = max_turns, max_tokens, timeout, log
         self.template_tools = "tools" in (tok.chat_template or "")
+        # the environment class's declared Step.info keys (a class, or functools.partial of one)
+        self.info_keys = tuple(getattr(getattr(env_factory, "func", env_factory), "info_keys", ()))
         self.errors, self._glue, self._said = 0, None, False
 
     def _call(self, what: str, fn, *a):
@@ -306,7 +313,7 @@ class Episodes:
         ids, own, lps = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]  # own: 1 = model's
         done, truncated, is_eos = [e is None for e in envs], [False] * B, [False] * B
         score = [0.0] * B
-        stats = {k: [0.0] * B for k in ("turns", "errors")}
+        stats = {k: [0.0] * B for k in ("turns", "errors", *self.info_keys)}  # the same keys on every process
         turn_ids = [[] for _ in range(B)]
         for i in range(B):
             stats["errors"][i] = float(envs[i] is None)
@@ -344,7 +351,8 @@ class Episodes:
                     continue
                 score[i] += float(step.reward)
                 for key, v in step.info.items():
-                    stats.setdefault(key, [0.0] * B)[i] += float(v)
+                    if key in stats:
+                        stats[key][i] += float(v)
                 truncated[i] = not ended  # this turn was cut by a token budget
                 if step.done or envs[i].final:
                     done[i], truncated[i] = True, truncated[i] or not step.done  # out of turns before it was done
@@ -398,10 +406,10 @@ def episodes_from_args(env_args, tok, reward, device, log=print) -> Episodes | N
         opts = dict(
             timeout=env_args.tool_timeout, memory_mb=env_args.tool_memory_mb, max_chars=env_args.tool_output_chars
         )
-        factory = lambda: ToolEnv(tools, call_cost=env_args.turn_cost, **opts)
-        ToolEnv(tools, **opts)  # an unknown tool: one line now, not a counted failure per trajectory
+        factory = partial(ToolEnv, tools, call_cost=env_args.turn_cost, **opts)
+        factory()  # an unknown tool: one line now, not a counted failure per trajectory
     elif cls is FeedbackEnv:
-        factory = lambda: FeedbackEnv(turn_cost=env_args.turn_cost)
+        factory = partial(FeedbackEnv, turn_cost=env_args.turn_cost)
     else:
         factory = cls
 

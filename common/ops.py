@@ -297,16 +297,20 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 
     rewards, values, mask: (B, T). The value after the last real token is 0 (the episode ends).
     delta_t = r_t + gamma * V_{t+1} - V_t;  A_t = delta_t + gamma * lam * A_{t+1};  returns = A + V.
-    Padding positions get advantage 0 and return 0. Naive equivalent: a Python loop per row
-    (tests/test_ops.py). Returns (advantages, returns), each (B, T)."""
+    Padding positions get advantage 0 and return 0. Positions of mask 0 *between* real tokens (a multi-turn
+    trajectory's observation tokens, common/envs.py) are skipped: t+1 is the next real token, so gamma and lam
+    act across the model's tokens only, as if the observations were not there (GAE over the model's own steps).
+    Naive equivalent: per row, keep the real tokens, a Python loop over them (tests/test_ops.py). Returns
+    (advantages, returns), each (B, T)."""
     values, rewards = values * mask, rewards * mask  # (B, T); V = 0 past the last real token
     adv = torch.zeros_like(rewards)  # (B, T)
     next_value = next_adv = torch.zeros_like(rewards[:, 0])  # (B,)
     for t in reversed(range(rewards.shape[1])):
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_adv = (delta + gamma * lam * next_adv) * mask[:, t]
-        adv[:, t] = next_adv
-        next_value = values[:, t]
+        real = mask[:, t] > 0  # (B,)
+        a = rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * next_adv
+        adv[:, t] = a * mask[:, t]
+        next_adv = torch.where(real, a, next_adv)  # a masked position passes the next real token's on
+        next_value = torch.where(real, values[:, t], next_value)
     return adv, (adv + values) * mask
 
 

@@ -5,6 +5,7 @@ failures of user environments bounded."""
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -173,7 +174,7 @@ def test_tool_environment_rollout_keeps_sampled_ids(tiny):
         return "The answer is 42."
 
     engine = ScriptedEngine(tok, reply)
-    eps = Episodes(lambda: ToolEnv(("calculator",)), tok, _score, max_turns=3, max_tokens=200, timeout=10)
+    eps = Episodes(partial(ToolEnv, ("calculator",)), tok, _score, max_turns=3, max_tokens=200, timeout=10)
     ro = eps.run(model, _rows(), seeds=[1, 2], engine=engine)
     _check_token_in_token_out(ro, engine.contexts)
     assert ro.scores.tolist() == [1.0, 1.0] and ro.stats["env/turns"].tolist() == [2, 2]
@@ -191,7 +192,7 @@ def test_malformed_and_unknown_tool_calls_get_error_observations(tiny):
         ["<tool_call>{not json}</tool_call>", '<tool_call>{"name": "shell", "arguments": {}}</tool_call>', "42"]
     )
     engine = ScriptedEngine(tok, lambda ctx: next(replies))
-    eps = Episodes(lambda: ToolEnv(("calculator",)), tok, _score, max_turns=3, max_tokens=300, timeout=10)
+    eps = Episodes(partial(ToolEnv, ("calculator",)), tok, _score, max_turns=3, max_tokens=300, timeout=10)
     ro = eps.run(M.load_causal_lm(tiny, tok), _rows(1), seeds=[0], engine=engine)
     assert "not valid JSON" in ro.transcripts[0] and "unknown tool 'shell'" in ro.transcripts[0]
     assert ro.stats["env/tool_errors"].item() == 2 and ro.scores.item() == 1.0
@@ -201,13 +202,13 @@ def test_malformed_and_unknown_tool_calls_get_error_observations(tiny):
 def test_feedback_environment_gives_another_turn(tiny):
     tok = M.load_tokenizer(tiny)
     engine = ScriptedEngine(tok, lambda ctx: "41" if ctx.count("<|im_start|>assistant") == 1 else "42")
-    eps = Episodes(lambda: FeedbackEnv(turn_cost=0.1), tok, _score, max_turns=3, max_tokens=100, timeout=10)
+    eps = Episodes(partial(FeedbackEnv, turn_cost=0.1), tok, _score, max_turns=3, max_tokens=100, timeout=10)
     ro = eps.run(M.load_causal_lm(tiny, tok), _rows(), seeds=[0, 1], engine=engine)
     assert ro.stats["env/turns"].tolist() == [2, 2] and ro.stats["env/solved_turn"].tolist() == [2, 2]
     assert ro.scores.tolist() == pytest.approx([0.9, 0.9]) and "incorrect" in ro.transcripts[1]
     _check_token_in_token_out(ro)
     # never right: --max-turns answers, then the last one's score
-    eps = Episodes(lambda: FeedbackEnv(), tok, _score, max_turns=3, max_tokens=100, timeout=10)
+    eps = Episodes(FeedbackEnv, tok, _score, max_turns=3, max_tokens=100, timeout=10)
     ro = eps.run(M.load_causal_lm(tiny, tok), _rows(1), seeds=[0], engine=ScriptedEngine(tok, lambda ctx: "0"))
     assert ro.stats["env/turns"].item() == 3 and ro.scores.item() == 0 and not ro.truncated.any()
 
@@ -215,7 +216,7 @@ def test_feedback_environment_gives_another_turn(tiny):
 def test_budgets_mark_trajectories_truncated(tiny):
     tok = M.load_tokenizer(tiny)
     engine = ScriptedEngine(tok, lambda ctx: "wrong answer " * 3)
-    eps = Episodes(lambda: FeedbackEnv(), tok, _score, max_turns=5, max_tokens=30, timeout=10)
+    eps = Episodes(FeedbackEnv, tok, _score, max_turns=5, max_tokens=30, timeout=10)
     ro = eps.run(M.load_causal_lm(tiny, tok), _rows(1), seeds=[0], engine=engine)
     assert ro.truncated.all() and ro.response_mask.shape[1] <= 30
     _check_token_in_token_out(ro)
@@ -236,7 +237,7 @@ def test_a_template_that_rewrites_earlier_turns_does_not_change_what_is_scored(t
     tok = M.load_tokenizer(tiny)
     tok.chat_template = THINK_DROPPING_TEMPLATE  # as Qwen3's and DeepSeek-R1's templates drop past reasoning
     engine = ScriptedEngine(tok, lambda ctx: "<think>six sevens</think>41" if "incorrect" not in ctx else "42")
-    eps = Episodes(lambda: FeedbackEnv(), tok, _score, max_turns=2, max_tokens=100, timeout=10)
+    eps = Episodes(FeedbackEnv, tok, _score, max_turns=2, max_tokens=100, timeout=10)
     ro = eps.run(M.load_causal_lm(tiny, tok), _rows(1), seeds=[0], engine=engine)
     _check_token_in_token_out(ro)
     trained = tok.decode(ro.query_responses[0][ro.query_responses[0] != tok.pad_token_id])
@@ -259,7 +260,7 @@ def test_hf_sampler_turns_are_scored_on_their_own_ids_and_logprobs(tiny):
         -1, torch.tensor([tok.eos_token_id]), logits[..., :1] * 0 + 9
     )
     model.lm_head.register_forward_hook(eos_bias)  # turns of a few tokens: EOS ~ 1 in 5
-    eps = Episodes(lambda: FeedbackEnv(), tok, _score, max_turns=3, max_tokens=60, timeout=10)
+    eps = Episodes(FeedbackEnv, tok, _score, max_turns=3, max_tokens=60, timeout=10)
     ro = eps.run(model, _rows(3), seeds=[5, 6, 7], max_new_tokens=12)
     _check_token_in_token_out(ro)
     assert (
@@ -270,7 +271,7 @@ def test_hf_sampler_turns_are_scored_on_their_own_ids_and_logprobs(tiny):
         lp = forward_logprobs(model, ro.query_responses, attn, ro.queries.shape[1]) * ro.response_mask
     assert (lp - ro.logprobs).abs().max() < 1e-4
     # the first turn is the one-turn rollout of the same seed (a --max-turns 1 run samples what plain GRPO samples)
-    one = Episodes(lambda: FeedbackEnv(), tok, _score, max_turns=1, max_tokens=60, timeout=10)
+    one = Episodes(FeedbackEnv, tok, _score, max_turns=1, max_tokens=60, timeout=10)
     first = one.run(model, _rows(3), seeds=[5, 6, 7], max_new_tokens=12)
     for i in range(3):
         n = len(first.turn_ids[i][0][1])
@@ -288,7 +289,7 @@ def test_observation_tokens_get_no_gradient(tiny):
 
     tok = M.load_tokenizer(tiny)
     engine = ScriptedEngine(tok, lambda ctx: "41" if ctx.count("<|im_start|>assistant") == 1 else "42")
-    eps = Episodes(lambda: FeedbackEnv(), tok, _score, max_turns=2, max_tokens=100, timeout=10)
+    eps = Episodes(FeedbackEnv, tok, _score, max_turns=2, max_tokens=100, timeout=10)
     ro = eps.run(M.load_causal_lm(tiny, tok), _rows(2), seeds=[0, 1], engine=engine)
     mask = ro.response_mask  # (B, T)
     obs = (mask == 0) & (ro.responses != tok.pad_token_id)

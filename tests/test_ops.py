@@ -98,6 +98,26 @@ def test_gae_against_loop(gamma, lam):
         assert adv[i, n:].eq(0).all()
 
 
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.8)])
+def test_gae_over_turns_skips_observation_tokens(gamma, lam):
+    """A multi-turn row (common/envs.py): model tokens (mask 1) with observation tokens (mask 0) between turns, then
+    padding. GAE equals a textbook loop over the model's tokens alone (observations removed), scattered back; the
+    observation and padding positions get 0. Rewards and values there are ignored (set to garbage here)."""
+    g = torch.Generator().manual_seed(2)
+    layouts = [[1, 1, 0, 0, 0, 1, 1, 1, 0], [1, 0, 0, 1, 0, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1]]
+    mask = torch.tensor(layouts, dtype=torch.float)
+    r, v = torch.randn(3, 9, generator=g), torch.randn(3, 9, generator=g)
+    r, v = torch.where(mask > 0, r, 1e3), torch.where(mask > 0, v, -1e3)  # garbage where mask 0
+    adv, ret = gae(r, v, mask, gamma, lam)
+    for i, layout in enumerate(layouts):
+        own = [t for t, m in enumerate(layout) if m]
+        a, R = naive_gae([r[i, t].item() for t in own], [v[i, t].item() for t in own], len(own), gamma, lam)
+        want_a, want_r = np.zeros(9), np.zeros(9)
+        want_a[own], want_r[own] = a, R
+        np.testing.assert_allclose(adv[i].numpy(), want_a, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(ret[i].numpy(), want_r, rtol=1e-5, atol=1e-4)
+
+
 def test_exact_div_message():
     assert exact_div(8, 4, "x") == 2
     with pytest.raises(ValueError, match="--batch-size"):
