@@ -428,7 +428,7 @@ def main(args: Args):
                 "perf/mfu": mfu(policy, (2 + use_ref) * real, args.update_epochs * real, step_s, accelerator)
                 + mfu(critic, real, args.update_epochs * real, step_s, accelerator),
             }
-            name = lambda k: k if k.startswith("env/") else f"reward/{k}"  # --env: env/turns, env/tool_calls, ...
+            name = lambda k: k if "/" in k else f"reward/{k}"  # --env: env/turns, env/tool_calls, perf/tool_s, ...
             metrics.update({name(k): accelerator.gather(v).mean().item() for k, v in (components | extras).items()})
             metrics.update({"reward/errors": reward.errors} if reward.errors else {})
             samples = [

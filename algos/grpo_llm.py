@@ -431,7 +431,9 @@ def main(args: Args):
                 **{"perf/peak_mem_gb": peak_mem_gb(device), "perf/padding_frac": 1 - real / max(padded, 1)},
                 "perf/mfu": mfu(policy, n_fwd * real, args.update_epochs * real, step_s, accelerator),
             }
-            metrics.update({k: accelerator.gather(batch[k]).mean().item() for k in batch if k[:4] in ("rewa", "env/")})
+            metrics.update(
+                {k: accelerator.gather(batch[k]).mean().item() for k in batch if k[:4] in ("rewa", "env/", "perf")}
+            )
             if seq_ratios:  # GSPO: the sequence importance ratios the loss clipped
                 s = accelerator.gather(torch.cat(seq_ratios).flatten())
                 metrics.update({f"train/seq_ratio_{k}": getattr(s, k)().item() for k in ("mean", "min", "max")})

@@ -389,7 +389,10 @@ class Episodes:
             queries=queries,
             query_mask=query_mask,
             scores=torch.tensor(score, device=device),
-            stats={f"env/{k}": torch.tensor(v, device=device) for k, v in stats.items()},
+            # counts as env/<key>; seconds (a key ending in _s) as perf/<key>: timings, not what was learned
+            stats={
+                f"{'perf' if k.endswith('_s') else 'env'}/{k}": torch.tensor(v, device=device) for k, v in stats.items()
+            },
             transcripts=["\n".join(c) for c in convs],
             turn_ids=turn_ids,
         )

@@ -44,6 +44,50 @@ def tiny_peaky(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_agent(tmp_path_factory):
+    """A peaky tiny model (one head of 64: vLLM's CPU attention takes it) fine-tuned in-process (~15 s) to answer the
+    toy prompts with short turns that end with EOS: half of them a calculator call `<tool_call>{...}</tool_call>`,
+    half a number. A random model never ends a turn within a few tokens, so multi-turn end-to-end runs
+    (tests/test_envs.py) need it to see more than one turn."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from common import models as M
+    from common.envs import ToolEnv
+
+    src = M.tiny_model(tmp_path_factory.mktemp("tiny_agent_init"), heads=1, init_std=0.2)
+    tok = M.load_tokenizer(src)
+    model = M.load_causal_lm(src, tok)
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
+    words = ["hi", "hello", "count", "go", "yes", "no", "up", "down"]
+    seqs = []
+    for i in range(16):  # each prompt plain (--env feedback) and with the calculator's protocol (--env tools)
+        user = SimpleNamespace(messages=[{"role": "user", "content": f"{words[i % 8]} {i}"}], text="")
+        for messages in (user.messages, ToolEnv(("calculator",)).reset(user)):
+            p = tok(M.apply_chat(tok, messages), add_special_tokens=False)["input_ids"]
+            seqs.append((p, tok(call if i % 2 else str(i), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
+    L = max(len(p) + len(r) for p, r in seqs)
+    x = torch.full((len(seqs), L), tok.pad_token_id)
+    attn, target = torch.zeros(len(seqs), L, dtype=torch.long), torch.full((len(seqs), L), -100)
+    for k, (p, r) in enumerate(seqs):
+        x[k, : len(p) + len(r)], attn[k, : len(p) + len(r)] = torch.tensor(p + r), 1
+        target[k, len(p) - 1 : len(p) + len(r) - 1] = torch.tensor(r)  # position t predicts token t + 1
+    pick = target != -100
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(30):  # the vocabulary projection only where a response token is predicted
+        hidden = model.model(input_ids=x, attention_mask=attn).last_hidden_state  # (16, L, H)
+        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[pick]), target[pick])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    out = tmp_path_factory.mktemp("tiny_agent")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def toy_prompts(tmp_path_factory):
     """32 short prompts in verl's schema with data_source 'toy' (scored by tests/toy_reward.py)."""
     path = tmp_path_factory.mktemp("toy") / "toy.jsonl"

@@ -3,6 +3,7 @@ out over several turns (the trainer scores exactly the sampled ids), observation
 failures of user environments bounded."""
 
 import json
+import os
 import sys
 import time
 from functools import partial
@@ -179,6 +180,7 @@ def test_tool_environment_rollout_keeps_sampled_ids(tiny):
     _check_token_in_token_out(ro, engine.contexts)
     assert ro.scores.tolist() == [1.0, 1.0] and ro.stats["env/turns"].tolist() == [2, 2]
     assert ro.stats["env/tool_calls"].tolist() == [1, 1] and ro.stats["env/tool_errors"].tolist() == [0, 0]
+    assert (ro.stats["perf/tool_s"] > 0).all()
     assert "<tool_response>42</tool_response>" in ro.transcripts[0] and "You can use tools" in ro.transcripts[0]
     assert not ro.truncated.any() and (ro.stats["env/obs_frac"] > 0).all()
     # the observation is the template's own rendering of the message after the model's EOS: "\n<|im_start|>user ..."
@@ -371,3 +373,91 @@ def test_step_defaults():
     s = Step()
     assert s.observation is None and s.reward == 0 and not s.done and s.info == {}
     assert json.dumps(s.info) == "{}"
+
+
+# ------------------------------------------------------------------ the scripts, end to end (a model that ends its turns)
+TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
+
+
+def _env_flags(model, prompts, out, *extra):
+    return [
+        "--model-name-or-path", model, "--train-files", prompts, "--reward-fn", TOY_REWARD, "--output-dir", out,
+        "--max-turns", 3, "--max-new-tokens", 40, "--max-trajectory-tokens", 160, "--learning-rate", 3e-3,
+        "--eval-every", 0, "--micro-batch-size", 4, *extra,
+    ]  # fmt: skip
+
+
+def _resumes_exactly(script, flags, tmp_path, env):
+    """3 steps straight == its step-1 checkpoint resumed for steps 2-3 (in a copy of the run folder)."""
+    import shutil
+
+    from conftest import only_run, read_metrics, run_script
+
+    run_script(script, *flags(tmp_path / "a"), "--total-steps", 3, "--save-every", 1, env=env)
+    straight = only_run(tmp_path / "a")
+    copy = tmp_path / "b" / straight.name
+    shutil.copytree(straight, copy)
+    run_script(script, *flags(tmp_path / "b"), "--total-steps", 3, "--resume", copy / "checkpoints" / "step_1", env=env)
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+    a, b = strip(read_metrics(straight)), strip(read_metrics(copy))
+    assert a == b and [r["step"] for r in a] == [1, 2, 3]
+    return a, straight
+
+
+@pytest.mark.e2e
+def test_grpo_with_tools_runs_multi_turn_and_resumes_exactly(tiny_agent, toy_prompts, tmp_path):
+    flags = lambda out: _env_flags(tiny_agent, toy_prompts, out, "--env", "tools", "--tools", "calculator",
+                                   "--num-prompts", 4, "--group-size", 2, "--mini-batch-size", 8, "--kl-coef", 0.05)  # fmt: skip
+    rows, run = _resumes_exactly("grpo_llm.py", flags, tmp_path, {"TOY_MODEL": tiny_agent})
+    assert all(r["env/turns"] > 1 and r["env/tool_calls"] > 0 and 0 < r["env/obs_frac"] < 1 for r in rows)
+    assert all(r["env/errors"] == 0 for r in rows) and rows[-1]["train/kl"] > 0
+    assert rows[-1]["train/sampler_logprob_diff"] < 1e-4  # the trainer scores the sampled ids (token in, token out)
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert any("<tool_response>2</tool_response>" in s["response"] and "assistant: " in s["response"] for s in samples)
+
+
+@pytest.mark.e2e
+def test_ppo_with_feedback_runs_multi_turn_and_resumes_exactly(tiny_agent, toy_prompts, tmp_path):
+    flags = lambda out: _env_flags(tiny_agent, toy_prompts, out, "--env", "feedback", "--turn-cost", 0.1,
+                                   "--batch-size", 8, "--mini-batch-size", 8)  # fmt: skip
+    rows, _ = _resumes_exactly("ppo_llm.py", flags, tmp_path, {"TOY_MODEL": tiny_agent})
+    assert all(r["env/turns"] > 1 and "env/solved_turn" in r and r["train/value_mean"] != 0 for r in rows[1:])
+    assert rows[-1]["train/sampler_logprob_diff"] < 1e-4
+
+
+@pytest.mark.vllm
+def test_grpo_with_tools_on_vllm_with_lora_and_a_preset(tiny_agent, toy_prompts, tmp_path):
+    """The vllm engine samples each turn from token ids (prompt + turns so far): the trainer's log-probs of the
+    sampled tokens agree with vLLM's; LoRA and the environment's flags from a preset file."""
+    from conftest import only_run, read_metrics, run_script
+
+    preset = tmp_path / "agent.yaml"
+    preset.write_text("env: tools\ntools: calculator\nmax_turns: 3\nlora_r: 8\nlearning_rate: 1.0e-3\n")
+    flags = _env_flags(tiny_agent, toy_prompts, tmp_path / "out", "--config", preset, "--rollout-engine", "vllm",
+                       "--num-prompts", 4, "--group-size", 2, "--mini-batch-size", 8, "--total-steps", 2)  # fmt: skip
+    run_script("grpo_llm.py", *flags, env={"TOY_MODEL": tiny_agent})
+    run = only_run(tmp_path / "out")
+    rows = read_metrics(run)
+    args = json.loads((run / "args.json").read_text())
+    assert args["env"] == "tools" and args["lora_r"] == 8 and args["rollout_engine"] == "vllm"
+    assert all(r["env/turns"] > 1 and r["env/tool_calls"] > 0 for r in rows)
+    assert all(r["train/sampler_logprob_diff"] < 5e-3 for r in rows)  # vLLM's kernels vs the trainer's
+
+
+@pytest.mark.distributed
+def test_ppo_with_tools_under_ddp(tiny_agent, toy_prompts, tmp_path):
+    """Two processes, each its own trajectories; every env/* metric gathered from both (the same keys on each)."""
+    import subprocess
+
+    from conftest import only_run, read_metrics
+
+    flags = _env_flags(tiny_agent, toy_prompts, tmp_path, "--env", "tools", "--tools", "calculator",
+                       "--batch-size", 8, "--mini-batch-size", 8, "--total-steps", 2)  # fmt: skip
+    cmd = ["accelerate", "launch", "--config_file", str(REPO / "configs/accelerate/cpu_2proc.yaml"),
+           str(REPO / "algos/ppo_llm.py"), *map(str, flags)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "TOY_MODEL": tiny_agent})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = only_run(tmp_path)
+    assert json.loads((run / "args.json").read_text())["world_size"] == 2
+    rows = read_metrics(run)
+    assert all(r["env/turns"] > 1 and r["env/tool_calls"] > 0 for r in rows[1:])
