@@ -421,3 +421,24 @@ def episodes_from_args(env_args, tok, reward, device, log=print) -> Episodes | N
         return float(scores[0])
 
     return Episodes(factory, tok, score, env_args.max_turns, env_args.max_trajectory_tokens, env_args.env_timeout, log)
+
+
+@torch.no_grad()
+def evaluate_with_env(episodes: Episodes, model, rows, max_new_tokens: int, batch_size: int, engine=None):
+    """Greedy trajectories for `rows` (tools.evaluate --env): (results as common.eval.score gives them, overall and
+    per data_source: reward (the environment's), accuracy (reward >= 1), n, turns, tool_calls per trajectory;
+    the transcripts)."""
+    per, transcripts = {}, []
+    for i in range(0, len(rows), batch_size):
+        batch = rows[i : i + batch_size]
+        ro = episodes.run(model, batch, None, engine, max_new_tokens)
+        transcripts += ro.transcripts
+        calls = ro.stats.get("env/tool_calls", torch.zeros(len(batch)))
+        for row, s, turns, c in zip(batch, ro.scores.tolist(), ro.stats["env/turns"].tolist(), calls.tolist()):
+            for key in ("all", row.data_source):
+                d = per.setdefault(key, {"reward": [], "accuracy": [], "turns": [], "tool_calls": []})
+                for m, v in zip(d, (s, float(s >= 1), turns, c)):
+                    d[m].append(v)
+    return {
+        k: {m: sum(v) / len(v) for m, v in d.items()} | {"n": len(d["reward"])} for k, d in per.items()
+    }, transcripts

@@ -461,3 +461,18 @@ def test_ppo_with_tools_under_ddp(tiny_agent, toy_prompts, tmp_path):
     assert json.loads((run / "args.json").read_text())["world_size"] == 2
     first = read_metrics(run)[0]  # (the policy learns to answer without the tool within a step or two at this lr)
     assert first["env/turns"] > 1 and first["env/tool_calls"] > 0 and first["perf/tool_s"] > 0
+
+
+def test_evaluate_tool_reports_accuracy_with_and_without_the_environment(tiny, toy_prompts, tmp_path, monkeypatch):
+    """tools.evaluate --env feedback (in-process): a "<model> + feedback" row next to the plain one, with turns."""
+    from tools import evaluate as E
+
+    monkeypatch.setenv("TOY_MODEL", tiny)
+    args = E.Args(models=[tiny], data=[toy_prompts], num_prompts=4, max_new_tokens=4, reward_fn=[TOY_REWARD],
+                  out=str(tmp_path / "side.md"))  # fmt: skip
+    args.env.env, args.env.max_turns = "feedback", 2
+    results = E.main(args)
+    assert set(results) == {tiny, f"{tiny} + feedback"}
+    d = results[f"{tiny} + feedback"]["all"]
+    assert d["n"] == 4 and 1 <= d["turns"] <= 2 and 0 <= d["accuracy"] <= 1
+    assert "assistant: " in (tmp_path / "side.md").read_text()

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 from common import models as M
-from common.args import Check, NonNegFloat, NonNegInt, PositiveFloat, PositiveInt
+from common.args import Check, EnvArgs, Group, NonNegFloat, NonNegInt, PositiveFloat, PositiveInt, group
 from common.data import load_prompts
+from common.envs import episodes_from_args, evaluate_with_env
 from common.eval import answer, load_any, sampled_metrics, score
 from common.rewards import Reward
 from common.vllm_engine import tool_engine
@@ -61,6 +62,9 @@ class Args:
     """vllm on GPUs: the share of GPU memory the engine may take"""
     vllm_kv_cache_gb: PositiveFloat = 1.0
     """vllm on CPU: KV-cache space (GiB)"""
+    env: Group[EnvArgs] = group(EnvArgs)
+    """--env tools|feedback|file.py:Class: each model also answers through the environment (greedy, --max-turns, ...),
+    a row "<model> + <env>" next to its plain row: accuracy with and without tools"""
 
 
 def main(args: Args) -> dict:
@@ -72,6 +76,7 @@ def main(args: Args) -> dict:
     reward = Reward(args.reward, args.reward_fn, max_new_tokens=args.max_new_tokens, reward_weights=args.reward_weights)
     reward.check({r.data_source for r in rows})
     results, answers, engine = {}, {}, None
+    episodes = episodes_from_args(args.env, tok, reward, "cpu")  # --env: scored by the same reward
     for name in args.models:
         model = load_any(
             M.resolve_model_path(name),
@@ -107,12 +112,19 @@ def main(args: Args) -> dict:
             )
             for src, d in sampled_metrics(rows, sampled, reward, s_lengths, s_eos).items():
                 results[name][src].update(d)
+        if episodes is not None:
+            with_env = f"{name} + {args.env.env}"
+            results[with_env], transcripts = evaluate_with_env(
+                episodes, model, rows, args.max_new_tokens, args.batch_size, engine
+            )
+            answers[with_env] = [[t] for t in transcripts]
         del model
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"{len(rows)} prompts from {', '.join(data)}")
-    extra_cols = [k for k in next(iter(results.values()))["all"] if k.startswith(("pass@", "maj@"))]
+    extra_cols = list(dict.fromkeys(k for r in results.values() for k in r["all"] if k.startswith(("pass@", "maj@"))))
+    extra_cols += ["turns", "tool_calls"] if episodes is not None else []
     for col in ("model", "data_source", "reward", "accuracy", *extra_cols, "n"):
         table.add_column(col)
     for name, res in results.items():
@@ -122,7 +134,7 @@ def main(args: Args) -> dict:
                 src,
                 f"{d['reward']:.3f}",
                 f"{d['accuracy']:.3f}",
-                *(f"{d[c]:.3f}" for c in extra_cols),
+                *(f"{d[c]:.3f}" if c in d else "" for c in extra_cols),
                 str(d["n"]),
             )
     Console().print(table)
@@ -130,7 +142,7 @@ def main(args: Args) -> dict:
         lines = [f"# Side by side: {len(rows)} prompts\n"]
         for i, row in enumerate(rows):
             lines.append(f"## Prompt {i} ({row.data_source}, answer: {row.ground_truth})\n\n```\n{row.text}\n```\n")
-            for name in args.models:
+            for name in answers:
                 lines.append(f"**{name}**\n\n```\n{answers[name][i][0]}\n```\n")
         Path(args.out).write_text("\n".join(lines))
     if args.json_out:
