@@ -476,3 +476,23 @@ def test_evaluate_tool_reports_accuracy_with_and_without_the_environment(tiny, t
     d = results[f"{tiny} + feedback"]["all"]
     assert d["n"] == 4 and 1 <= d["turns"] <= 2 and 0 <= d["accuracy"] <= 1
     assert "assistant: " in (tmp_path / "side.md").read_text()
+
+
+def test_the_environment_written_in_the_docs_runs(tiny, tmp_path):
+    """docs/agents.md's 20-line environment, as a user copies it: a number game with hints."""
+    import re
+
+    code = re.search(r"```python\n(.*?)```", (REPO / "docs/agents.md").read_text(), re.S).group(1)
+    assert len(code.strip().splitlines()) <= 22
+    (tmp_path / "guess.py").write_text(code)
+    cls = load_env_class(f"{tmp_path / 'guess.py'}:Guess")
+    tok = M.load_tokenizer(tiny)
+    guesses = iter(["50", "25", "hmm", "37"])
+    engine = ScriptedEngine(tok, lambda ctx: next(guesses))
+    row = PromptRow(text="", data_source="x", ground_truth="37", messages=None)
+    ro = Episodes(cls, tok, _score, max_turns=4, max_tokens=200, timeout=10).run(
+        M.load_causal_lm(tiny, tok), [row], seeds=[0], engine=engine
+    )
+    assert ro.stats["env/turns"].item() == 4 and ro.stats["env/hints"].item() == 2
+    assert ro.scores.item() == pytest.approx(0.9) and "lower" in ro.transcripts[0] and "higher" in ro.transcripts[0]
+    _check_token_in_token_out(ro)
