@@ -93,6 +93,31 @@ def correct_per_question(model_path: str, rows, max_new_tokens: int) -> list[boo
     return [bool(a) for a in extra.get("acc", (s >= 1).float()).tolist()]
 
 
+def correct_with_env(model_path: str, rows, max_new_tokens: int, env_flags: dict) -> tuple[list[bool], float]:
+    """Greedy trajectories through the environment of `env_flags` (a run's --env, --max-turns, ...; common.envs):
+    (solved per question: the feedback environment's solved_turn > 0, else the trajectory's reward >= 1; the mean
+    tool calls per trajectory)."""
+    import dataclasses
+
+    from common import models as M
+    from common.args import EnvArgs
+    from common.envs import episodes_from_args
+    from common.eval import load_any
+    from common.rewards import Reward
+
+    tok = M.load_tokenizer(model_path)
+    model = load_any(model_path, tok).eval()
+    env = EnvArgs(**{f.name: env_flags[f.name] for f in dataclasses.fields(EnvArgs) if f.name in env_flags})
+    episodes = episodes_from_args(env, tok, Reward("rule:1.0", max_new_tokens=max_new_tokens), "cpu", lambda *a: None)
+    solved, calls = [], []
+    for i in range(0, len(rows), 32):
+        ro = episodes.run(model, rows[i : i + 32], None, None, max_new_tokens)
+        ok = ro.stats["env/solved_turn"] > 0 if "env/solved_turn" in ro.stats else ro.scores >= 1
+        solved += ok.tolist()
+        calls += ro.stats.get("env/tool_calls", ro.scores * 0).tolist()
+    return solved, sum(calls) / len(calls)
+
+
 def train(algo, task, seed, minutes: float, steps: int, tag: str, script_args: list[str], out_dir: str) -> Path:
     """Runs the script for `minutes` of wall time (0: no limit) or `steps` iterations (0: no limit); returns its run folder."""
     exp = f"heldout_{task}_{tag}"
@@ -127,6 +152,19 @@ def evaluate_run(run: Path, test_size: int, base_cache: dict) -> dict:
         base_cache[key] = correct_per_question(base, rows, new_tokens)
     before = base_cache[key]
     after = correct_per_question(str(ckpt / "policy"), rows, new_tokens)
+    env_rows = {}
+    if args.get("env"):  # a multi-turn run: each model with and without its environment, and the base with tools
+        base_env, _ = correct_with_env(base, rows, new_tokens, args)
+        base_tools, base_calls = correct_with_env(
+            base, rows, new_tokens, args | {"env": "tools", "tools": "calculator"}
+        )
+        after_plain, after_env = after, correct_with_env(str(ckpt / "policy"), rows, new_tokens, args)[0]
+        env_rows = {"base_plain": sum(before) / len(before), "base_env": sum(base_env) / len(base_env),
+                    "base_tools": sum(base_tools) / len(base_tools), "base_tool_calls": base_calls,
+                    "after_plain": sum(after_plain) / len(after_plain)}  # fmt: skip
+        # the gain is measured against the better base row, with the environment after training
+        before = before if sum(before) >= sum(base_env) else base_env
+        after = after_env
     b, c, p = mcnemar_exact(before, after)
     from common.data import read_table
 
@@ -150,7 +188,7 @@ def evaluate_run(run: Path, test_size: int, base_cache: dict) -> dict:
         "p_mcnemar": p,
         "majority_answer": common,
         "majority_answer_accuracy": maj,
-    }
+    } | env_rows
 
 
 def row(r: dict, tag: str = "") -> str:

@@ -139,8 +139,9 @@ class ToolEnv(Environment):
     PROTOCOL = (
         'You can use tools. To call one, write <tool_call>{{"name": NAME, "arguments": {{...}}}}</tool_call> and '
         "stop; its result comes back as <tool_response>...</tool_response>. Tools:\n{tools}\n"
-        "When you know the answer, reply without a tool call."
+        "For example: <tool_call>{example}</tool_call>\nWhen you know the answer, reply without a tool call."
     )
+    EXAMPLES = {"calculator": {"expression": "12 * (3 + 4)"}, "python": {"code": "print(sum(range(10)))"}}
 
     def __init__(self, tools=("calculator", "python"), timeout=5.0, memory_mb=512, max_chars=1000, call_cost=0.0):
         unknown = sorted(set(tools) - set(TOOL_SCHEMAS))
@@ -154,7 +155,9 @@ class ToolEnv(Environment):
         if self.template_tools:
             return super().reset(row)
         listing = "\n".join(f"- {t['function']['name']}: {json.dumps(t['function']['parameters'])}" for t in self.tools)
-        return _with_system(super().reset(row), self.PROTOCOL.format(tools=listing))
+        name = self.tools[0]["function"]["name"]
+        example = json.dumps({"name": name, "arguments": self.EXAMPLES[name]})
+        return _with_system(super().reset(row), self.PROTOCOL.format(tools=listing, example=example))
 
     def run_tool(self, call: dict) -> tuple[str, bool]:
         """(the tool's output, ok)."""
