@@ -111,6 +111,18 @@ def toy_prompts(tmp_path_factory):
 TIERS = ("smoke", "e2e", "distributed", "vllm", "slow")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, as .ci/run runs the tiers beyond the fast one): the tests that
+    launch several processes run one after another on one worker (launchers default to one port, 29500, and each
+    of them takes both cores), so do the vLLM tests (an engine each, and module fixtures holding one) and the
+    real-model tests; everything else is balanced over the workers. Without xdist the marks do nothing."""
+    for item in items:
+        for marker, group in (("distributed", "processes"), ("vllm", "vllm"), ("slow", "smollm2")):
+            if item.get_closest_marker(marker):
+                item.add_marker(pytest.mark.xdist_group(group))
+                break
+
+
 def _launches_python(cmd) -> bool:
     argv = [cmd] if isinstance(cmd, (str, os.PathLike)) else list(cmd)
     if argv[1:3] == ["-I", "-S"]:  # the Python tool's child (common/sandbox.py): a bare interpreter, milliseconds

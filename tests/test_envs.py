@@ -445,14 +445,16 @@ def test_grpo_with_tools_on_vllm_with_lora_and_a_preset(tiny_agent, toy_prompts,
 
 
 @pytest.mark.distributed
-def test_ppo_with_tools_under_ddp(tiny_agent, toy_prompts, tmp_path):
-    """Two processes, each its own trajectories; every env/* metric gathered from both (the same keys on each)."""
+@pytest.mark.vllm
+def test_ppo_with_tools_on_vllm_under_ddp(tiny_agent, toy_prompts, tmp_path):
+    """PPO, two processes, each with its own vLLM engine and its own trajectories; every env/* metric gathered from
+    both (the same keys on each); the trainer's log-probs of the sampled turns agree with vLLM's."""
     import subprocess
 
     from conftest import only_run, read_metrics
 
     flags = _env_flags(tiny_agent, toy_prompts, tmp_path, "--env", "tools", "--tools", "calculator",
-                       "--batch-size", 8, "--mini-batch-size", 8, "--total-steps", 2)  # fmt: skip
+                       "--batch-size", 8, "--mini-batch-size", 8, "--total-steps", 2, "--rollout-engine", "vllm")  # fmt: skip
     cmd = ["accelerate", "launch", "--config_file", str(REPO / "configs/accelerate/cpu_2proc.yaml"),
            str(REPO / "algos/ppo_llm.py"), *map(str, flags)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "TOY_MODEL": tiny_agent})
@@ -461,6 +463,7 @@ def test_ppo_with_tools_under_ddp(tiny_agent, toy_prompts, tmp_path):
     assert json.loads((run / "args.json").read_text())["world_size"] == 2
     first = read_metrics(run)[0]  # (the policy learns to answer without the tool within a step or two at this lr)
     assert first["env/turns"] > 1 and first["env/tool_calls"] > 0 and first["perf/tool_s"] > 0
+    assert first["train/sampler_logprob_diff"] < 5e-3
 
 
 def test_evaluate_tool_reports_accuracy_with_and_without_the_environment(tiny, toy_prompts, tmp_path, monkeypatch):
