@@ -296,10 +296,13 @@ def test_observation_tokens_get_no_gradient(tiny):
     mask = ro.response_mask  # (B, T)
     obs = (mask == 0) & (ro.responses != tok.pad_token_id)
     assert obs.any()
+    g = torch.Generator().manual_seed(0)
     for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         for loss_type in ("grpo", "cispo", "sapo"):
-            new = torch.randn(mask.shape, requires_grad=True)
-            old, ref, adv = torch.randn(mask.shape), torch.randn(mask.shape), torch.tensor([[1.0], [-0.5]])
+            new = torch.randn(mask.shape, generator=g).requires_grad_()
+            # ratios near 1: no token clipped (a clipped token's zero gradient is the clip's, not the mask's)
+            old, adv = new.detach() + 0.01 * torch.randn(mask.shape, generator=g), torch.tensor([[1.0], [-0.5]])
+            ref = torch.randn(mask.shape, generator=g)
             fn = {"grpo": lambda: G.grpo_loss(new, old, adv, 0.2, 0.2), "cispo": lambda: G.cispo_loss(new, old, adv, 4.0),
                   "sapo": lambda: G.sapo_loss(new, old, adv, 1.0, 1.05)}[loss_type]  # fmt: skip
             token_loss, _ = fn()
@@ -307,8 +310,8 @@ def test_observation_tokens_get_no_gradient(tiny):
             total = total + G.aggregate(kl_estimate(new, ref, "k3"), mask, agg, mask.sum(), 2, 48)
             total.backward()
             assert (new.grad[obs] == 0).all() and (new.grad[mask.bool()] != 0).all(), (agg, loss_type)
-    new = torch.randn(mask.shape, requires_grad=True)
-    token_loss, _ = G.gspo_loss(new, torch.zeros(mask.shape), torch.tensor([[1.0], [-0.5]]), mask, 0.2, 0.2)
+    new = torch.randn(mask.shape, generator=g).requires_grad_()
+    token_loss, _ = G.gspo_loss(new, new.detach() * mask, torch.tensor([[1.0], [-0.5]]), mask, 0.2, 0.2)
     G.aggregate(token_loss, mask, "token-mean", mask.sum(), 2, 48).backward()
     assert (new.grad[obs] == 0).all() and (new.grad[mask.bool()] != 0).all()
 
@@ -466,6 +469,7 @@ def test_ppo_with_tools_on_vllm_under_ddp(tiny_agent, toy_prompts, tmp_path):
     assert first["train/sampler_logprob_diff"] < 5e-3
 
 
+@pytest.mark.e2e  # in-process, but a tool's whole run (the fast tier's budget)
 def test_evaluate_tool_reports_accuracy_with_and_without_the_environment(tiny, toy_prompts, tmp_path, monkeypatch):
     """tools.evaluate --env feedback (in-process): a "<model> + feedback" row next to the plain one, with turns."""
     from tools import evaluate as E
