@@ -111,6 +111,7 @@ def toy_prompts(tmp_path_factory):
 TIERS = ("smoke", "e2e", "distributed", "vllm", "slow")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`-n 2 --dist loadgroup`, as .ci/run runs the tiers beyond the fast one): the tests that
     launch several processes run one after another on one worker (launchers default to one port, 29500, and each
