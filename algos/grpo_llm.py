@@ -319,7 +319,7 @@ def main(args: Args):
             rows=rows, texts=texts, queries=queries, query_mask=query_mask, responses=rollout.responses,
             mask=rollout.response_mask, logprobs=rollout.logprobs, truncated=rollout.truncated, scores=scores,
             solved=extras.get("acc", (scores >= 1).float()),
-            **{k if "/" in k else f"reward/{k}": v for k, v in (components | extras).items()},
+            **{k if "/" in k else f"reward/{k}": v for k, v in (components | extras).items()},  # logged: keys with "/"
         )  # fmt: skip
 
     for step in run.steps():  # after each: checkpoints (periodic, final, on a signal), --max-wall-minutes
@@ -431,9 +431,7 @@ def main(args: Args):
                 **{"perf/peak_mem_gb": peak_mem_gb(device), "perf/padding_frac": 1 - real / max(padded, 1)},
                 "perf/mfu": mfu(policy, n_fwd * real, args.update_epochs * real, step_s, accelerator),
             }
-            metrics.update(
-                {k: accelerator.gather(batch[k]).mean().item() for k in batch if k[:4] in ("rewa", "env/", "perf")}
-            )
+            metrics.update({k: accelerator.gather(v).mean().item() for k, v in batch.items() if "/" in k})
             if seq_ratios:  # GSPO: the sequence importance ratios the loss clipped
                 s = accelerator.gather(torch.cat(seq_ratios).flatten())
                 metrics.update({f"train/seq_ratio_{k}": getattr(s, k)().item() for k in ("mean", "min", "max")})

@@ -17,17 +17,15 @@ Legend: B trajectories, P (left-padded) prompt length, T the longest trajectory 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 
 import torch
 
-from common.errors import UserError, mix_seed
+from common.errors import UserError, load_from_file, mix_seed
 from common.models import apply_chat
 from common.rewards import call_with_timeout
 from common.rollout import Rollout, generate
@@ -209,20 +207,11 @@ def load_env_class(spec: str):
     """`tools` | `feedback` | `path/to/file.py:ClassName` -> the class (the file imported only when asked)."""
     if spec in BUILTIN:
         return BUILTIN[spec]
-    path, _, name = spec.rpartition(":")
-    if not path:
+    if ":" not in spec:
         raise UserError(f"--env {spec!r}: expected {' or '.join(BUILTIN)} or path/to/file.py:ClassName")
-    if not Path(path).is_file():
-        raise UserError(f"--env {spec!r}: file {path} not found")
-    mod_spec = importlib.util.spec_from_file_location(f"_user_env_{Path(path).stem}", path)
-    module = importlib.util.module_from_spec(mod_spec)
-    try:
-        mod_spec.loader.exec_module(module)
-    except Exception as e:  # the user's file: its own error, one line
-        raise UserError(f"--env {spec!r}: {path} failed to import: {type(e).__name__}: {e}") from e
-    cls = getattr(module, name, None)
+    cls = load_from_file(spec, "--env", "class")
     if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
-        raise UserError(f"--env {spec!r}: {path} has no class {name!r} with reset(row) and step(text, ids)")
+        raise UserError(f"--env {spec!r}: {cls!r} is not a class with reset(row) and step(text, ids)")
     return cls
 
 

@@ -36,6 +36,33 @@ class UserError(ValueError):
     as one line and exits 2. Tracebacks are for bugs (set CLEANRLHF_DEBUG=1 to see one anyway)."""
 
 
+def load_from_file(spec: str, flag: str, kind: str):
+    """`path/to/file.py:name` -> the file's attribute `name` (the file imported only when asked), for the flags that
+    take the user's code (--reward-fn: kind "function", --env: kind "class"). Every failure is one line naming the
+    flag: no ':', no such file, the file's own import error, no such name."""
+    import importlib.util
+    from pathlib import Path
+
+    path, _, name = spec.rpartition(":")
+    if not path:
+        raise UserError(
+            f"{flag} {spec!r}: expected path/to/file.py:{'function_name' if kind == 'function' else 'Name'}"
+        )
+    if not Path(path).is_file():
+        raise UserError(f"{flag} {spec!r}: file {path} not found")
+    mod_spec = importlib.util.spec_from_file_location(
+        f"_user_{flag.strip('-').replace('-', '_')}_{Path(path).stem}", path
+    )
+    module = importlib.util.module_from_spec(mod_spec)
+    try:
+        mod_spec.loader.exec_module(module)
+    except Exception as e:  # the user's file: its own error, one line, naming the file
+        raise UserError(f"{flag} {spec!r}: {path} failed to import: {type(e).__name__}: {e}") from e
+    if getattr(module, name, None) is None:
+        raise UserError(f"{flag} {spec!r}: {path} has no {kind} {name!r}")
+    return getattr(module, name)
+
+
 def mix_seed(*parts: int) -> int:
     """One seed from several integers, the one formula of the codebase: (run seed, step, sample id)
     seeds a sample, so a response does not depend on its batch, the rank or a resume; (run seed,

@@ -21,7 +21,6 @@ The seed's fusion 0.6 RM + 0.3 length bonus + 0.1 keyword penalty is one command
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from common.errors import UserError
+from common.errors import UserError, load_from_file
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -158,21 +157,11 @@ def check_data_sources(sources) -> None:
 
 
 def load_reward_fn(spec: str):
-    """`path/to/file.py:fn` -> the function (the file is imported only when asked)."""
-    path, _, name = spec.rpartition(":")
-    if not path:
-        raise UserError(f"--reward-fn {spec!r}: expected path/to/file.py:function_name")
-    if not Path(path).is_file():
-        raise UserError(f"--reward-fn {spec!r}: file {path} not found")
-    mod_spec = importlib.util.spec_from_file_location(f"_user_reward_{Path(path).stem}", path)
-    module = importlib.util.module_from_spec(mod_spec)
-    try:
-        mod_spec.loader.exec_module(module)
-    except Exception as e:  # the user's file: its own error, one line, naming the file
-        raise UserError(f"--reward-fn {spec!r}: {path} failed to import: {type(e).__name__}: {e}") from e
-    if not callable(getattr(module, name, None)):
-        raise UserError(f"--reward-fn {spec!r}: {path} has no function {name!r}")
-    return getattr(module, name)
+    """`path/to/file.py:fn` -> the function (the file is imported only when asked; errors name --reward-fn)."""
+    fn = load_from_file(spec, "--reward-fn", "function")
+    if not callable(fn):
+        raise UserError(f"--reward-fn {spec!r}: {spec.rpartition(':')[0]} has no function {spec.rpartition(':')[2]!r}")
+    return fn
 
 
 # ---------------------------------------------------------------------------------------------
