@@ -424,7 +424,8 @@ def test_ppo_with_feedback_runs_multi_turn_and_resumes_exactly(tiny_agent, toy_p
     flags = lambda out: _env_flags(tiny_agent, toy_prompts, out, "--env", "feedback", "--turn-cost", 0.1,
                                    "--batch-size", 8, "--mini-batch-size", 8)  # fmt: skip
     rows, _ = _resumes_exactly("ppo_llm.py", flags, tmp_path, {"TOY_MODEL": tiny_agent})
-    assert all(r["env/turns"] > 1 and "env/solved_turn" in r and r["train/value_mean"] != 0 for r in rows[1:])
+    # (at this learning rate the policy may answer right the first time after a step or two: turns on step 1)
+    assert rows[0]["env/turns"] > 1 and all("env/solved_turn" in r and r["train/value_mean"] != 0 for r in rows)
     assert rows[-1]["train/sampler_logprob_diff"] < 1e-4
 
 
