@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-SCRIPTS = {"ppo": "ppo_llm", "grpo": "grpo_llm", "dkl": "dynamic_kl_ppo"}
+SCRIPTS = {"ppo": "ppo_llm", "grpo": "grpo_llm", "dkl": "dynamic_kl_ppo", "async": "async_grpo"}
 
 
 def mcnemar_exact(before: list[bool], after: list[bool]) -> tuple[int, int, float]:

@@ -107,7 +107,7 @@ LAYERS = [
     ("floor: errors, seeds, process groups, the tools' sandbox", {"errors", "parallel", "health", "sandbox"}),
     ("tensor functions", {"ops", "attention", "optim"}),
     ("models and data files", {"models", "data"}),
-    ("placement, generation, tasks", {"distributed", "rollout", "tasks", "vllm_engine"}),
+    ("placement, generation, tasks", {"distributed", "rollout", "tasks", "vllm_engine", "async_rollout"}),
     ("rewards, environments and evaluation", {"rewards", "remote_rewards", "envs", "eval"}),
     ("run harness: flags, checkpoints, run folder, perf metrics", {"args", "cli", "checkpoint", "run", "perf"}),
 ]

@@ -1,0 +1,523 @@
+"""Asynchronous GRPO: a generator process samples the batch of step n+1 (and up to K ahead) while the trainer
+updates on step n; every batch is sampled by the policy exactly K updates older than the one it trains.
+
+Docs: docs/async.md. Its parent is grpo_llm.py (diff them: the generator, the weight push and the staleness
+correction are the idea). One-step-off RL as in verl's one_step_off_policy and prime-rl's max_off_policy_steps;
+the decoupled loss of AReaL (Fu et al. 2025): pi_old is the trainer's policy before the update, and a token's loss
+is weighted by the truncated ratio pi_old / pi_behaviour of the (stale) policy that sampled it.
+
+    python algos/async_grpo.py                                 # K = 1: sample step n+1 while training step n
+    python algos/async_grpo.py --max-off-policy-steps 0        # synchronous: grpo_llm.py's results
+    python algos/async_grpo.py --max-off-policy-steps 2 --rollout-engine vllm
+    accelerate launch --multi_gpu --num_processes 2 algos/async_grpo.py    # DDP: a generator per trainer process
+
+Legend: N prompts per rank, G samples per prompt, B = N*G sequences, P prompt length, T response length.
+        b, t: rows of one micro-batch and its longest response (a micro-batch runs at its own lengths);
+        prefixes mb_ (a minibatch: one optimizer step), micro (a micro-batch: one forward/backward).
+"""
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` imports from a plain `python algos/...`
+
+# fmt: off
+import torch
+import tyro
+
+from common import models as M
+from common.args import (
+    Check, EnvArgs, GenerationArgs, Group, MismatchArgs, ModelArgs, NonNegFloat, NonNegInt, OptimArgs, PositiveFloat, PositiveInt,
+    PromptArgs, RewardArgs, RunArgs, group,
+)
+from common.async_rollout import (
+    BatchLog, BatchStream, GeneratorFailed, GeneratorProcess, WeightMailbox, end_on_failure, split_threads,
+)
+from common.cli import cli
+from common.data import Sampler
+from common.distributed import (
+    UpdateGuard, adamw, backward, configure_deepspeed, frozen_reference, make_accelerator, micro_batch_budget,
+    unwrap_for_generation,
+)
+from common.envs import episodes_from_args
+from common.errors import UserError, mix_seed, seed_everything
+from common.eval import evaluate_policy
+from common.health import HealthConfig
+from common.ops import exact_div, global_mean_divisor, kl_estimate, masked_mean, masked_var, rollout_correction
+from common.perf import mfu, peak_mem_gb
+from common.rewards import reward_by_data_source, reward_from_args
+from common.rollout import (
+    forward_by_micro_batch, forward_logprobs, generate, micro_batches, padding_fraction, reference_logprobs,
+    select_rows, sequence_attention_mask, tokenize_queries,
+)
+from common.run import Run
+from common.tasks import load_rl_prompts
+from common.vllm_engine import make_engine
+# fmt: on
+
+
+@dataclass
+class Args:
+    # --- algorithm
+    num_prompts: PositiveInt = 8
+    """prompts per iteration, over all processes"""
+    group_size: Annotated[
+        int, tyro.conf.arg(aliases=("--num-generations",)), Check(ge=2, note="advantages compare a prompt's samples")
+    ] = 4
+    """G: responses sampled per prompt"""
+    mini_batch_size: PositiveInt = 32
+    """sequences per optimizer step, over all processes"""
+    update_epochs: Annotated[PositiveInt, tyro.conf.arg(aliases=("--num-iterations",))] = 1
+    """mu: optimisation passes over each batch (1: on-policy, old log-probs = sampling log-probs); TRL's --num-iterations"""
+    baseline: Literal["group-mean", "rloo"] = "group-mean"
+    """group-mean (GRPO) or rloo (leave-one-out mean of the other G-1 rewards)"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide advantages by the group's std (GRPO), the batch's std, or not at all (Dr. GRPO)"""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """token-mean (DAPO), seq-mean-token-mean (GRPO paper), seq-mean-token-sum-norm (Dr. GRPO: / max_new_tokens)"""
+    clip_eps_low: PositiveFloat = 0.2
+    """lower ratio clip: ratio >= 1 - eps_low"""
+    clip_eps_high: PositiveFloat = 0.2
+    """upper ratio clip: ratio <= 1 + eps_high (DAPO clip-higher: 0.28)"""
+    loss_type: Literal["grpo", "gspo", "cispo", "sapo"] = "grpo"
+    """policy loss: grpo (clipped token ratio, --clip-eps-*), gspo (clipped sequence ratio, --gspo-eps), cispo
+    (capped stop-gradient ratio times log-prob, --cispo-eps-high), sapo (soft gate, --sapo-tau)"""
+    gspo_eps: Annotated[tuple[float, float], Check(gt=0)] = (3e-4, 4e-4)
+    """GSPO's clip of the sequence ratio: LOW HIGH, s in [1 - low, 1 + high] (the paper's 3e-4 4e-4)"""
+    cispo_eps_high: PositiveFloat = 4.0
+    """CISPO's cap of the ratio: weight <= 1 + eps_high (no lower bound; ScaleRL's truncation at 5)"""
+    sapo_tau: Annotated[tuple[float, float], Check(gt=0)] = (1.0, 1.05)
+    """SAPO's gate temperatures: POS NEG, where the advantage is positive / negative (the paper's 1.0 1.05)"""
+    kl_coef: Annotated[NonNegFloat, tyro.conf.arg(aliases=("--beta",))] = 0.0
+    """weight of the KL to the reference in the loss (0: no reference model is loaded)"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """per-token KL estimator in the loss"""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal, sample more prompts to refill the batch"""
+    max_resample_rounds: NonNegInt = 3
+    """dynamic sampling: extra sampling rounds at most; a batch still short is filled with dropped groups"""
+    overlong_buffer: NonNegInt = 0
+    """DAPO soft overlong punishment: responses longer than max_new_tokens - buffer lose up to overlong_penalty"""
+    overlong_penalty: float = 1.0
+    """reward subtracted at max_new_tokens (linear from 0 at max_new_tokens - buffer)"""
+    mask_truncated: bool = False
+    """exclude responses cut at max_new_tokens from the loss (DAPO overlong filtering)"""
+    max_off_policy_steps: NonNegInt = 1
+    """K: the batch of step n is sampled by the policy after update n-1-K (0: synchronous, as grpo_llm.py); the
+    generator waits rather than sample further ahead"""
+    generator_threads: int = -1
+    """the generator process's torch threads (-1: every core when K = 0, else half; the trainer gets the rest)"""
+    generator_timeout: PositiveFloat = 900.0
+    """seconds without a batch (or the generator's load of the weights it needs) before the run ends"""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """training-health warning thresholds (--health.kl-max, ...; docs/experiments.md)"""
+
+    # --- memory: how a minibatch is cut into forward/backward passes (the same loss)
+    micro_batch_size: PositiveInt = 8
+    """sequences per forward/backward on one process"""
+    micro_batch_tokens: int = -1
+    """micro-batches packed by length: rows sorted longest first, packed while rows x padded length <= this many
+    tokens, each run at its own longest prompt and response (less padding, same loss); -1: the budget of
+    --micro-batch-size rows at the batch's full length (same memory bound); 0: --micro-batch-size rows, unpacked"""
+
+    # --- the flags every script shares (common/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
+    run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=100)
+    model: Group[ModelArgs] = group(ModelArgs)
+    data: Group[PromptArgs] = group(PromptArgs)
+    rewards: Group[RewardArgs] = group(RewardArgs)
+    gen: Group[GenerationArgs] = group(GenerationArgs)
+    optim: Group[OptimArgs] = group(OptimArgs, learning_rate=5e-6)
+    mismatch: Group[MismatchArgs] = group(MismatchArgs, tis_cap=2.0)  # the staleness weights: --tis-cap, ...
+    env: Group[EnvArgs] = group(EnvArgs)  # --env tools|feedback|file.py:Class, --max-turns, ... (docs/agents.md)
+    old_logprobs_from: str = field(default="", init=False)
+    """runtime: pi_old's source, 'current' (the update forward's own, detached), 'trainer' (recomputed) or
+    'sampler' (the behaviour policy's log-probs: K > 0 with --tis-cap 0)"""
+
+
+# ALGO LOGIC: advantages, reward shaping and loss aggregation
+def compute_advantages(scores, group_size, baseline, scale_rewards, eps=1e-6):
+    """scores: (N*G,) with a prompt's G samples adjacent -> advantages (N*G,).
+    group-mean: score - group mean (GRPO); rloo: score - mean of the other G-1 (Ahmadian et al. 2024).
+    Then divided by the group's unbiased std + eps (group), the global batch's std over all processes
+    (batch; groups never straddle ranks, so the group statistics need no communication), or nothing
+    (none, Dr. GRPO). A group of equal scores gives exactly 0, never NaN. eps = 1e-6 as in the GRPO
+    reference code (TRL uses 1e-4)."""
+    s = scores.view(-1, group_size)  # (N, G)
+    if baseline == "group-mean":
+        adv = s - s.mean(dim=1, keepdim=True)
+    else:
+        adv = s - (s.sum(dim=1, keepdim=True) - s) / (group_size - 1)
+    if scale_rewards == "group":
+        adv = adv / (s.std(dim=1, keepdim=True) + eps)
+    elif scale_rewards == "batch":
+        adv = adv / (masked_var(scores, torch.ones_like(scores), distributed=True).sqrt() + eps)
+    return adv.reshape(-1)
+
+
+def overlong_penalty(lengths, max_new_tokens, buffer, factor):
+    """DAPO soft overlong punishment: 0 up to max - buffer, then linearly down to -factor at max. (B,) -> (B,)."""
+    if buffer <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float)
+    excess = (lengths.float() - (max_new_tokens - buffer)).clamp(min=0)
+    return -factor * (excess / buffer).clamp(max=1)
+
+
+def aggregate(token_loss, mask, loss_agg, n_tokens, n_seqs, max_new_tokens):
+    """This micro-batch's share of the minibatch loss. token_loss, mask: (b, T); n_tokens, n_seqs:
+    totals over the whole minibatch, so summing the shares of its micro-batches gives
+      token-mean:               sum_i sum_t l_it / sum_i |o_i|
+      seq-mean-token-mean:      (1/n) sum_i (1/|o_i|) sum_t l_it
+      seq-mean-token-sum-norm:  (1/n) sum_i sum_t l_it / max_new_tokens   (Dr. GRPO's constant)"""
+    masked = token_loss * mask
+    if loss_agg == "token-mean":
+        return masked.sum() / n_tokens
+    if loss_agg == "seq-mean-token-mean":
+        return (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs
+    if loss_agg == "seq-mean-token-sum-norm":
+        return masked.sum() / (n_seqs * max_new_tokens)
+    raise ValueError(f"unknown --loss-agg {loss_agg!r}")
+
+
+def take_informative_groups(parts, G, n_groups, pad_id):
+    """Dynamic sampling: from sampled batches `parts` (a prompt's G samples adjacent), one batch of `n_groups`
+    groups, those whose rewards differ first, then (if too few) groups of equal rewards to keep the batch size
+    fixed. Returns (batch, number of equal-reward groups used to fill)."""
+    groups = [(k, j) for k, p in enumerate(parts) for j in range(len(p["rows"]) // G)]
+    differ = lambda k, j: bool(parts[k]["scores"].view(-1, G)[j].std() > 0)
+    informative = [g for g in groups if differ(*g)][:n_groups]
+    filled = [g for g in groups if not differ(*g)][: n_groups - len(informative)]
+    picks = [(k, list(range(j * G, (j + 1) * G))) for k, j in informative + filled]  # (part, its rows)
+    return select_rows(parts, picks, pad_id), len(filled)
+
+
+# ALGO LOGIC: the policy losses (--loss-type): (per-token loss, where its clip / cap / gate acted), (b, T) each
+def grpo_loss(logprobs, old_logprobs, advantages, eps_low, eps_high):
+    """PPO's clipped surrogate per token, asymmetric (GRPO, Shao et al. 2024; DAPO's clip-higher):
+    r = pi_theta / pi_old, l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)); clipped: the bound is active."""
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))  # as verl: a ratio that exploded stays finite
+    pg1, pg2 = -advantages * ratio, -advantages * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    return torch.max(pg1, pg2), (pg2 > pg1).float()
+
+
+def sequence_ratio(logprobs, old_logprobs, mask):
+    """GSPO's importance ratio of each response: s = exp(mean over its tokens of log pi_theta - log pi_old), (b, 1)."""
+    log_s = ((logprobs - old_logprobs) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    return torch.exp(log_s.clamp(-20, 20))
+
+
+def gspo_loss(logprobs, old_logprobs, advantages, mask, eps_low, eps_high):
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): the sequence ratio s, clipped at the sequence
+    level, l = max(-A s, -A clip(s, 1 - eps_low, 1 + eps_high)) on every token of the response (the paper's eps
+    3e-4 / 4e-4). GSPO-token (s_t = sg(s) pi_theta / sg(pi_theta)) has the same value and gradient here:
+    advantages are per response."""
+    s = sequence_ratio(logprobs, old_logprobs, mask)  # (b, 1)
+    pg1, pg2 = -advantages * s, -advantages * torch.clamp(s, 1 - eps_low, 1 + eps_high)
+    return torch.max(pg1, pg2).expand_as(logprobs), (pg2 > pg1).float().expand_as(logprobs)
+
+
+def cispo_loss(logprobs, old_logprobs, advantages, eps_high):
+    """CISPO (MiniMax-M1, Chen et al. 2025): REINFORCE weighted by the capped, stop-gradient ratio,
+    l = -sg(min(r, 1 + eps_high)) A log pi_theta: no token's gradient is dropped (PPO's clip zeroes it), only its
+    weight is capped; no lower bound, as in the paper. Clipped: the cap is active."""
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))
+    weight = torch.clamp(ratio, max=1 + eps_high).detach()
+    return -weight * advantages * logprobs, (ratio > 1 + eps_high).float()
+
+
+def sapo_loss(logprobs, old_logprobs, advantages, tau_pos, tau_neg):
+    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization"): a soft gate instead of the hard clip,
+    l = -A (4 / tau) sigmoid(tau (r - 1)), tau = tau_pos where A > 0, tau_neg where A < 0 (1.0 / 1.05 in the
+    paper). Its gradient weight 4 g (1 - g) is 1 at r = 1 (the policy gradient on-policy) and decays smoothly
+    away from it; "clipped" (gated): that weight is below 1/2."""
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)
+    gate = torch.sigmoid(tau * (ratio - 1))
+    return -advantages * 4 / tau * gate, (4 * gate * (1 - gate) < 0.5).float()
+
+
+# ALGO LOGIC: the generator process: each step's batch, sampled and scored by the policy K updates before it
+def generate_batches(put, args: Args, rank: int, W: int, first_step: int, first_version: int, sampler_state, mailbox):
+    """Runs in a process of its own (common.async_rollout.GeneratorProcess) with its own copy of the policy and
+    engine: for step = first_step, first_step + 1, ... it loads the weights of version step - 1 - K (the policy
+    after that many updates; none older than `first_version`, the run's or the resumed checkpoint's), samples and
+    scores this rank's share of the step's prompts as grpo_llm.py does, and put()s the batch tagged with its
+    version. It draws the prompts (its Sampler, from `sampler_state`), so each batch carries the sampler's state
+    after it: the trainer's checkpoint then resumes the draw after the last batch it holds."""
+    accelerator = make_accelerator(args.model)  # a process of its own: the trainer's --mixed-precision, no group
+    device, G, K = accelerator.device, args.group_size, args.max_off_policy_steps
+    local_num_prompts = args.num_prompts // W
+    seed_everything(args.run.seed)
+    T_max = args.gen.max_new_tokens  # the response length limit
+    max_len = args.data.max_prompt_length + args.env.budget(T_max)  # --env: --max-trajectory-tokens
+    tok = M.prompt_tokenizer(args.model, args.data, max_len, "--max-prompt-length + --max-new-tokens")
+    reward = reward_from_args(args.rewards, args.model, args.gen.max_new_tokens, accelerator)  # rules, models, mixes
+    quiet = lambda *a, **k: None  # the trainer has said it all
+    train_rows, _ = load_rl_prompts(args.data, tok, reward, quiet)
+    episodes = episodes_from_args(args.env, tok, reward, device, quiet)  # --env: turns; else None
+    sampler = Sampler(len(train_rows), args.run.seed)
+    sampler.load_state_dict(sampler_state)
+    policy = M.load_causal_lm(args.model.model_name_or_path, tok, **M.train_kwargs(args.model)).to(device)
+    engine = make_engine(args.gen, args.model, tok, policy, accelerator, max_len, args.run.seed + rank)
+    version = None
+
+    def sample_groups(step, round_):
+        """One global draw of prompts; this rank's share, each repeated G times, sampled and scored."""
+        r = rank
+        ids = sampler.take(args.num_prompts)[r * local_num_prompts : (r + 1) * local_num_prompts]  # this rank's
+        rows = [train_rows[i] for i in ids for _ in range(G)]  # (N*G,) a prompt's samples adjacent
+        uid0 = (round_ * args.num_prompts + r * local_num_prompts) * G
+        seeds = [mix_seed(args.run.seed, step, uid0 + j) for j in range(len(rows))]
+        sampling = dict(**args.gen.sampling(), seeds=seeds, engine=engine)  # each row's own seed
+        with unwrap_for_generation(accelerator, policy) as gen_model:
+            if episodes is None:  # one turn: the templated prompt, one response, scored by --reward
+                queries, query_mask = tokenize_queries(tok, [x.text for x in rows], device)  # (B, P)
+                rollout = generate(gen_model, tok, queries, query_mask, **sampling)
+                texts = tok.batch_decode(rollout.responses, skip_special_tokens=True)
+            else:  # --env: turns; observations get mask 0 (no loss); rewards, env/turns, ... from it (docs/agents.md)
+                rollout = episodes.run(gen_model, rows, **sampling)
+                queries, query_mask, texts = rollout.queries, rollout.query_mask, rollout.transcripts  # (B, P) x2
+        scores, components, extras = reward(rows, texts, rollout.response_mask.sum(1), device, rollout.is_eos) \
+            if episodes is None else (rollout.scores, rollout.stats, {})  # fmt: skip
+        return dict(
+            rows=rows, texts=texts, queries=queries, query_mask=query_mask, responses=rollout.responses,
+            mask=rollout.response_mask, logprobs=rollout.logprobs, truncated=rollout.truncated, scores=scores,
+            solved=extras.get("acc", (scores >= 1).float()), prompt_ids=[i for i in ids for _ in range(G)],
+            **{k if "/" in k else f"reward/{k}": v for k, v in (components | extras).items()},  # logged: keys with "/"
+        )  # fmt: skip
+
+    for step in range(first_step, args.run.total_steps + 1):
+        t_wait = time.time()  # the weights this step is sampled with: version step - 1 - K (waits for the trainer)
+        version = mailbox.load_into(policy, max(first_version, step - 1 - K), step, version, args.generator_timeout)
+        t_gen = time.time()
+        batch, rounds, n_filled = sample_groups(step, 0), 0, 0
+        if args.dynamic_sampling:  # DAPO: keep groups whose rewards differ (one trainer process: checked in main)
+            parts = [batch]
+            while rounds < args.max_resample_rounds:
+                if sum(int((p["scores"].view(-1, G).std(1) > 0).sum()) for p in parts) >= local_num_prompts:
+                    break
+                rounds += 1
+                parts.append(sample_groups(step, rounds))
+            batch, n_filled = take_informative_groups(parts, G, local_num_prompts, tok.pad_token_id)
+        put(dict(batch, step=step, version=version, rounds=rounds, n_filled=n_filled, sampler=sampler.state_dict(),
+                 wait_s=t_gen - t_wait, gen_s=time.time() - t_gen, reward_errors=reward.errors))  # fmt: skip
+
+
+def main(args: Args):
+    # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
+    accelerator = make_accelerator(args.model)  # as launched: DDP (a generator per process); --mixed-precision
+    device, W, G, K = accelerator.device, accelerator.num_processes, args.group_size, args.max_off_policy_steps
+    if str(accelerator.distributed_type).split(".")[-1] not in ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU"):
+        raise UserError(f"async_grpo.py runs one process or DDP, not {accelerator.distributed_type}: a push takes "
+                        "the policy's whole weights from each trainer process (docs/async.md)")  # fmt: skip
+    if args.dynamic_sampling and W > 1:
+        raise UserError("--dynamic-sampling with several processes: each generator would resample on its own")
+    trainer_threads, generator_threads = split_threads(K, args.generator_threads)
+    torch.set_num_threads(trainer_threads)
+    exact_div(args.num_prompts, W, "--num-prompts over the number of processes")
+    local_mini_batch_size = exact_div(args.mini_batch_size, W, "--mini-batch-size over the number of processes")
+    exact_div(args.num_prompts * G, args.mini_batch_size, "--num-prompts x --group-size over --mini-batch-size")
+    exact_div(local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size")
+    micro_batch_tokens = micro_batch_budget(accelerator, args.micro_batch_tokens)  # DeepSpeed: row micro-batches
+    # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
+    accumulation = local_mini_batch_size // args.micro_batch_size
+    configure_deepspeed(accelerator, args.micro_batch_size, accumulation, args.optim.max_grad_norm)
+    seed_everything(args.run.seed)
+    run = Run(accelerator, args, Path(__file__).stem)  # --resume: resolved and checked before anything loads
+    T_max = args.gen.max_new_tokens  # the response length limit
+    max_len = args.data.max_prompt_length + args.env.budget(T_max)  # --env: --max-trajectory-tokens
+    tok = M.prompt_tokenizer(args.model, args.data, max_len, "--max-prompt-length + --max-new-tokens")
+    reward = reward_from_args(args.rewards, args.model, args.gen.max_new_tokens, accelerator)  # rules, models, mixes
+    # --train-files / --val-files, else the built-in --task; every data_source checked against the rewards
+    train_rows, val_rows = load_rl_prompts(args.data, tok, reward, accelerator.print)
+    sampler = Sampler(len(train_rows), args.run.seed)  # the draw up to the last batch trained on (the generator's)
+
+    # ALGO LOGIC: GRPO's models and optimizer: the policy and, when --kl-coef > 0, a frozen reference;
+    # no critic (the group's other samples are the baseline)
+    policy = M.load_causal_lm(args.model.model_name_or_path, tok, **M.train_kwargs(args.model))
+    # kl_coef 0: no reference at all; with LoRA: the policy with its adapter disabled
+    ref_policy = frozen_reference(accelerator, args.model, tok) if args.kl_coef > 0 and not args.model.lora_r else None
+    n_updates = args.run.total_steps * args.update_epochs * (args.num_prompts * G // args.mini_batch_size)
+    opt, sched = adamw(policy, args.optim, n_updates)
+    # pi_old with one optimizer step per batch (mu = 1, one minibatch) is the policy the update's forward runs:
+    # its own log-probs, detached (ratio 1, as TRL does), no extra forward; else recomputed before the update
+    one_step = args.update_epochs == 1 and args.mini_batch_size == args.num_prompts * G
+    # K > 0: pi_old is the trainer's policy before the update (recomputed) and --tis-cap weights each token by
+    # min(pi_old / pi_behaviour, C) (AReaL's decoupled loss); with --tis-cap 0, pi_old is the behaviour policy
+    pi_old_from_update = one_step and not args.mismatch.tis_cap and K == 0
+    pi_old_from_sampler = K > 0 and not args.mismatch.tis_cap
+    args.old_logprobs_from = "current" if pi_old_from_update else "sampler" if pi_old_from_sampler else "trainer"
+
+    # ------------------------------------------------------- checkpoint state, run folder  # TRY NOT TO MODIFY
+    guard = UpdateGuard(accelerator)  # non-finite gradients: step skipped, never NaN weights
+    run.load_weights(policy=policy)  # resumed: the checkpoint's weights
+    policy, opt, sched = accelerator.prepare(policy, opt, sched)
+    engine = None  # --rollout-engine: the generator's; validation runs here, on the hf engine
+    batches = BatchStream(accelerator, K, args.run.total_steps, train_rows)  # the next K in checkpoints
+    evaluate = lambda: evaluate_policy(
+        accelerator, policy, tok, reward, val_rows, args.gen.max_new_tokens, args.micro_batch_size, engine
+    )
+    ref_logprobs_of = reference_logprobs(accelerator, ref_policy, policy, args.gen.temperature)  # (B, T) fn
+    # what a checkpoint holds, by name (restored here when resuming); evaluation before the first step
+    run.begin(
+        tok,
+        models={"policy": policy},
+        optimizers={"opt": ("policy", opt)},
+        state=dict(sched=sched, sampler=sampler, guard=guard, batches=batches),
+        evaluate=evaluate if val_rows else None,
+    )
+
+    policy_loss = {  # --loss-type: (per-token loss, where its clip / cap / gate acted), (b, T) each
+        "grpo": lambda lp, old, a, m: grpo_loss(lp, old, a, args.clip_eps_low, args.clip_eps_high),
+        "gspo": lambda lp, old, a, m: gspo_loss(lp, old, a, m, *args.gspo_eps),
+        "cispo": lambda lp, old, a, m: cispo_loss(lp, old, a, args.cispo_eps_high),
+        "sapo": lambda lp, old, a, m: sapo_loss(lp, old, a, *args.sapo_tau),
+    }[args.loss_type]
+
+    # ALGO LOGIC: the generator process, its weights (version n: the policy after n updates) through shared memory
+    policy_module = accelerator.unwrap_model(policy)  # (DDP's module) whose weights are pushed
+    mailbox = WeightMailbox(policy_module, run.start_step, run.start_step + len(batches.ready),
+                            GeneratorProcess.context())  # fmt: skip
+    generator = GeneratorProcess(generate_batches, dict(args=args, rank=accelerator.process_index, W=W,
+                                 first_version=run.start_step, mailbox=mailbox), max_ahead=K + 1,
+                                 threads=generator_threads, timeout=args.generator_timeout)  # fmt: skip
+    batches.start(generator, run.start_step + 1, sampler.state_dict())
+    batch_log, push_s = BatchLog(accelerator, run.dir, run.start_step), 0.0
+
+    for step in run.steps():  # after each: checkpoints (periodic, final, on a signal), --max-wall-minutes
+        # ------------------------------------------------------------------ 1. the batch of this step, sampled ahead
+        t_step = time.time()
+        try:  # push version step - 1 (it samples the batch of step + K), then take this step's batch
+            if run.start_step < step - 1 and step + K <= args.run.total_steps:
+                push_s = mailbox.push(policy_module, step - 1, step - 1 + K, args.generator_timeout, generator.alive)
+            t_wait = time.time()
+            batch, failed = batches.next(step), None
+        except GeneratorFailed as e:
+            batch, failed = None, e
+        if accelerator.reduce(torch.tensor([float(failed is not None)], device=device), "max").item():
+            end_on_failure(accelerator, run, batches, generator, step, failed)  # every rank: a checkpoint, one line
+        wait_s, gen_s, rounds, n_filled = time.time() - t_wait, batch["gen_s"], batch["rounds"], batch["n_filled"]
+        staleness = step - 1 - batch["version"]  # updates between the sampling policy and the one trained now
+        batch_log.add(step, batch["version"], staleness, batch["prompt_ids"])  # batches.jsonl, staleness.json
+        sampler.load_state_dict(batch["sampler"])  # the prompts drawn up to this batch: consumed
+        rows, texts, scores, truncated = batch["rows"], batch["texts"], batch["scores"], batch["truncated"]  # B = N*G
+        mask, query_mask = batch["mask"], batch["query_mask"]  # (B, T), (B, P)
+        P, T = batch["queries"].shape[1], batch["responses"].shape[1]
+        query_responses = torch.cat([batch["queries"], batch["responses"]], 1)  # (B, P+T)
+        attn, lengths = sequence_attention_mask(query_mask, T), mask.sum(1)  # (B, P+T), (B,)
+
+        # ------------------------------------------------------------------ 2. reward shaping and advantages
+        scores = scores + overlong_penalty(lengths, T_max, args.overlong_buffer, args.overlong_penalty)  # (B,)
+        advantages = compute_advantages(scores, G, args.baseline, args.scale_rewards)  # (B,)
+        loss_mask = mask * (~truncated).float()[:, None] if args.mask_truncated else mask  # (B, T)
+        # micro-batches of the no-grad forwards: --micro-batch-size rows, or by --micro-batch-tokens
+        all_micros = micro_batches(
+            list(range(len(rows))), query_mask, mask, args.micro_batch_size, micro_batch_tokens, accelerator
+        )
+        with torch.no_grad(), accelerator.autocast():  # one region: bf16 weight copies cast once, not per micro-batch
+            by_micro = lambda fn: forward_by_micro_batch(fn, all_micros, query_responses, attn, P, T) * mask  # (B, T)
+            if pi_old_from_update:
+                old_logprobs = torch.zeros_like(mask)  # (B, T) filled by the update's forward below
+            elif pi_old_from_sampler:
+                old_logprobs = batch["logprobs"] * mask  # (B, T) the behaviour policy's
+            else:
+                old_logprobs = by_micro(lambda qr, am, p: forward_logprobs(policy, qr, am, p, args.gen.temperature))
+            ref_logprobs = by_micro(ref_logprobs_of) if args.kl_coef > 0 else None  # (B, T)
+        # sampler vs pi_old: --tis-* weights (B, T) of each token's loss, mismatch/* (after the update if pi_old is its)
+        fix = lambda: rollout_correction(old_logprobs, batch["logprobs"], mask, **args.mismatch.correction())
+        tis_weights, mismatch = (None, {}) if pi_old_from_update else fix()
+
+        # ------------------------------------------------------------------ 3. update
+        t_train, stats, seq_ratios = time.time(), {k: [] for k in ("pg", "kl", "ent", "clip")}, []  # GSPO's s
+        g = torch.Generator().manual_seed(mix_seed(args.run.seed, step, accelerator.process_index))
+        for it in range(args.update_epochs):
+            perm = torch.randperm(len(rows), generator=g).tolist()
+            for mb_start in range(0, len(rows), local_mini_batch_size):
+                mb = perm[mb_start : mb_start + local_mini_batch_size]
+                # token totals over the global minibatch / W: DDP/FSDP average the W ranks' gradients, so
+                # token-mean is over all ranks' tokens (each rank holds len(mb) sequences: n_seqs needs no reduce)
+                n_tokens, n_seqs = global_mean_divisor(loss_mask[mb].sum()), len(mb)
+                micros = micro_batches(mb, query_mask, mask, args.micro_batch_size, micro_batch_tokens, accelerator)
+                for k, m in enumerate(micros):
+                    # this micro-batch's rows at its own lengths: its longest prompt (m.p) and response (t)
+                    micro, t, cut = m.ids, m.t, slice(P - m.p, P + m.t)
+                    m_mask = mask[micro, :t]  # (b, t)
+                    new_logprobs, entropy = forward_logprobs(policy, query_responses[micro, cut], attn[micro, cut], m.p,
+                                                             args.gen.temperature, with_entropy=True)  # (b, t) each  # fmt: skip
+                    if pi_old_from_update:  # the one optimizer step: pi_old = pi_theta now
+                        old_logprobs[micro, :t] = new_logprobs.detach() * m_mask
+                    old_t = old_logprobs[micro, :t]  # (b, t)
+                    token_loss, clipped = policy_loss(new_logprobs, old_t, advantages[micro, None], m_mask)
+                    if tis_weights is not None:
+                        token_loss = token_loss * tis_weights[micro, :t]
+                    if args.loss_type == "gspo":  # its sequence ratios, logged
+                        seq_ratios.append(sequence_ratio(new_logprobs.detach(), old_t, m_mask))
+                    agg = lambda x: aggregate(x, loss_mask[micro, :t], args.loss_agg, n_tokens, n_seqs, T_max)
+                    pg, kl_term = agg(token_loss), torch.zeros((), device=device)
+                    if ref_logprobs is not None:  # the KL term in the loss
+                        kl_term = agg(kl_estimate(new_logprobs, ref_logprobs[micro, :t], args.kl_estimator))
+                    backward(accelerator, policy, pg + args.kl_coef * kl_term, last=k == len(micros) - 1)
+                    for key, v in zip(stats, (pg, kl_term, agg(entropy), agg(clipped))):
+                        stats[key].append(v.detach())
+                guard.step(policy, opt, args.optim.max_grad_norm, "policy", step)  # these: no-ops under DeepSpeed
+                sched.step()
+                opt.zero_grad()
+        train_s = time.time() - t_train
+        # pi_old (the trainer's) vs the sampler's log-probs of the sampled tokens: mismatch/*, sampler_logprob_diff
+        mismatch = mismatch or fix()[1]
+        # train/kl as in the PPO scripts: per response, the token mean of KL(pi_old || pi_ref); batch mean
+        kl = kl_estimate(old_logprobs, ref_logprobs, args.kl_estimator) * mask if args.kl_coef > 0 else None  # (B, T)
+        mean_kl = accelerator.gather(masked_mean(kl, mask, dim=1)).mean().item() if kl is not None else 0.0
+
+        # ------------------------------------------------------------------ 4. log, evaluate, checkpoint
+        if run.logging(step):  # --log-every, and every evaluation step and the last
+            n_minibatches = args.update_epochs * len(rows) // local_mini_batch_size
+            mean = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
+            all_scores, step_s = accelerator.gather(scores), time.time() - t_step
+            solved = accelerator.gather(batch["solved"]).view(-1, G)  # (all prompts, G) exact-match
+            padded, real = padding_fraction(all_micros, query_mask, mask)  # tokens of the batch's forward passes
+            n_fwd = 1 + (not pi_old_from_update) + (args.kl_coef > 0)  # generation, pi_old, reference
+            metrics = {
+                "train/reward": all_scores.mean().item(),
+                "train/reward_std": all_scores.std().item(),
+                "train/zero_std_groups": (all_scores.view(-1, G).std(1) == 0).float().mean().item(),
+                "train/solve_all": (solved.min(1).values == 1).float().mean().item(),
+                "train/solve_none": (solved.max(1).values == 0).float().mean().item(),
+                **{"train/kl": mean_kl, "train/kl_coef": args.kl_coef, **mismatch},
+                **{"train/entropy": mean(stats["ent"]), "train/clip_frac": mean(stats["clip"])},
+                "train/response_len": accelerator.gather(lengths).float().mean().item(),
+                "train/truncated": accelerator.gather(truncated.float()).mean().item(),
+                "train/lr": sched.get_last_lr()[0],
+                **{"train/resample_rounds": rounds, "train/filled_zero_std_groups": n_filled},
+                **{"train/episodes": step * args.num_prompts * G, "train/skipped_steps": guard.skipped},
+                **{"loss/policy": mean(stats["pg"]), "loss/kl": mean(stats["kl"])},
+                "loss/total": mean(stats["pg"]) + args.kl_coef * mean(stats["kl"]),
+                **{"perf/step_s": step_s, "perf/gen_s": gen_s, "perf/train_s": train_s},
+                "perf/tokens_per_s": accelerator.gather(lengths).sum().item() / step_s,
+                **{"perf/samples_per_s": len(rows) * W / step_s, "async/push_s": push_s},
+                **{"async/staleness": staleness, "async/staleness_max": max(batch_log.counts)},
+                "async/trainer_idle_frac": accelerator.reduce(torch.tensor(wait_s / step_s, device=device)).item() / W,
+                "async/generator_idle_frac": batch["wait_s"] / max(batch["wait_s"] + gen_s, 1e-9),
+                **{"perf/peak_mem_gb": peak_mem_gb(device), "perf/padding_frac": 1 - real / max(padded, 1)},
+                "perf/mfu": mfu(policy, n_fwd * real, args.update_epochs * real, step_s, accelerator),
+            }
+            metrics.update({k: accelerator.gather(v).mean().item() for k, v in batch.items() if "/" in k})
+            if seq_ratios:  # GSPO: the sequence importance ratios the loss clipped
+                s = accelerator.gather(torch.cat(seq_ratios).flatten())
+                metrics.update({f"train/seq_ratio_{k}": getattr(s, k)().item() for k in ("mean", "min", "max")})
+            metrics.update(reward_by_data_source(rows, scores))  # several tasks mixed: reward/<data_source>
+            metrics.update({"reward/errors": batch["reward_errors"]} if batch["reward_errors"] else {})
+            samples = [
+                {"prompt": x.text, "response": t, "reward": float(s), "advantage": float(a), "split": "train"}
+                for x, t, s, a in zip(rows, texts, scores, advantages)
+            ]
+            run.log(step, metrics, samples)  # + evaluation when due, health warnings, --save-best
+
+    generator.stop()
+    return run.end()
+
+
+if __name__ == "__main__":
+    cli(main, Args)  # parse flags and presets; a user error is one line and exit code 2

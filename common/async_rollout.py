@@ -1,0 +1,294 @@
+"""Asynchronous rollouts: a generator process beside the trainer, the weights it samples with, and the batches it
+hands back (algos/async_grpo.py; docs/async.md).
+
+    trainer process                                generator process (spawned; its own copy of the policy)
+    ---------------                                --------------------------------------------------------
+    mailbox = WeightMailbox(policy, version=n)     for step in n+1, n+2, ...:
+    gen = GeneratorProcess(target, ...)                version = mailbox.load_into(model, needed(step))
+    for step: batch = gen.get(step)                    batch = sample and score (the script's own code)
+              update; mailbox.push(policy, step)       put(batch)          (a bounded queue: at most K+1 ahead)
+
+Weights travel through shared CPU memory: the trainer copies its trainable tensors into one shared buffer per
+tensor (`push`), the generator copies them out into its model (`load_into`), both under one lock, so a sample
+never sees half a push. The push of version v waits until the generator has loaded version v-1 when a batch still
+needs it (the buffer holds one version): every batch is sampled by exactly the version its step asks for, whatever
+the timing, so a run is reproducible (and resumable exactly). On GPUs the same route goes through host memory
+(a device-to-host and a host-to-device copy per push); NCCL broadcast or CUDA IPC, which vLLM's own weight
+transfer uses, would skip it and is not written here (no GPU to test it on: docs/async.md).
+
+Every wait is bounded: a generator that raised, died (out of memory: killed) or stopped answering ends the run
+with one line (`GeneratorFailed`), never a hang."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import pickle
+import queue
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+# variables that would make the generator join the trainer's process group (torchrun / accelerate launch set them)
+_PROCESS_GROUP_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                       "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
+
+
+class GeneratorFailed(RuntimeError):
+    """The generator process raised, died or timed out; the message is one line saying which."""
+
+
+def trainable_tensors(model) -> dict[str, torch.Tensor]:
+    """What a push carries: the tensors that training changes (all parameters; under LoRA the adapters). The frozen
+    rest is loaded by the generator from the same files as the trainer's."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+class WeightMailbox:
+    """One version of the policy's trainable weights in shared CPU memory, with its version number.
+    Made by the trainer, handed to the generator process (it pickles as shared-memory handles)."""
+
+    def __init__(self, model, version: int, loaded_for: int, ctx):
+        self.buffers = {n: t.detach().to("cpu", torch.float32, copy=True).share_memory_()
+                        for n, t in trainable_tensors(model).items()}  # fmt: skip
+        # the version in the buffers; the last step whose batch the generator loaded weights for
+        self.version, self.loaded_for = ctx.Value("q", version), ctx.Value("q", loaded_for)
+        self.changed = ctx.Condition()
+
+    def push(self, model, version: int, after_step: int, timeout: float, alive) -> float:
+        """Trainer side: copy `model`'s trainable weights in as `version`, once the generator has loaded weights
+        for the batch of `after_step` (the last batch the version in the buffers is for). Returns the seconds
+        spent, waiting included."""
+        t0 = time.time()
+        with self.changed:
+            while self.loaded_for.value < after_step:
+                if not alive():
+                    raise GeneratorFailed("the generator process died before loading the weights it needed")
+                if time.time() - t0 > timeout:
+                    raise GeneratorFailed(f"the generator did not reach step {after_step} in {timeout:g} s")
+                self.changed.wait(1.0)
+            with torch.no_grad():
+                for n, t in trainable_tensors(model).items():
+                    self.buffers[n].copy_(t.detach())
+            self.version.value = version
+            self.changed.notify_all()
+        return time.time() - t0
+
+    def load_into(self, model, needed: int, step: int, have: int | None, timeout: float) -> int:
+        """Generator side, before sampling the batch of `step`: wait until a version >= `needed` is in, copy it
+        into `model` unless `model` already holds it (`have`), return the version."""
+        t0 = time.time()
+        with self.changed:
+            while self.version.value < needed:
+                if time.time() - t0 > timeout:
+                    raise GeneratorFailed(f"no weights version {needed} from the trainer in {timeout:g} s")
+                self.changed.wait(1.0)
+            version = self.version.value
+            if version != have:
+                with torch.no_grad():
+                    params = trainable_tensors(model)
+                    for n, buf in self.buffers.items():
+                        params[n].copy_(buf)
+            self.loaded_for.value = step
+            self.changed.notify_all()
+        return version
+
+
+def _generator_entry(target, out, threads, env, kwargs):
+    """The generator process: a process of its own (no process group), `threads` torch threads, then
+    target(put=..., **kwargs); its exception, if any, goes back to the trainer as text. Ctrl-C and SIGTERM are the
+    trainer's to handle (it checkpoints, then stops this process); a trainer that vanished ends it too."""
+    import multiprocessing
+    import signal
+    import threading
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+
+    def orphaned():
+        while parent.is_alive():
+            time.sleep(2.0)
+        os._exit(1)
+
+    threading.Thread(target=orphaned, daemon=True).start()
+    for k in _PROCESS_GROUP_VARS:
+        os.environ.pop(k, None)
+    os.environ.update(env)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    try:
+        target(put=lambda batch: out.put(("batch", pickle.dumps(batch))), **kwargs)
+        out.put(("done", None))
+    except BaseException as e:  # noqa: BLE001 -- everything goes back to the trainer, which decides
+        out.put(("error", f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__,
+                 traceback.format_exc()))  # fmt: skip
+
+
+class GeneratorProcess:
+    """A spawned process running `target(put, **kwargs)`, which calls put(batch) once per batch, in order. The
+    queue holds `max_ahead` finished batches at most (its put blocks beyond). `get` returns the next batch or raises
+    GeneratorFailed: the target raised (its message), the process died (its exit code), or nothing came for
+    `timeout` seconds (the process is then killed)."""
+
+    def __init__(self, target, kwargs: dict, max_ahead: int, threads: int, timeout: float, env: dict | None = None):
+        self.ctx = self.context()
+        self.kwargs, self.max_ahead, self.threads, self.timeout = kwargs, max_ahead, threads, timeout
+        self.target, self.env, self.proc, self.waited_s = target, dict(env or {}), None, 0.0
+
+    def start(self, **more) -> None:
+        self.queue = self.ctx.Queue(maxsize=self.max_ahead)
+        kwargs = {**self.kwargs, **more}
+        # not a daemon: the generator may start processes of its own (the reward functions' pool); stopped at exit,
+        # whatever ends the trainer (multiprocessing would otherwise wait for it)
+        self.proc = self.ctx.Process(target=_generator_entry,
+                                     args=(self.target, self.queue, self.threads, self.env, kwargs))  # fmt: skip
+        self.proc.start()
+        atexit.register(self.stop)
+
+    @staticmethod
+    def context():
+        """The processes' start method: spawn (a fork after torch started its threads is unsafe)."""
+        import torch.multiprocessing as mp
+
+        return mp.get_context("spawn")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    def get(self, what: str = "the next batch"):
+        t0 = time.time()
+        while True:
+            try:
+                kind, *payload = self.queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self.alive():
+                    code = self.proc.exitcode
+                    why = " (killed: out of memory?)" if code == -9 else ""
+                    raise GeneratorFailed(f"the generator process died with exit code {code}{why}") from None
+                if time.time() - t0 > self.timeout:
+                    self.stop()
+                    raise GeneratorFailed(f"no batch from the generator in {self.timeout:g} s (--generator-timeout)")
+        self.waited_s += time.time() - t0
+        if kind == "error":
+            raise GeneratorFailed(f"the generator raised {payload[0]}\n{payload[1]}")
+        if kind == "done":
+            raise GeneratorFailed(f"the generator finished before {what}")
+        return pickle.loads(payload[0])
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+        self.proc = None
+
+
+def split_threads(max_off_policy_steps: int, generator_threads: int) -> tuple[int, int]:
+    """(trainer threads, generator threads). -1: synchronous (K = 0: one side waits while the other works) each side
+    uses every core; asynchronous, half each (the two sides run at once: more threads than cores slows both)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if generator_threads < 0:
+        generator_threads = cores if max_off_policy_steps == 0 else max(1, cores // 2)
+    trainer = cores if max_off_policy_steps == 0 else max(1, cores - generator_threads)
+    return trainer, generator_threads
+
+
+class BatchStream:
+    """The batches of the coming steps, in order: from the generator process, or restored from a checkpoint.
+
+    Checkpoint state (an object with state_dict, saved under the script's key): the batches of the next
+    `ahead` = K steps. They were sampled by versions older than the checkpoint's weights, which a resumed run could
+    not sample with again; kept, the resumed run trains on exactly what the uninterrupted one did. A batch is saved
+    without its rows (rebuilt from its prompt ids and `train_rows`): trainer_state.pt holds tensors, numbers and
+    strings only (it is loaded with weights_only)."""
+
+    def __init__(self, accelerator, ahead: int, total_steps: int, train_rows):
+        self.acc, self.ahead, self.total, self.train_rows = accelerator, ahead, total_steps, train_rows
+        self.ready, self.gen, self.next_step, self.failed = {}, None, 1, None
+
+    def start(self, gen: GeneratorProcess, next_step: int, sampler_state: dict) -> None:
+        """Start `gen` at the first step not already held, drawing prompts after the last batch held."""
+        self.gen, self.next_step = gen, next_step
+        first = next_step + len(self.ready)
+        gen.start(first_step=first, sampler_state=self.ready[first - 1]["sampler"] if self.ready else sampler_state)
+
+    def next(self, step: int) -> dict:
+        batch = self.ready.pop(step) if step in self.ready else self.gen.get(f"the batch of step {step}")
+        if batch["step"] != step:  # a bug, never a user's error: batches come in order
+            raise RuntimeError(f"expected the batch of step {step}, got step {batch['step']}'s")
+        self.next_step = step + 1
+        return batch
+
+    def state_dict(self) -> dict:
+        for s in range(self.next_step, min(self.next_step + self.ahead, self.total + 1)):
+            if s not in self.ready and self.failed is None:
+                try:
+                    self.ready[s] = self.gen.get(f"the batch of step {s}")
+                except GeneratorFailed as e:  # saved without it: resumed, it is sampled again
+                    self.failed = e
+        mine = {s: {k: v for k, v in b.items() if k != "rows"} for s, b in self.ready.items()}
+        if self.acc.num_processes == 1:
+            return {"ranks": [mine]}
+        everyone = [None] * self.acc.num_processes
+        torch.distributed.all_gather_object(everyone, mine)
+        return {"ranks": everyone}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = state["ranks"][self.acc.process_index]
+        self.ready = {s: dict(b, rows=[self.train_rows[i] for i in b["prompt_ids"]]) for s, b in mine.items()}
+
+
+class BatchLog:
+    """batches.jsonl in the run folder: per step, the version that sampled its batch, its staleness and the prompt
+    ids it trained on (all processes'), so a run can show every prompt was consumed once; staleness.json, the
+    histogram {staleness: batches}. Resumed: the lines past the checkpoint's step are dropped (they are redone)."""
+
+    def __init__(self, accelerator, run_dir: Path, start_step: int):
+        self.acc, self.path, self.counts = accelerator, Path(run_dir) / "batches.jsonl", {}
+        if accelerator.is_main_process:
+            old = [json.loads(x) for x in self.path.read_text().splitlines()] if self.path.exists() else []
+            kept = [r for r in old if r["step"] <= start_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            for r in kept:
+                self.counts[r["staleness"]] = self.counts.get(r["staleness"], 0) + 1
+
+    def add(self, step: int, version: int, staleness: int, prompt_ids: list[int]) -> None:
+        """Every process calls it (the prompt ids are gathered)."""
+        self.counts[staleness] = self.counts.get(staleness, 0) + 1
+        ids = sorted(set(prompt_ids))  # a prompt's G samples: one id
+        if self.acc.num_processes > 1:
+            everyone = [None] * self.acc.num_processes
+            torch.distributed.all_gather_object(everyone, ids)
+            ids = [i for part in everyone for i in part]
+        if self.acc.is_main_process:
+            with open(self.path, "a") as f:
+                f.write(
+                    json.dumps({"step": step, "version": version, "staleness": staleness, "prompt_ids": ids}) + "\n"
+                )
+            hist = {str(k): v for k, v in sorted(self.counts.items())}
+            (self.path.parent / "staleness.json").write_text(json.dumps(hist) + "\n")
+
+
+def end_on_failure(accelerator, run, batches: BatchStream, generator: GeneratorProcess, step: int, failed) -> None:
+    """A generator failed (on this or another process, all agree): stop it, checkpoint the last step trained unless
+    it is saved already, say so in one line (the generator's traceback in the run folder), exit 1."""
+    generator.stop()
+    batches.failed = batches.failed or failed or GeneratorFailed("another process's generator failed")
+    last, saved = step - 1, ""
+    if last > run.start_step and not (run.dir / "checkpoints" / f"step_{last}").exists():
+        run.checkpoint(last)
+    if last > 0 and (run.dir / "checkpoints" / f"step_{last}").exists():
+        saved = f"; checkpoint at step {last}, resume with --resume {run.dir}"
+    if failed is not None:
+        head, _, trace = str(failed).partition("\n")
+        if trace:
+            (run.dir / f"generator_error_rank{accelerator.process_index}.txt").write_text(trace)
+            head += f" (traceback: {run.dir}/generator_error_rank{accelerator.process_index}.txt)"
+        print(f"[cleanrlhf] step {step}: {head}{saved}", file=sys.stderr, flush=True)
+    accelerator.wait_for_everyone()
+    raise SystemExit(1)

@@ -1,0 +1,245 @@
+"""algos/async_grpo.py: the weight mailbox's ordering, the batches a checkpoint keeps, K = 0 equals grpo_llm.py,
+K = 1 samples one update behind, resumes exactly with every prompt consumed once, learns the toy task, and a
+generator that dies or hangs ends the run in one line with a checkpoint."""
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+from common.async_rollout import BatchStream, GeneratorFailed, WeightMailbox, split_threads
+from conftest import REPO, only_run, read_metrics, run_script
+
+TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
+
+
+# ------------------------------------------------------------------ the weight mailbox (threads stand in for the
+# generator process: the same Value / Condition objects)
+def _ctx():
+    import torch.multiprocessing as mp
+
+    return mp.get_context("spawn")
+
+
+def test_mailbox_push_waits_until_the_generator_loaded_the_last_step_of_the_old_version():
+    trainer, gen = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    box = WeightMailbox(trainer, version=0, loaded_for=0, ctx=_ctx())
+    with torch.no_grad():
+        trainer.weight.fill_(1.0)
+    pushed = []
+    t = threading.Thread(target=lambda: pushed.append(box.push(trainer, 1, 2, timeout=30, alive=lambda: True)))
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive() and box.version.value == 0  # waits: step 2's batch needs version 0 and is not loaded yet
+    assert box.load_into(gen, needed=0, step=1, have=None, timeout=5) == 0
+    assert torch.equal(gen.weight, box.buffers["weight"]) and not torch.equal(gen.weight, trainer.weight)
+    time.sleep(0.2)
+    assert t.is_alive()  # step 1 loaded, step 2 not yet
+    assert box.load_into(gen, needed=0, step=2, have=0, timeout=5) == 0  # holds version 0 already: no copy
+    t.join(5)
+    assert not t.is_alive() and box.version.value == 1 and pushed[0] >= 0.4
+    assert box.load_into(gen, needed=1, step=3, have=0, timeout=5) == 1 and torch.equal(gen.weight, trainer.weight)
+
+
+def test_mailbox_timeouts_and_a_dead_generator_raise_instead_of_hanging():
+    m = torch.nn.Linear(2, 2)
+    box = WeightMailbox(m, version=0, loaded_for=0, ctx=_ctx())
+    with pytest.raises(GeneratorFailed, match="died"):
+        box.push(m, 1, 5, timeout=30, alive=lambda: False)
+    with pytest.raises(GeneratorFailed, match="did not reach step 5"):
+        box.push(m, 1, 5, timeout=0.5, alive=lambda: True)
+    with pytest.raises(GeneratorFailed, match="no weights version 3"):
+        box.load_into(m, needed=3, step=4, have=0, timeout=0.5)
+
+
+class _FakeAccelerator:
+    num_processes, process_index, is_main_process = 1, 0, True
+
+
+class _FakeGenerator:
+    """Hands out the batches of steps `first_step`, ... (what GeneratorProcess.get returns); dies after `n`."""
+
+    def __init__(self, n=100):
+        self.n, self.given = n, 0
+
+    def start(self, first_step, sampler_state):
+        self.step, self.sampler_state = first_step, sampler_state
+
+    def get(self, what=""):
+        if self.given == self.n:
+            raise GeneratorFailed("the generator process died with exit code -9 (killed: out of memory?)")
+        b = {"step": self.step, "prompt_ids": [self.step, self.step], "x": torch.full((2,), float(self.step)),
+             "sampler": {"epoch": 0, "pos": self.step}, "rows": ["not saved"]}  # fmt: skip
+        self.step, self.given = self.step + 1, self.given + 1
+        return b
+
+
+def test_a_checkpoint_keeps_the_next_k_batches_without_their_rows_and_restores_them():
+    import io
+
+    rows = [f"row {i}" for i in range(10)]
+    stream = BatchStream(_FakeAccelerator(), ahead=2, total_steps=6, train_rows=rows)
+    stream.start(_FakeGenerator(), next_step=1, sampler_state={"epoch": 0, "pos": 0})
+    assert stream.next(1)["step"] == 1
+    buf = io.BytesIO()
+    torch.save(stream.state_dict(), buf)  # after step 1: steps 2 and 3 (sampled by versions <= 1)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)  # as checkpoints load: tensors, numbers, strings only
+    assert sorted(state["ranks"][0]) == [2, 3] and "rows" not in state["ranks"][0][2]
+    resumed = BatchStream(_FakeAccelerator(), ahead=2, total_steps=6, train_rows=rows)
+    resumed.load_state_dict(state)
+    gen = _FakeGenerator()
+    resumed.start(gen, next_step=2, sampler_state={"epoch": 0, "pos": 1})
+    assert gen.step == 4 and gen.sampler_state == {"pos": 3, "epoch": 0}  # after the last batch held
+    b2, b3, b4 = resumed.next(2), resumed.next(3), resumed.next(4)
+    assert b2["rows"] == ["row 2", "row 2"] and torch.equal(b3["x"], torch.full((2,), 3.0)) and b4["step"] == 4
+    # near the end: only the steps that exist; a dead generator: saved without the batches it never sent
+    assert sorted(resumed.state_dict()["ranks"][0]) == [5, 6]
+    dying = BatchStream(_FakeAccelerator(), ahead=2, total_steps=6, train_rows=rows)
+    dying.start(_FakeGenerator(n=2), next_step=1, sampler_state={})
+    dying.next(1)
+    assert sorted(dying.state_dict()["ranks"][0]) == [2] and dying.failed is not None
+
+
+def test_thread_split():
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    assert split_threads(0, -1) == (cores, cores)  # synchronous: one side works at a time
+    assert split_threads(1, -1) == (max(1, cores - max(1, cores // 2)), max(1, cores // 2))
+    assert split_threads(2, 1) == (max(1, cores - 1), 1)
+
+
+# ------------------------------------------------------------------ the script, end to end
+def _flags(model, prompts, out, *extra):
+    return [
+        "--model-name-or-path", model, "--train-files", prompts, "--reward-fn", TOY_REWARD, "--output-dir", out,
+        "--num-prompts", 2, "--group-size", 4, "--mini-batch-size", 8, "--micro-batch-size", 4,
+        "--max-new-tokens", 6, "--learning-rate", 3e-3, "--eval-every", 0, "--mixed-precision", "no", *extra,
+    ]  # fmt: skip
+
+
+def _strip(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(("perf/", "async/"))} for r in rows]
+
+
+@pytest.mark.e2e
+def test_k0_reproduces_grpo_llm(tiny_peaky, toy_prompts, tmp_path):
+    """K = 0 (the generator waits for each update) trains on exactly grpo_llm.py's batches: the same metrics for 3
+    steps on float32, with the same --tis-cap (async_grpo's default 2, so pi_old is recomputed in both)."""
+    env = {"TOY_MODEL": tiny_peaky}
+    extra = ["--total-steps", 3, "--tis-cap", 2, "--kl-coef", 0.05]
+    run_script("grpo_llm.py", *_flags(tiny_peaky, toy_prompts, tmp_path / "sync", *extra), env=env)
+    run_script("async_grpo.py", *_flags(tiny_peaky, toy_prompts, tmp_path / "async", *extra),
+               "--max-off-policy-steps", 0, env=env)  # fmt: skip
+    sync, asy = read_metrics(only_run(tmp_path / "sync")), read_metrics(only_run(tmp_path / "async"))
+    assert [r["async/staleness"] for r in asy] == [0, 0, 0]
+    a, b = _strip(sync), _strip(asy)
+    assert [sorted(r) for r in a] == [sorted(r) for r in b]
+    for ra, rb in zip(a, b):
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=1e-4, abs=1e-6), (k, ra[k], rb[k])
+
+
+@pytest.mark.e2e
+def test_k1_is_one_update_behind_resumes_exactly_and_consumes_each_prompt_once(tiny_peaky, toy_prompts, tmp_path):
+    """K = 1 over 9 steps of 2 prompts (32 prompts: epoch 1 is steps 1-16): staleness 0 then 1; a run stopped at
+    its step-4 checkpoint (batches of steps 5 in hand) and resumed gives the same metrics; batches.jsonl lists each
+    prompt once."""
+    env = {"TOY_MODEL": tiny_peaky}
+    flags = lambda out: _flags(tiny_peaky, toy_prompts, out, "--total-steps", 9, "--kl-coef", 0.05)
+    run_script("async_grpo.py", *flags(tmp_path / "a"), "--save-every", 4, env=env)
+    straight = only_run(tmp_path / "a")
+    copy = tmp_path / "b" / straight.name
+    shutil.copytree(straight, copy)
+    run_script("async_grpo.py", *flags(tmp_path / "b"), "--resume", copy / "checkpoints" / "step_4", env=env)
+    a, b = read_metrics(straight), read_metrics(copy)
+    assert [r["async/staleness"] for r in a] == [0] + [1] * 8 and a[-1]["async/staleness_max"] == 1
+    assert _strip(a) == _strip(b) and [r["step"] for r in a] == list(range(1, 10))
+    assert a[-1]["train/kl"] > 0 and all(0 <= r["async/trainer_idle_frac"] <= 1 for r in a)
+    for run in (straight, copy):
+        lines = [json.loads(x) for x in (run / "batches.jsonl").read_text().splitlines()]
+        ids = [i for r in lines for i in r["prompt_ids"]]
+        assert [r["step"] for r in lines] == list(range(1, 10)) and len(ids) == 18 == len(set(ids))
+        assert json.loads((run / "staleness.json").read_text()) == {"0": 1, "1": 8}
+    args = json.loads((straight / "args.json").read_text())
+    assert args["old_logprobs_from"] == "trainer" and args["max_off_policy_steps"] == 1
+
+
+@pytest.mark.e2e
+def test_k1_learns_the_toy_task(tiny_peaky, toy_prompts, tmp_path):
+    """15 iterations one update behind (K = 1, --tis-cap 2): the reward rises by more than 0.1, as grpo_llm's does."""
+    run_script(
+        "async_grpo.py", "--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD,
+        "--output-dir", tmp_path, "--total-steps", 15, "--num-prompts", 8, "--group-size", 4, "--mini-batch-size", 16,
+        "--micro-batch-size", 16, "--max-new-tokens", 6, "--learning-rate", 3e-3, "--update-epochs", 2,
+        "--eval-every", 0, env={"TOY_MODEL": tiny_peaky},
+    )  # fmt: skip
+    rows = read_metrics(only_run(tmp_path))
+    rewards = [r["train/reward"] for r in rows]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
+    assert all(r["async/staleness"] == min(r["step"] - 1, 1) for r in rows)
+
+
+DYING_REWARD = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from toy_reward import compute_score as toy
+
+def compute_score(*a, **k):
+    with open({calls!r}, "a") as f:  # calls counted across the reward pool's worker processes
+        f.write(".")
+    if os.path.getsize({calls!r}) > {after}:  # the 4th batch: kill (or freeze) the generator, the pool's parent
+        os.kill(os.getppid(), {sig})
+    return toy(*a, **k)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("how", ["killed", "hangs"])
+def test_a_generator_that_dies_or_hangs_ends_the_run_with_one_line_and_a_checkpoint(how, tiny_peaky, toy_prompts,
+                                                                                     tmp_path):  # fmt: skip
+    """The reward function (run by the generator's pool of reward workers) kills the generator (as the out-of-memory
+    killer would) or freezes it (SIGSTOP) in its 4th batch: the run exits 1 within --generator-timeout with one line, the checkpoint of the last
+    step trained is written, and the run resumes from it to the end."""
+    sig = "signal.SIGKILL" if how == "killed" else "signal.SIGSTOP"
+    bad = DYING_REWARD.format(tests=str(REPO / "tests"), calls=str(tmp_path / "calls"), after=3 * 8, sig=sig)
+    (tmp_path / "bad.py").write_text(bad)
+    flags = _flags(tiny_peaky, toy_prompts, tmp_path / "out", "--total-steps", 5, "--generator-timeout", 20)
+    flags[flags.index(TOY_REWARD)] = f"{tmp_path}/bad.py:compute_score"
+    t0 = time.time()
+    proc = run_script("async_grpo.py", *flags, env={"TOY_MODEL": tiny_peaky}, check=False)
+    assert proc.returncode == 1 and time.time() - t0 < 200, proc.stderr[-3000:]
+    line = [x for x in proc.stderr.splitlines() if x.startswith("[cleanrlhf] step")]
+    want = (
+        "died with exit code -9 (killed: out of memory?)" if how == "killed" else "no batch from the generator in 20 s"
+    )
+    assert len(line) == 1 and want in line[0] and "resume with --resume" in line[0], proc.stderr[-2000:]
+    run = only_run(tmp_path / "out")
+    steps = sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*"))
+    assert steps[-1] == 3 == len(read_metrics(run))  # the last step trained is saved
+    if how == "killed":  # the reward file fixed (the same flags: a resume refuses others): runs to the end
+        (tmp_path / "bad.py").write_text(bad.replace(f"> {3 * 8}:", "> 10**9:"))
+        run_script("async_grpo.py", *flags, "--resume", run, env={"TOY_MODEL": tiny_peaky})
+        assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.e2e
+def test_flags_it_refuses_are_one_line():
+    proc = subprocess.run(
+        [__import__("sys").executable, str(REPO / "algos/async_grpo.py"), "--max-off-policy-steps", "-1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--max-off-policy-steps" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_diff_against_grpo_stays_small():
+    out = subprocess.run(
+        ["diff", str(REPO / "algos/grpo_llm.py"), str(REPO / "algos/async_grpo.py")], capture_output=True, text=True
+    ).stdout
+    changed = [line for line in out.splitlines() if line[:1] in "<>"]
+    assert 0 < len(changed) <= 220, len(changed)
