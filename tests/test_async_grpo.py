@@ -243,3 +243,42 @@ def test_diff_against_grpo_stays_small():
     ).stdout
     changed = [line for line in out.splitlines() if line[:1] in "<>"]
     assert 0 < len(changed) <= 220, len(changed)
+
+
+@pytest.mark.distributed
+def test_ddp_trainer_with_a_generator_per_process_resumes_exactly(tiny_peaky, toy_prompts, tmp_path):
+    """2 DDP processes, each with its generator (K = 1): 4 steps straight = stopped at the step-2 checkpoint (each
+    rank's batch of step 3 in it, gathered) and resumed; both ranks' prompts are disjoint and each drawn once. Then
+    FSDP2 is refused in one line."""
+    from test_distributed import assert_ran, launch
+
+    env = {"TOY_MODEL": tiny_peaky}
+    flags = lambda out: _flags(tiny_peaky, toy_prompts, out, "--total-steps", 4, "--num-prompts", 4)  # noqa: E731
+    launch("async_grpo.py", *flags(tmp_path / "a"), "--save-every", 2, env=env)
+    straight = only_run(tmp_path / "a")
+    assert_ran(straight, "DDP")
+    copy = tmp_path / "b" / straight.name
+    shutil.copytree(straight, copy)
+    launch("async_grpo.py", *flags(tmp_path / "b"), "--resume", copy / "checkpoints" / "step_2", env=env)
+    a, b = read_metrics(straight), read_metrics(copy)
+    assert _strip(a) == _strip(b) and [r["async/staleness"] for r in a] == [0, 1, 1, 1]
+    ids = [i for x in (copy / "batches.jsonl").read_text().splitlines() for i in json.loads(x)["prompt_ids"]]
+    assert len(ids) == 16 == len(set(ids))  # 4 steps x 4 prompts (2 per rank), none twice
+    with pytest.raises(AssertionError, match="async_grpo.py runs one process or DDP"):
+        launch("async_grpo.py", *flags(tmp_path / "c"), env=env, config="cpu_2proc_fsdp2")
+
+
+@pytest.mark.vllm
+def test_vllm_engine_in_the_generator_process(tmp_path_factory, toy_prompts, tmp_path):
+    """--rollout-engine vllm: the generator process holds the engine and its copy of the policy; the engine gets
+    each pushed version (on the staleness-0 first step, pi_old vs the sampler is the engine's own small gap; after
+    that the gap is the staleness, which the --tis-cap weights correct)."""
+    pytest.importorskip("vllm")
+    from common import models as M
+
+    model = M.tiny_model(tmp_path_factory.mktemp("peaky_vllm_async"), heads=1, init_std=0.2)
+    run_script("async_grpo.py", *_flags(model, toy_prompts, tmp_path, "--total-steps", 4, "--rollout-engine", "vllm"),
+               env={"TOY_MODEL": model})  # fmt: skip
+    rows = read_metrics(only_run(tmp_path))
+    assert [r["async/staleness"] for r in rows] == [0, 1, 1, 1]
+    assert rows[0]["train/sampler_logprob_diff"] < 1e-3 < max(r["train/sampler_logprob_diff"] for r in rows[1:])
