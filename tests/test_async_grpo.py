@@ -282,3 +282,19 @@ def test_vllm_engine_in_the_generator_process(tmp_path_factory, toy_prompts, tmp
     rows = read_metrics(only_run(tmp_path))
     assert [r["async/staleness"] for r in rows] == [0, 1, 1, 1]
     assert rows[0]["train/sampler_logprob_diff"] < 1e-3 < max(r["train/sampler_logprob_diff"] for r in rows[1:])
+
+
+@pytest.mark.e2e
+def test_multi_turn_environment_in_the_generator_process(tiny_agent, toy_prompts, tmp_path):
+    """--env feedback runs in the generator process (K = 1): turns, the environment's metrics and the sampled ids
+    come back with the batch; with staleness 0 on step 1 the trainer scores exactly what was sampled."""
+    flags = [
+        "--model-name-or-path", tiny_agent, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD,
+        "--output-dir", tmp_path, "--env", "feedback", "--max-turns", 3, "--max-new-tokens", 40,
+        "--max-trajectory-tokens", 160, "--num-prompts", 4, "--group-size", 2, "--mini-batch-size", 8,
+        "--micro-batch-size", 4, "--learning-rate", 3e-3, "--eval-every", 0, "--total-steps", 2,
+    ]  # fmt: skip
+    run_script("async_grpo.py", *flags, env={"TOY_MODEL": tiny_agent})
+    rows = read_metrics(only_run(tmp_path))
+    assert rows[0]["env/turns"] > 1 and all("env/solved_turn" in r and "env/obs_frac" in r for r in rows)
+    assert rows[0]["train/sampler_logprob_diff"] < 1e-4 and [r["async/staleness"] for r in rows] == [0, 1]
