@@ -516,6 +516,7 @@ def main(args: Args):
             run.log(step, metrics, samples)  # + evaluation when due, health warnings, --save-best
 
     generator.stop()
+    del mailbox, generator  # their semaphores, freed before exit
     return run.end()
 
 

@@ -186,6 +186,9 @@ class GeneratorProcess:
             self.proc.kill()
             self.proc.join(10)
         self.proc = None
+        atexit.unregister(self.stop)
+        # the queue's and the mailbox's semaphores: freed now, not at exit (else a "leaked semaphore" warning)
+        self.queue, self.kwargs = None, {}
 
 
 def split_threads(max_off_policy_steps: int, generator_threads: int) -> tuple[int, int]:
