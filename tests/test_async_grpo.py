@@ -194,20 +194,21 @@ def compute_score(*a, **k):
     with open({calls!r}, "a") as f:  # calls counted across the reward pool's worker processes
         f.write(".")
     if os.path.getsize({calls!r}) > {after}:  # the 4th batch: kill (or freeze) the generator, the pool's parent
-        os.kill(os.getppid(), {sig})
+        {action}
     return toy(*a, **k)
 """
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("how", ["killed", "hangs"])
+@pytest.mark.parametrize("how", ["killed", "hangs", "raises"])
 def test_a_generator_that_dies_or_hangs_ends_the_run_with_one_line_and_a_checkpoint(how, tiny_peaky, toy_prompts,
                                                                                      tmp_path):  # fmt: skip
     """The reward function (run by the generator's pool of reward workers) kills the generator (as the out-of-memory
-    killer would) or freezes it (SIGSTOP) in its 4th batch: the run exits 1 within --generator-timeout with one line, the checkpoint of the last
+    killer would), freezes it (SIGSTOP) or raises in its 4th batch: the run exits 1 within --generator-timeout with one line, the checkpoint of the last
     step trained is written, and the run resumes from it to the end."""
-    sig = "signal.SIGKILL" if how == "killed" else "signal.SIGSTOP"
-    bad = DYING_REWARD.format(tests=str(REPO / "tests"), calls=str(tmp_path / "calls"), after=3 * 8, sig=sig)
+    action = {"killed": "os.kill(os.getppid(), signal.SIGKILL)", "hangs": "os.kill(os.getppid(), signal.SIGSTOP)",
+              "raises": "raise ValueError('a bug in the reward')"}[how]  # fmt: skip
+    bad = DYING_REWARD.format(tests=str(REPO / "tests"), calls=str(tmp_path / "calls"), after=3 * 8, action=action)
     (tmp_path / "bad.py").write_text(bad)
     flags = _flags(tiny_peaky, toy_prompts, tmp_path / "out", "--total-steps", 5, "--generator-timeout", 20)
     flags[flags.index(TOY_REWARD)] = f"{tmp_path}/bad.py:compute_score"
@@ -215,13 +216,14 @@ def test_a_generator_that_dies_or_hangs_ends_the_run_with_one_line_and_a_checkpo
     proc = run_script("async_grpo.py", *flags, env={"TOY_MODEL": tiny_peaky}, check=False)
     assert proc.returncode == 1 and time.time() - t0 < 200, proc.stderr[-3000:]
     line = [x for x in proc.stderr.splitlines() if x.startswith("[cleanrlhf] step")]
-    want = (
-        "died with exit code -9 (killed: out of memory?)" if how == "killed" else "no batch from the generator in 20 s"
-    )
+    want = {"killed": "died with exit code -9 (killed: out of memory?)", "hangs": "no batch from the generator in 20 s",
+            "raises": "the generator raised RewardError"}[how]  # fmt: skip
     assert len(line) == 1 and want in line[0] and "resume with --resume" in line[0], proc.stderr[-2000:]
     run = only_run(tmp_path / "out")
     steps = sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*"))
     assert steps[-1] == 3 == len(read_metrics(run))  # the last step trained is saved
+    if how == "raises":  # its traceback, in the run folder
+        assert "ValueError('a bug in the reward')" in (run / "generator_error_rank0.txt").read_text()
     if how == "killed":  # the reward file fixed (the same flags: a resume refuses others): runs to the end
         (tmp_path / "bad.py").write_text(bad.replace(f"> {3 * 8}:", "> 10**9:"))
         run_script("async_grpo.py", *flags, "--resume", run, env={"TOY_MODEL": tiny_peaky})
