@@ -168,6 +168,13 @@ def test_k1_is_one_update_behind_resumes_exactly_and_consumes_each_prompt_once(t
         assert json.loads((run / "staleness.json").read_text()) == {"0": 1, "1": 8}
     args = json.loads((straight / "args.json").read_text())
     assert args["old_logprobs_from"] == "trainer" and args["max_off_policy_steps"] == 1
+    # as users chain runs: the checkpoint's policy folder as the model, K and the length from a --config preset
+    (tmp_path / "preset.yaml").write_text("max_off_policy_steps: 2\ntotal_steps: 2\n")
+    flags = _flags(str(copy / "checkpoints" / "step_9" / "policy"), toy_prompts, tmp_path / "c", "--kl-coef", 0.05)
+    run_script("async_grpo.py", "--config", tmp_path / "preset.yaml", *flags, env=env)
+    chained = only_run(tmp_path / "c")
+    assert json.loads((chained / "args.json").read_text())["max_off_policy_steps"] == 2
+    assert [r["async/staleness"] for r in read_metrics(chained)] == [0, 1]
 
 
 @pytest.mark.e2e
