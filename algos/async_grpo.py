@@ -30,11 +30,11 @@ import tyro
 
 from common import models as M
 from common.args import (
-    Check, EnvArgs, GenerationArgs, Group, MismatchArgs, ModelArgs, NonNegFloat, NonNegInt, OptimArgs, PositiveFloat, PositiveInt,
-    PromptArgs, RewardArgs, RunArgs, group,
+    RESUME_MAY_CHANGE, Check, EnvArgs, GenerationArgs, Group, MismatchArgs, ModelArgs, NonNegFloat, NonNegInt, OptimArgs,
+    PositiveFloat, PositiveInt, PromptArgs, RewardArgs, RunArgs, group,
 )
 from common.async_rollout import (
-    BatchLog, BatchStream, GeneratorFailed, GeneratorProcess, WeightMailbox, end_on_failure, split_threads,
+    BatchLog, BatchStream, GeneratorFailed, GeneratorProcess, end_on_failure, generator_env, make_mailbox, split_threads,
 )
 from common.cli import cli
 from common.data import Sampler
@@ -112,6 +112,10 @@ class Args:
     """the generator process's torch threads (-1: every core when K = 0, else half; the trainer gets the rest)"""
     generator_timeout: PositiveFloat = 900.0
     """seconds without a batch (or the generator's load of the weights it needs) before the run ends"""
+    weight_sync: Annotated[Literal["shm", "broadcast"], RESUME_MAY_CHANGE] = "shm"
+    """how pushed weights reach the generator: shared CPU memory, or a broadcast (NCCL GPU to GPU, gloo on CPU)"""
+    generator_device: Annotated[str, RESUME_MAY_CHANGE] = ""
+    """the generator's device: "" the trainer's, cuda:N, +N (N GPUs after the trainer's: one per DDP rank), cpu"""
     health: HealthConfig = field(default_factory=HealthConfig)
     """training-health warning thresholds (--health.kl-max, ...; docs/experiments.md)"""
 
@@ -376,13 +380,14 @@ def main(args: Args):
         "sapo": lambda lp, old, a, m: sapo_loss(lp, old, a, *args.sapo_tau),
     }[args.loss_type]
 
-    # ALGO LOGIC: the generator process, its weights (version n: the policy after n updates) through shared memory
+    # ALGO LOGIC: the generator process, its weights (version n: the policy after n updates) by --weight-sync
     policy_module = accelerator.unwrap_model(policy)  # (DDP's module) whose weights are pushed
-    mailbox = WeightMailbox(policy_module, run.start_step, run.start_step + len(batches.ready),
-                            GeneratorProcess.context())  # fmt: skip
+    mailbox = make_mailbox(args.weight_sync, policy_module, run.start_step, run.start_step + len(batches.ready),
+                           GeneratorProcess.context(), args.generator_timeout)  # fmt: skip
     generator = GeneratorProcess(generate_batches, dict(args=args, rank=accelerator.process_index, W=W,
                                  first_version=run.start_step, mailbox=mailbox), max_ahead=K + 1,
-                                 threads=generator_threads, timeout=args.generator_timeout)  # fmt: skip
+                                 threads=generator_threads, timeout=args.generator_timeout,
+                                 env=generator_env(device, args.generator_device, args.weight_sync))  # fmt: skip
     batches.start(generator, run.start_step + 1, sampler.state_dict())
     batch_log, push_s = BatchLog(accelerator, run.dir, run.start_step), 0.0
 

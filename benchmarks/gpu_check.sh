@@ -6,7 +6,8 @@
 # Checks: 1. the default GPU precision (float32 master weights, bf16 autocast): the fraction of weights that
 # move after 10 AdamW steps at the RL learning rate, and the step time; 2. --dtype bfloat16 (KahanAdamW):
 # the same figure; 3. the vllm engine with --vllm-sleep: sleep/wake and the weight push after each update
-# (sampler-trainer gap per step); 4. QLoRA 4-bit (bitsandbytes) GRPO steps; 5. FSDP2 on one GPU.
+# (sampler-trainer gap per step); 4. QLoRA 4-bit (bitsandbytes) GRPO steps; 5. FSDP2 on one GPU; 6. async_grpo's
+# two weight routes (the NCCL broadcast needs a second GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
@@ -78,4 +79,11 @@ echo "== 4. QLoRA 4-bit"
 grpo qlora python algos/grpo_llm.py --load-in-4bit --lora-r 16 --learning-rate 1e-4
 echo "== 5. FSDP2 on one GPU"
 grpo fsdp2_1gpu accelerate launch --config_file configs/accelerate/fsdp2.yaml --num_processes 1 algos/grpo_llm.py
+echo "== 6. async_grpo: the generator on its trainer's GPU (shm route), then on a second GPU with the NCCL broadcast"
+grpo async_shm python algos/async_grpo.py --max-off-policy-steps 1
+if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    grpo async_nccl python algos/async_grpo.py --max-off-policy-steps 1 --weight-sync broadcast --generator-device +1
+else
+    echo "CHECK async_nccl: skipped (needs 2 GPUs: NCCL joins one process per GPU)"
+fi
 echo "logs and runs: $OUT"

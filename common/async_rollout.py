@@ -8,13 +8,15 @@ hands back (algos/async_grpo.py; docs/async.md).
     for step: batch = gen.get(step)                    batch = sample and score (the script's own code)
               update; mailbox.push(policy, step)       put(batch)          (a bounded queue: at most K+1 ahead)
 
-Weights travel through shared CPU memory: the trainer copies its trainable tensors into one shared buffer per
-tensor (`push`), the generator copies them out into its model (`load_into`), both under one lock, so a sample
-never sees half a push. The push of version v waits until the generator has loaded version v-1 when a batch still
-needs it (the buffer holds one version): every batch is sampled by exactly the version its step asks for, whatever
-the timing, so a run is reproducible (and resumable exactly). On GPUs the same route goes through host memory
-(a device-to-host and a host-to-device copy per push); NCCL broadcast or CUDA IPC, which vLLM's own weight
-transfer uses, would skip it and is not written here (no GPU to test it on: docs/async.md).
+Two routes for the weights (--weight-sync), one contract. `shm` (WeightMailbox): the trainer copies its trainable
+tensors into shared CPU memory (`push`), the generator copies them out into its model (`load_into`), both under one
+lock, so a sample never sees half a push; on GPUs that is a device-to-host and a host-to-device copy per push.
+`broadcast` (BroadcastMailbox): the trainer copies them into a staging buffer on its own device and a collective
+broadcast in a process group of two (the trainer and its generator: NCCL between two GPUs, gloo on CPU) sends them
+straight into the generator's device, the route vLLM's and TRL's weight updates take (docs/async.md). Either way
+the push of version v waits until the generator has loaded version v-1 when a batch still needs it (one version is
+held): every batch is sampled by exactly the version its step asks for, whatever the timing, so a run is
+reproducible (and resumable exactly).
 
 Every wait is bounded: a generator that raised, died (out of memory: killed) or stopped answering ends the run
 with one line (`GeneratorFailed`), never a hang."""
@@ -22,11 +24,13 @@ with one line (`GeneratorFailed`), never a hang."""
 from __future__ import annotations
 
 import atexit
+import datetime
 import json
 import os
 import pickle
 import queue
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -48,6 +52,18 @@ def trainable_tensors(model) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
+def _wait(changed, ready, timeout: float, timed_out: str, alive=lambda: True) -> None:
+    """Holding the condition `changed`: wait until ready(); GeneratorFailed if the generator died (alive() false) or
+    after `timeout` seconds (`timed_out` says what)."""
+    t0 = time.time()
+    while not ready():
+        if not alive():
+            raise GeneratorFailed("the generator process died before loading the weights it needed")
+        if time.time() - t0 > timeout:
+            raise GeneratorFailed(timed_out)
+        changed.wait(1.0)
+
+
 class WeightMailbox:
     """One version of the policy's trainable weights in shared CPU memory, with its version number.
     Made by the trainer, handed to the generator process (it pickles as shared-memory handles)."""
@@ -65,12 +81,8 @@ class WeightMailbox:
         spent, waiting included."""
         t0 = time.time()
         with self.changed:
-            while self.loaded_for.value < after_step:
-                if not alive():
-                    raise GeneratorFailed("the generator process died before loading the weights it needed")
-                if time.time() - t0 > timeout:
-                    raise GeneratorFailed(f"the generator did not reach step {after_step} in {timeout:g} s")
-                self.changed.wait(1.0)
+            _wait(self.changed, lambda: self.loaded_for.value >= after_step, timeout,
+                  f"the generator did not reach step {after_step} in {timeout:g} s", alive)  # fmt: skip
             with torch.no_grad():
                 for n, t in trainable_tensors(model).items():
                     self.buffers[n].copy_(t.detach())
@@ -81,12 +93,9 @@ class WeightMailbox:
     def load_into(self, model, needed: int, step: int, have: int | None, timeout: float) -> int:
         """Generator side, before sampling the batch of `step`: wait until a version >= `needed` is in, copy it
         into `model` unless `model` already holds it (`have`), return the version."""
-        t0 = time.time()
         with self.changed:
-            while self.version.value < needed:
-                if time.time() - t0 > timeout:
-                    raise GeneratorFailed(f"no weights version {needed} from the trainer in {timeout:g} s")
-                self.changed.wait(1.0)
+            _wait(self.changed, lambda: self.version.value >= needed, timeout,
+                  f"no weights version {needed} from the trainer in {timeout:g} s")  # fmt: skip
             version = self.version.value
             if version != have:
                 with torch.no_grad():
@@ -96,6 +105,169 @@ class WeightMailbox:
             self.loaded_for.value = step
             self.changed.notify_all()
         return version
+
+
+class BroadcastMailbox:
+    """WeightMailbox's contract (push / load_into, the same waits), the weights sent by a broadcast from the trainer
+    to its generator in a process group of the two: NCCL when the trainer is on a GPU (the generator must be on
+    another GPU: NCCL joins one process per device; --generator-device), gloo on CPU. The trainer copies its
+    trainable tensors into one flat staging buffer per dtype on its device (`push`, under the lock: no half push);
+    a sender thread broadcasts the buffers when the generator asks for the version in them (`load_into`); the
+    trainer trains on meanwhile, and only overwrites the buffers once the generator has received them.
+
+    Why by hand: torch.distributed's default group is the trainers' own (DDP); the generator is outside it, so the
+    pair gets a group of its own from a TCPStore (what vLLM's StatelessProcessGroup does)."""
+
+    def __init__(self, model, version: int, loaded_for: int, ctx, timeout: float = 900.0):
+        self.version, self.loaded_for = ctx.Value("q", version), ctx.Value("q", loaded_for)
+        self.wanted, self.changed = ctx.Value("q", -1), ctx.Condition()  # the version the generator asks for
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self._store = torch.distributed.TCPStore("127.0.0.1", 0, 2, True, timeout=self.timeout, wait_for_workers=False)
+        self.port, tensors = self._store.port, trainable_tensors(model)
+        self.cuda = next(iter(tensors.values())).device.type == "cuda"
+        self.layout = self._layout(tensors)  # [(name, dtype, offset, numel, shape)], the same on both sides
+        self._staging = self._buffers(next(iter(tensors.values())).device)
+        self._copy(tensors, into_staging=True)
+        self._sending = threading.Lock()
+        self._sender = threading.Thread(target=self._send_loop, args=(next(iter(tensors.values())).device,),
+                                        daemon=True)  # fmt: skip
+        self._sender.start()
+
+    def __getstate__(self):  # what the generator process gets: the shared values, the port, the layout
+        keep = ("version", "loaded_for", "wanted", "changed", "timeout", "port", "cuda", "layout")
+        return {k: self.__dict__[k] for k in keep}
+
+    @staticmethod
+    def _layout(tensors) -> list[tuple]:
+        offsets, out = {}, []
+        for n, t in tensors.items():
+            out.append((n, t.dtype, offsets.get(t.dtype, 0), t.numel(), tuple(t.shape)))
+            offsets[t.dtype] = offsets.get(t.dtype, 0) + t.numel()
+        return out
+
+    def _buffers(self, device) -> dict:
+        sizes = {}
+        for _, dtype, off, numel, _ in self.layout:
+            sizes[dtype] = max(sizes.get(dtype, 0), off + numel)
+        return {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
+
+    def _copy(self, tensors, into_staging: bool, buffers=None) -> None:
+        buffers = self._staging if buffers is None else buffers
+        with torch.no_grad():
+            for name, dtype, off, numel, shape in self.layout:
+                flat = buffers[dtype][off : off + numel].view(shape)
+                (flat if into_staging else tensors[name]).copy_(tensors[name] if into_staging else flat)
+
+    def _group(self, store, rank: int):
+        """The pair's process group (rank 0: the trainer)."""
+        store = torch.distributed.PrefixStore("weights", store)
+        if self.cuda:
+            options = torch.distributed.ProcessGroupNCCL.Options()
+            options._timeout = self.timeout
+            return torch.distributed.ProcessGroupNCCL(store, rank, 2, options)
+        return torch.distributed.ProcessGroupGloo(store, rank, 2, self.timeout)
+
+    def _broadcast(self, group, buffers) -> None:
+        options = torch.distributed.BroadcastOptions()
+        options.rootRank = 0
+        for dtype in sorted(buffers, key=str):
+            group.broadcast([buffers[dtype]], options).wait()
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def _send_loop(self, device) -> None:
+        """Trainer side, a thread: join the pair's group, then broadcast the staging buffers whenever the generator
+        asks for a version it has not had. A failed send (the generator died) ends the thread; the trainer's waits
+        then see the generator gone or time out."""
+        if self.cuda:
+            torch.cuda.set_device(device)
+        try:
+            group, sent = self._group(self._store, 0), -1
+            while True:
+                with self.changed:
+                    if self.wanted.value <= sent:
+                        self.changed.wait(0.5)
+                        continue
+                    want = self.wanted.value
+                with self._sending:  # the buffers hold `want`: push() cannot overwrite them before it is received
+                    self._broadcast(group, self._staging)
+                sent = want
+        except Exception:  # noqa: BLE001 -- the generator died mid-send: its death is reported by the trainer's waits
+            return
+
+    def push(self, model, version: int, after_step: int, timeout: float, alive) -> float:
+        """Trainer side: as WeightMailbox.push, into the staging buffers."""
+        t0 = time.time()
+        with self.changed:
+            _wait(self.changed, lambda: self.loaded_for.value >= after_step, timeout,
+                  f"the generator did not reach step {after_step} in {timeout:g} s", alive)  # fmt: skip
+            with self._sending:
+                self._copy(trainable_tensors(model), into_staging=True)
+                if self.cuda:
+                    torch.cuda.synchronize()
+            self.version.value = version
+            self.changed.notify_all()
+        return time.time() - t0
+
+    def load_into(self, model, needed: int, step: int, have: int | None, timeout: float) -> int:
+        """Generator side: as WeightMailbox.load_into, receiving the version by broadcast (the first call joins the
+        pair's group)."""
+        params = trainable_tensors(model)
+        if not hasattr(self, "_group_"):
+            store = torch.distributed.TCPStore("127.0.0.1", self.port, 2, False, timeout=self.timeout)
+            self._group_, self._recv = self._group(store, 1), self._buffers(next(iter(params.values())).device)
+        with self.changed:
+            _wait(self.changed, lambda: self.version.value >= needed, timeout,
+                  f"no weights version {needed} from the trainer in {timeout:g} s")  # fmt: skip
+            version = self.version.value
+            if version != have:
+                self.wanted.value = version
+                self.changed.notify_all()
+        if version != have:  # outside the lock: the sender thread takes it to see what is wanted
+            self._broadcast(self._group_, self._recv)
+            self._copy(params, into_staging=False, buffers=self._recv)
+        with self.changed:
+            self.loaded_for.value = step
+            self.changed.notify_all()
+        return version
+
+
+def make_mailbox(route: str, model, version: int, loaded_for: int, ctx, timeout: float):
+    """--weight-sync: "shm" (WeightMailbox) or "broadcast" (BroadcastMailbox)."""
+    if route == "broadcast":
+        return BroadcastMailbox(model, version, loaded_for, ctx, timeout)
+    return WeightMailbox(model, version, loaded_for, ctx)
+
+
+def generator_env(trainer_device: torch.device, generator_device: str, route: str) -> dict:
+    """The generator process's CUDA_VISIBLE_DEVICES: its --generator-device ("": the trainer's own device; "+N": N
+    GPUs after it, so DDP rank r's generator is on GPU r + N; "cuda:N", counted in the trainer's visible devices;
+    "cpu"), so each DDP rank's generator sits where it is told, not on the first GPU. The broadcast route over NCCL
+    needs two GPUs (one process per device): refused on one."""
+    from common.errors import UserError
+
+    if trainer_device.type != "cuda":
+        if generator_device not in ("", "cpu"):
+            raise UserError(f"--generator-device {generator_device}: the trainer runs on {trainer_device.type}; "
+                            "the generator can only use the CPU here")  # fmt: skip
+        return {}
+    if generator_device == "cpu":
+        if route == "broadcast":
+            raise UserError("--weight-sync broadcast with --generator-device cpu: NCCL sends GPU to GPU; use "
+                            "--weight-sync shm")  # fmt: skip
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    here, spec = trainer_device.index or 0, generator_device.removeprefix("cuda")
+    try:  # "" / "cuda": the trainer's GPU; "+N": N after it; "cuda:N" / ":N": GPU N
+        index = here + int(spec[1:] or 0) if spec in ("", "+") or spec.startswith("+") else int(spec.lstrip(":"))
+    except ValueError:
+        raise UserError(f"--generator-device {generator_device}: expected cpu, cuda:N or +N") from None
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if index >= (len(visible) if visible else torch.cuda.device_count()):
+        raise UserError(f"--generator-device {generator_device}: no such GPU here")
+    if route == "broadcast" and index == here:
+        raise UserError("--weight-sync broadcast puts the generator on the trainer's own GPU: NCCL needs one process "
+                        "per GPU; give it another with --generator-device cuda:N, or use --weight-sync shm")  # fmt: skip
+    return {"CUDA_VISIBLE_DEVICES": visible[index] if visible else str(index)}
 
 
 def _generator_entry(target, out, threads, env, kwargs):

@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from common.async_rollout import BatchStream, GeneratorFailed, WeightMailbox, split_threads
+from common.async_rollout import BatchStream, GeneratorFailed, generator_env, make_mailbox, split_threads
+from common.errors import UserError
 from conftest import REPO, only_run, read_metrics, run_script
 
 TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
@@ -25,9 +26,12 @@ def _ctx():
     return mp.get_context("spawn")
 
 
-def test_mailbox_push_waits_until_the_generator_loaded_the_last_step_of_the_old_version():
+@pytest.mark.parametrize("route", ["shm", "broadcast"])
+def test_mailbox_push_waits_until_the_generator_loaded_the_last_step_of_the_old_version(route):
+    """Both --weight-sync routes (broadcast: gloo between this thread and the sender thread) keep one contract."""
     trainer, gen = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
-    box = WeightMailbox(trainer, version=0, loaded_for=0, ctx=_ctx())
+    box = make_mailbox(route, trainer, version=0, loaded_for=0, ctx=_ctx(), timeout=30)
+    v0 = {n: p.detach().clone() for n, p in trainer.named_parameters()}
     with torch.no_grad():
         trainer.weight.fill_(1.0)
     pushed = []
@@ -36,7 +40,8 @@ def test_mailbox_push_waits_until_the_generator_loaded_the_last_step_of_the_old_
     time.sleep(0.3)
     assert t.is_alive() and box.version.value == 0  # waits: step 2's batch needs version 0 and is not loaded yet
     assert box.load_into(gen, needed=0, step=1, have=None, timeout=5) == 0
-    assert torch.equal(gen.weight, box.buffers["weight"]) and not torch.equal(gen.weight, trainer.weight)
+    assert torch.equal(gen.weight, v0["weight"]) and torch.equal(gen.bias, v0["bias"])
+    assert not torch.equal(gen.weight, trainer.weight)
     time.sleep(0.2)
     assert t.is_alive()  # step 1 loaded, step 2 not yet
     assert box.load_into(gen, needed=0, step=2, have=0, timeout=5) == 0  # holds version 0 already: no copy
@@ -45,15 +50,35 @@ def test_mailbox_push_waits_until_the_generator_loaded_the_last_step_of_the_old_
     assert box.load_into(gen, needed=1, step=3, have=0, timeout=5) == 1 and torch.equal(gen.weight, trainer.weight)
 
 
-def test_mailbox_timeouts_and_a_dead_generator_raise_instead_of_hanging():
+@pytest.mark.parametrize("route", ["shm", "broadcast"])
+def test_mailbox_timeouts_and_a_dead_generator_raise_instead_of_hanging(route):
     m = torch.nn.Linear(2, 2)
-    box = WeightMailbox(m, version=0, loaded_for=0, ctx=_ctx())
+    box = make_mailbox(route, m, version=0, loaded_for=0, ctx=_ctx(), timeout=30)
     with pytest.raises(GeneratorFailed, match="died"):
         box.push(m, 1, 5, timeout=30, alive=lambda: False)
     with pytest.raises(GeneratorFailed, match="did not reach step 5"):
         box.push(m, 1, 5, timeout=0.5, alive=lambda: True)
     with pytest.raises(GeneratorFailed, match="no weights version 3"):
         box.load_into(m, needed=3, step=4, have=0, timeout=0.5)
+
+
+def test_generator_device_picks_the_generators_gpu_and_refuses_what_nccl_cannot(monkeypatch):
+    """--generator-device as CUDA_VISIBLE_DEVICES of the generator process (counted in the trainer's visible GPUs);
+    broadcast over NCCL needs the generator on another GPU. The CPU tests' trainer on "cpu" changes nothing."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    rank1 = torch.device("cuda", 1)
+    got = {spec: generator_env(rank1, spec, "shm")["CUDA_VISIBLE_DEVICES"] for spec in ("", "+2", "cuda:3", "cpu")}
+    assert got == {"": "1", "+2": "3", "cuda:3": "3", "cpu": ""}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert generator_env(rank1, "+1", "broadcast") == {"CUDA_VISIBLE_DEVICES": "6"}
+    for spec, says in [("", "trainer's own GPU"), ("+3", "no such GPU"), ("gpu1", r"expected cpu, cuda:N or \+N"),
+                       ("cpu", "NCCL sends GPU to GPU")]:  # fmt: skip
+        with pytest.raises(UserError, match=says):
+            generator_env(rank1, spec, "broadcast")
+    assert generator_env(torch.device("cpu"), "", "broadcast") == {}
+    with pytest.raises(UserError, match="can only use the CPU"):
+        generator_env(torch.device("cpu"), "cuda:0", "shm")
 
 
 class _FakeAccelerator:
@@ -156,7 +181,9 @@ def test_k1_is_one_update_behind_resumes_exactly_and_consumes_each_prompt_once(t
     straight = only_run(tmp_path / "a")
     copy = tmp_path / "b" / straight.name
     shutil.copytree(straight, copy)
-    run_script("async_grpo.py", *flags(tmp_path / "b"), "--resume", copy / "checkpoints" / "step_4", env=env)
+    # resumed with the other weight route: broadcast (gloo) must deliver exactly the weights shared memory did
+    run_script("async_grpo.py", *flags(tmp_path / "b"), "--resume", copy / "checkpoints" / "step_4",
+               "--weight-sync", "broadcast", env=env)  # fmt: skip
     a, b = read_metrics(straight), read_metrics(copy)
     assert [r["async/staleness"] for r in a] == [0] + [1] * 8 and a[-1]["async/staleness_max"] == 1
     assert _strip(a) == _strip(b) and [r["step"] for r in a] == list(range(1, 10))
@@ -251,7 +278,7 @@ def test_diff_against_grpo_stays_small():
         ["diff", str(REPO / "algos/grpo_llm.py"), str(REPO / "algos/async_grpo.py")], capture_output=True, text=True
     ).stdout
     changed = [line for line in out.splitlines() if line[:1] in "<>"]
-    assert 0 < len(changed) <= 220, len(changed)
+    assert 0 < len(changed) <= 230, len(changed)
 
 
 @pytest.mark.distributed
@@ -268,7 +295,15 @@ def test_ddp_trainer_with_a_generator_per_process_resumes_exactly(tiny_peaky, to
     assert_ran(straight, "DDP")
     copy = tmp_path / "b" / straight.name
     shutil.copytree(straight, copy)
-    launch("async_grpo.py", *flags(tmp_path / "b"), "--resume", copy / "checkpoints" / "step_2", env=env)
+    launch(
+        "async_grpo.py",
+        *flags(tmp_path / "b"),
+        "--resume",
+        copy / "checkpoints" / "step_2",
+        "--weight-sync",
+        "broadcast",
+        env=env,
+    )  # each rank and its generator: a gloo group of their own
     a, b = read_metrics(straight), read_metrics(copy)
     assert _strip(a) == _strip(b) and [r["async/staleness"] for r in a] == [0, 1, 1, 1]
     ids = [i for x in (copy / "batches.jsonl").read_text().splitlines() for i in json.loads(x)["prompt_ids"]]
