@@ -53,7 +53,7 @@ from common.rollout import (
 )
 from common.run import Run
 from common.tasks import load_rl_prompts
-from common.vllm_engine import make_engine
+from common.vllm_engine import VLLMEngine, make_engine
 # fmt: on
 
 
@@ -70,6 +70,10 @@ class Args:
     """gkd: 0 forward KL(teacher || student), 1 reverse KL(student || teacher), between: the generalized JSD"""
     teacher_top_k: PositiveInt = 16
     """topk-fkl: the teacher's tokens per position the divergence sums over"""
+    teacher_engine: Literal["hf", "vllm"] = "hf"
+    """hf: the teacher in this process (placed like a reference model); vllm: served by a vLLM engine of its own,
+    which returns its prompt log-probs of the sampled tokens and its top-k (for a teacher too large to hold here;
+    --loss reverse-kl-pg or topk-fkl, temperature 1; train/kl is then the sampled-token estimate)"""
     lmbda: UnitFloat = 1.0
     """GKD's lambda: the share of steps trained on the student's own samples; the others use the data's reference
     responses (extra_info.response, else reward_model.ground_truth)"""
@@ -119,12 +123,11 @@ def generalized_jsd(student_logits, teacher_logits, beta):
     return beta * kl(lt, lm) + (1 - beta) * kl(ls, lm)
 
 
-def topk_forward_kl(student_logits, teacher_logits, k):
-    """verl's top-k forward KL: the teacher's k most likely tokens, their probabilities renormalised to q, against
-    the student's log-probs of them: sum_k q_k (log q_k - log p_S(k)) >= 0, zero when the student puts q on the
-    top-k and nothing elsewhere. Only k numbers per position come from the teacher (what a served teacher
-    returns). (b, t, V) x2 -> (b, t)."""
-    top, index = F.log_softmax(teacher_logits.float(), -1).topk(k, -1)  # (b, t, k)
+def topk_forward_kl(student_logits, top, index):
+    """verl's top-k forward KL: the teacher's k most likely tokens (`index`, their log-probs `top`), their
+    probabilities renormalised to q, against the student's log-probs of them: sum_k q_k (log q_k - log p_S(k)) >= 0,
+    zero when the student puts q on the top-k and nothing elsewhere. Only k numbers per position come from the
+    teacher (what a served teacher returns). (b, t, V), (b, t, k) x2 -> (b, t)."""
     lq = top - torch.logsumexp(top, -1, keepdim=True)  # (b, t, k) renormalised
     ls = F.log_softmax(student_logits.float(), -1).gather(-1, index)  # (b, t, k)
     return (lq.exp() * (lq - ls)).sum(-1)
@@ -175,8 +178,18 @@ def main(args: Args):
 
     # ALGO LOGIC: the student (trained) and the teacher (frozen, placed and sharded like a reference model)
     policy = M.load_causal_lm(args.model.model_name_or_path, tok, **M.train_kwargs(args.model))
-    teacher = M.load_causal_lm(args.teacher, tok, **M.frozen_kwargs(args.model))
-    teacher = prepare_frozen(accelerator, teacher, under_autocast=True)  # its forwards run in accelerator.autocast()
+    if args.teacher_engine == "hf":  # frozen, its forwards in accelerator.autocast()
+        teacher = M.load_causal_lm(args.teacher, tok, **M.frozen_kwargs(args.model))
+        teacher = prepare_frozen(accelerator, teacher, under_autocast=True)
+    else:  # served: its own weights, never synced; the k log-probs per position that topk-fkl needs
+        if args.loss == "gkd" or args.gen.temperature != 1:
+            raise UserError(
+                "--teacher-engine vllm returns log-probs at temperature 1 for k tokens per position: use "
+                "--loss reverse-kl-pg or topk-fkl with --temperature 1 (gkd needs the whole vocabulary)"
+            )
+        teacher = VLLMEngine(str(M.resolve_model_path(args.teacher)), tok, max_len, args.run.seed,
+                             gpu_memory_utilization=args.gen.vllm_gpu_memory_utilization,
+                             kv_cache_gb=args.gen.vllm_kv_cache_gb, trust_remote_code=args.model.trust_remote_code)  # fmt: skip
     opt, sched = adamw(policy, args.optim, args.run.total_steps)
 
     # ------------------------------------------------------- checkpoint state, run folder  # TRY NOT TO MODIFY
@@ -223,6 +236,12 @@ def main(args: Args):
         P, T = queries.shape[1], responses.shape[1]
         query_responses = torch.cat([queries, responses], 1)  # (B, P+T)
         attn = sequence_attention_mask(query_mask, T)  # (B, P+T)
+        # a served teacher: (B, T) the sampled tokens' log-probs, (B, T, k) x2 its top-k log-probs and token ids
+        served = (
+            teacher.score(queries, query_mask, responses, mask, args.teacher_top_k)
+            if args.teacher_engine == "vllm"
+            else None
+        )
 
         # ------------------------------------------------------------------ 2. teacher grades, 3. update
         t_train, n_tokens = time.time(), global_mean_divisor(mask.sum())  # token-mean over all ranks' tokens
@@ -231,24 +250,33 @@ def main(args: Args):
         for k, m in enumerate(micros):
             micro, cut = m.ids, slice(P - m.p, P + m.t)
             qr, am, m_mask = query_responses[micro, cut], attn[micro, cut], mask[micro, : m.t]  # (b, p+t), (b, t)
-            with torch.no_grad(), accelerator.autocast():
-                teacher_logits = response_logits(teacher, qr, am, m.p, temperature)  # (b, t, V)
-                teacher_lp = F.log_softmax(teacher_logits, -1)  # (b, t, V) for the sampled-token loss and the metrics
+            index = qr[:, m.p :, None]  # (b, t, 1) the sampled tokens
+            if served is None:
+                with torch.no_grad(), accelerator.autocast():
+                    teacher_logits = response_logits(teacher, qr, am, m.p, temperature)  # (b, t, V)
+                    teacher_lp = F.log_softmax(teacher_logits, -1)  # (b, t, V)
+                t_token, (t_top, t_index) = teacher_lp.gather(-1, index)[..., 0], teacher_lp.topk(args.teacher_top_k)
+            else:
+                t_token, t_top, t_index = (x[micro, : m.t] for x in served)  # (b, t), (b, t, k) x2
             with accelerator.autocast():
                 logits = response_logits(policy, qr, am, m.p, temperature)  # (b, t, V)
             if args.loss == "reverse-kl-pg":
-                index = qr[:, m.p :, None]  # (b, t, 1) the sampled tokens
                 lp = F.log_softmax(logits, -1).gather(-1, index)[..., 0]  # (b, t)
-                token_loss = reverse_kl_pg_loss(lp, teacher_lp.gather(-1, index)[..., 0], m_mask)[0]
+                token_loss = reverse_kl_pg_loss(lp, t_token, m_mask)[0]
             elif args.loss == "gkd":
                 token_loss = generalized_jsd(logits, teacher_logits, args.beta)  # (b, t)
             else:
-                token_loss = topk_forward_kl(logits, teacher_logits, args.teacher_top_k)  # (b, t)
+                token_loss = topk_forward_kl(logits, t_top, t_index)  # (b, t)
             loss = (token_loss * m_mask).sum() / n_tokens
             backward(accelerator, policy, loss, last=k == len(micros) - 1)
-            with torch.no_grad():  # the exact reverse KL per token, and the student's entropy, over the vocabulary
+            with (
+                torch.no_grad()
+            ):  # the reverse KL per token (exact over the vocabulary; served: the sampled k1), entropy
                 ls = F.log_softmax(logits, -1)  # (b, t, V)
-                kl = (ls.exp() * (ls - teacher_lp)).sum(-1) * m_mask  # (b, t) KL(student || teacher), as gkd at beta 1
+                kl = (
+                    (ls.exp() * (ls - teacher_lp)).sum(-1) if served is None else ls.gather(-1, index)[..., 0] - t_token
+                )
+                kl = kl * m_mask  # (b, t) KL(student || teacher), as gkd at beta 1
                 ent = -(ls.exp() * ls).sum(-1) * m_mask  # (b, t)
                 last = (m_mask.sum(1).long() - 1).clamp(min=0)  # (b,) each row's last real token
                 stats["kl_first"] += kl[:, 0].sum()
@@ -268,7 +296,7 @@ def main(args: Args):
             metrics = {
                 "train/reward": all_scores.mean().item(),
                 "train/reward_std": all_scores.std().item() if all_scores.numel() > 1 else 0.0,
-                "train/kl": per("kl", tokens),  # KL(student || teacher) per token, exact over the vocabulary
+                "train/kl": per("kl", tokens),  # KL(student || teacher) per token
                 "train/kl_first_token": per("kl_first", seqs),
                 "train/kl_last_token": per("kl_last", seqs),
                 "train/entropy": per("ent", tokens),

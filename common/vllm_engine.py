@@ -262,6 +262,37 @@ class VLLMEngine:
             logprobs * mask if seeds is not None else None,
         )
 
+    def score(self, queries, query_mask, responses, response_mask, top_k: int):
+        """A served teacher: vLLM's prompt log-probs of each (query, response), at temperature 1 (the engine's own
+        weights: it is not synced). Returns, per response position, (B, T) the response token's log-prob and
+        (B, T, k) the k most likely tokens' log-probs and (B, T, k) their ids; 0 past each response's end."""
+        from vllm import SamplingParams
+
+        B, T = responses.shape
+        seqs = [q[qm.bool()].tolist() + r[rm.bool()].tolist()
+                for q, qm, r, rm in zip(queries.cpu(), query_mask.cpu(), responses.cpu(), response_mask.cpu())]  # fmt: skip
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=top_k, detokenize=False)
+        self._wake()
+        try:
+            outs = self.llm.generate([{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
+        finally:
+            self._sleep()
+        token_lp, top_lp, top_ids = (
+            torch.zeros(B, T),
+            torch.zeros(B, T, top_k),
+            torch.zeros(B, T, top_k, dtype=torch.long),
+        )
+        for i, (o, seq) in enumerate(zip(outs, seqs)):
+            start = int(query_mask[i].sum())  # prompt_logprobs[j]: the log-probs that predicted seq[j] (None at 0)
+            for j in range(len(seq) - start):
+                ranked = sorted(o.prompt_logprobs[start + j].items(), key=lambda kv: kv[1].rank)  # the token, top-k
+                token_lp[i, j] = o.prompt_logprobs[start + j][seq[start + j]].logprob
+                top = [kv for kv in ranked if kv[1].rank <= top_k][:top_k]
+                top_ids[i, j] = torch.tensor([t for t, _ in top])
+                top_lp[i, j] = torch.tensor([lp.logprob for _, lp in top])
+        device = queries.device
+        return token_lp.to(device), top_lp.to(device), top_ids.to(device)
+
 
 def make_engine(gen, model, tok, policy, accelerator=None, max_model_len: int | None = None, seed: int = 0):
     """The scripts' --rollout-engine, from GenerationArgs `gen` and ModelArgs `model` (common.args): None for hf

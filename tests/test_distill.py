@@ -52,12 +52,12 @@ def test_topk_forward_kl_against_numpy():
             top = np.argsort(-lt[i, j])[:k]
             q = np.exp(lt[i, j, top]) / np.exp(lt[i, j, top]).sum()
             want[i, j] = (q * (np.log(q) - ls[i, j, top])).sum()
-    got = D.topk_forward_kl(s, t, k).numpy()
+    got = D.topk_forward_kl(s, *torch.log_softmax(t, -1).topk(k, -1)).numpy()
     assert np.allclose(got, want, atol=1e-5) and (got >= 0).all()
     # a student that puts the teacher's renormalised top-k and nothing else: 0
     top, idx = torch.log_softmax(t, -1).topk(k, -1)
     student = torch.full_like(t, -1e4).scatter(-1, idx, top)
-    assert np.allclose(D.topk_forward_kl(student, t, k).numpy(), 0, atol=1e-6)
+    assert np.allclose(D.topk_forward_kl(student, top, idx).numpy(), 0, atol=1e-6)
 
 
 def test_sampled_reverse_kl_estimator_has_the_exact_gradient_in_expectation():
@@ -145,3 +145,39 @@ def test_the_student_reaches_the_teachers_reward(loss, budget, tiny_peaky, toy_p
     assert taught > base + 0.1, rewards
     assert student - base >= 0.9 * (taught - base), ([r["train/reward"] for r in rows], base, taught)
     assert rows[-1]["train/kl"] < 0.5 * rows[0]["train/kl"], [r["train/kl"] for r in rows]
+
+
+@pytest.mark.vllm
+def test_a_teacher_served_by_vllm_grades_as_the_one_in_process(tmp_path_factory, tiny, toy_prompts, tmp_path):
+    """--teacher-engine vllm: the engine's prompt log-probs of sampled tokens and its top-k equal the in-process
+    teacher's (VLLMEngine.score against a forward here), and 2 steps of topk-fkl with either teacher log the same
+    losses; gkd, which needs the whole vocabulary, is refused in one line."""
+    pytest.importorskip("vllm")
+    from common import models as M
+    from common.rollout import generate, tokenize_queries
+    from common.vllm_engine import VLLMEngine
+
+    teacher = M.tiny_model(tmp_path_factory.mktemp("teacher_vllm"), heads=1, init_std=0.2)  # head size 64: vLLM CPU
+    tok = M.load_tokenizer(teacher)
+    model = M.load_causal_lm(teacher, tok)
+    q, qm = tokenize_queries(tok, ["<|im_start|>user\nhi<|im_end|>\n", "count to three"], "cpu")
+    ro = generate(model, tok, q, qm, max_new_tokens=6, seeds=[1, 2])
+    engine = VLLMEngine(teacher, tok, max_model_len=128, seed=0)
+    token_lp, top_lp, top_ids = engine.score(q, qm, ro.responses, ro.response_mask, 4)
+    with torch.no_grad():
+        lp = D.response_logits(model, ro.query_responses, torch.cat([qm, ro.response_mask], 1), q.shape[1], 1.0)
+        lp = torch.log_softmax(lp, -1)  # (B, T, V)
+    m = ro.response_mask.bool()
+    want_top, want_ids = lp.topk(4, -1)
+    assert torch.allclose(token_lp[m], lp.gather(-1, ro.responses[..., None])[..., 0][m], atol=1e-4)
+    assert torch.allclose(top_lp[m], want_top[m], atol=1e-4) and (top_ids[m] == want_ids[m]).float().mean() > 0.99
+    del engine
+    losses = {}
+    for engine_name in ("hf", "vllm"):
+        run_script("distill_llm.py", *_flags(tiny, teacher, toy_prompts, tmp_path / engine_name, "--total-steps", 2,
+                   "--loss", "topk-fkl", "--teacher-top-k", 4, "--teacher-engine", engine_name, "--eval-every", 0),
+                   env={"TOY_MODEL": teacher})  # fmt: skip
+        losses[engine_name] = [r["loss/policy"] for r in read_metrics(only_run(tmp_path / engine_name))]
+    assert np.allclose(losses["hf"], losses["vllm"], rtol=1e-3), losses
+    with pytest.raises(AssertionError, match="gkd needs the whole vocabulary"):
+        run_script("distill_llm.py", *_flags(tiny, teacher, toy_prompts, tmp_path / "g", "--teacher-engine", "vllm"))
