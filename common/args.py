@@ -163,6 +163,10 @@ class RunArgs:
     """keep only the last K checkpoints (0: keep all)"""
     save_merged: Annotated[bool, RESUME_MAY_CHANGE] = False
     """LoRA: each checkpoint also holds {model}_merged/, the full merged model (loads without peft: vLLM, TGI)"""
+    checkpoint_format: Annotated[Literal["full", "sharded"], RESUME_MAY_CHANGE] = "full"
+    """full: each model a save_pretrained folder, gathered on one process; sharded: torch.distributed.checkpoint,
+    each process writes its own shards (no gather; for FSDP2 / TP runs), resumable on any number of processes, its
+    model folders converted to full ones on first load (docs/distributed.md)"""
     save_best: Annotated[Optional[str], RESUME_MAY_CHANGE] = None
     """keep checkpoints/best/, the checkpoint of the best value so far of this metric (e.g. eval/accuracy; losses:
     lowest)"""

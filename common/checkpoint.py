@@ -10,6 +10,7 @@ import os
 import random
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 
 from common.args import flat_args
 from common.errors import UserError
+from common.models import SHARDED_MARK
 
 
 def rng_state() -> dict:
@@ -51,6 +53,7 @@ def save_checkpoint(
     save_merged: bool = False,
     label: str | None = None,
     optimizers: dict | None = None,
+    sharded: bool = False,
 ) -> Path:
     """checkpoints/step_{step}/{name}/ (save_pretrained) for each model + trainer_state.pt.
 
@@ -65,6 +68,10 @@ def save_checkpoint(
     model, for tools without peft (vLLM, TGI). trainer_state.pt records the algorithm and the args.
     `label` names the folder instead of `step_{step}` (e.g. "best": --save-best).
 
+    `sharded` (--checkpoint-format sharded): no gather. The models' and optimizers' states go to step_N/sharded/
+    through torch.distributed.checkpoint, every process writing its own shards (`sharded_state`); each model folder
+    holds its config and tokenizer only, and becomes a full model folder when first loaded (common.models).
+
     Written into a temp folder and renamed at the end, so a crash mid-save leaves the previous
     checkpoints untouched and no half checkpoint under a step_ name. `keep_last` > 0 deletes older ones."""
     from accelerate.utils import broadcast_object_list
@@ -72,23 +79,26 @@ def save_checkpoint(
     from common.distributed import full_tensors, optimizer_state, reshard, save_engine_states, saved_by_one_process
 
     state = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in state.items()}
-    for key, (name, opt) in (optimizers or {}).items():
+    for key, (name, opt) in (optimizers or {}).items() if not sharded else ():
         state[key] = optimizer_state(accelerator, models[name], opt)  # collective under FSDP2
 
     ckpt_root = run_dir / "checkpoints"
     final = ckpt_root / (label or f"step_{step}")
     for m in models.values():
         reshard(m)  # FSDP2: units left unsharded by a no_grad forward back to DTensor shards
+    shards = sharded_state(models, optimizers or {}) if sharded else None  # this process's shards, no gather
     state_dicts = {
         name: _drop_tied_copies(
             accelerator.unwrap_model(m), full_tensors(accelerator.get_state_dict(m))
         )  # collective under FSDP/ZeRO-3 and --tp-size
+        if not sharded else shards[name]
         for name, m in models.items()
-    }
+    }  # fmt: skip
     for name, sd in state_dicts.items():  # never a checkpoint of non-finite weights (ZeRO-3: rank 0 holds them)
-        bad = [
-            k for k, v in (sd or {}).items() if torch.is_tensor(v) and v.is_floating_point() and not v.isfinite().all()
-        ]
+        bad = _non_finite(sd or {})
+        if sharded:  # each process sees its own shards: all of them refuse together
+            n_bad = accelerator.reduce(torch.tensor([len(bad)], device=accelerator.device), "sum").item()
+            bad = bad or (["(a shard of another process)"] if n_bad else [])
         if bad:
             intact = max(list_checkpoints(run_dir), key=step_of, default=None)
             raise RuntimeError(
@@ -103,11 +113,30 @@ def save_checkpoint(
         broadcast_object_list(tmp, from_process=0)  # DeepSpeed: every rank writes its shards there
     tmp = Path(tmp[0])
     save_engine_states(accelerator, tmp, models)
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            with warnings.catch_warnings():  # one process, no process group: "assuming ... a single process", yes
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.save(shards, checkpoint_id=str(tmp / "sharded"))  # collective: each process writes its files
+        except BaseException:  # the half-written folder goes; the previous checkpoints are untouched
+            if accelerator.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         try:
             for name, m in models.items():
                 unwrapped = accelerator.unwrap_model(m)
+                if sharded:  # the model's config and tokenizer: common.models makes the folder whole on first load
+                    unwrapped.config.save_pretrained(tmp / name)
+                    if getattr(unwrapped, "generation_config", None) is not None:
+                        unwrapped.generation_config.save_pretrained(tmp / name)
+                    (tmp / name / SHARDED_MARK).write_text(json.dumps({"model": name, "step": step}) + "\n")
+                    if tokenizer is not None:
+                        tokenizer.save_pretrained(tmp / name)
+                    continue
                 with saved_by_one_process(unwrapped):
                     unwrapped.save_pretrained(tmp / name, state_dict=state_dicts[name], safe_serialization=True)
                 folders = [tmp / name]
@@ -123,6 +152,7 @@ def save_checkpoint(
                 for folder in folders if tokenizer is not None else []:
                     tokenizer.save_pretrained(folder)
             meta = {"algo": run_dir.name.split("__")[0], "args": flat_args(args) if args is not None else {}}
+            meta["format"] = "sharded" if sharded else "full"
             meta["run_id"] = run_id_of(run_dir)  # which run wrote it: a step folder from another run is refused
             torch.save({**state, **meta, "rng": rng_state(), "step": step}, tmp / "trainer_state.pt")
             # the same, readable without unpickling the (large) state: what --resume checks first
@@ -279,6 +309,58 @@ def resolve_checkpoint(path: str) -> Path:
     return max(ckpts, key=step_of)
 
 
+def _non_finite(state_dict: dict) -> list[str]:
+    """Names of floating tensors with a NaN or inf (a DTensor: this process's shard)."""
+    from torch.distributed.tensor import DTensor
+
+    local = lambda v: v.to_local() if isinstance(v, DTensor) else v  # noqa: E731
+    return [k for k, v in state_dict.items()
+            if torch.is_tensor(v) and v.is_floating_point() and not local(v).isfinite().all()]  # fmt: skip
+
+
+def sharded_state(models: dict, optimizers: dict) -> dict:
+    """{model name: its state dict, optimizer key: its state dict}, as each process holds them (FSDP2 / TP:
+    DTensor shards; DDP or one process: whole tensors, which torch.distributed.checkpoint writes once). An
+    optimizer that has not stepped yet gets its state made (a zero step), so a load has tensors to fill."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from common.distributed import reshard
+
+    out = {}
+    for name, m in models.items():
+        reshard(m)
+        out[name] = get_model_state_dict(m)
+    for key, (name, opt) in optimizers.items():
+        out[key] = get_optimizer_state_dict(models[name], getattr(opt, "optimizer", opt))
+    return out
+
+
+def load_sharded(folder: Path, models: dict, optimizers: dict) -> None:
+    """The mirror of a sharded save, after accelerator.prepare: torch.distributed.checkpoint reads each process's
+    part of every tensor, whatever the number of processes that wrote them (resharding)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    shards = sharded_state(models, optimizers)
+    try:
+        with warnings.catch_warnings():  # one process, no process group: "assuming ... a single process", yes
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(shards, checkpoint_id=str(folder))
+    except Exception as e:  # a missing or cut shard file, another model's tensors
+        first = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+        raise UserError(
+            f"{folder}: could not be loaded ({type(e).__name__}: {first[:200]}){earlier_intact(folder.parent)}"
+        ) from e
+    for name, m in models.items():
+        set_model_state_dict(m, shards[name])
+    for key, (name, opt) in optimizers.items():
+        set_optimizer_state_dict(models[name], getattr(opt, "optimizer", opt), shards[key])
+
+
+def is_sharded(ckpt: Path | None) -> bool:
+    return ckpt is not None and (Path(ckpt) / "sharded").is_dir()
+
+
 def load_trainer_state(ckpt: Path) -> dict:
     """trainer_state.pt, unpickled with weights_only=True: tensors and plain containers only, so a
     planted payload is refused instead of run."""
@@ -308,6 +390,8 @@ def damage(ckpt: Path) -> str | None:
         zipfile.ZipFile(Path(ckpt) / "trainer_state.pt").close()
     except (zipfile.BadZipFile, OSError) as e:
         return f"{Path(ckpt) / 'trainer_state.pt'}: damaged ({e})"
+    if is_sharded(ckpt) and not (Path(ckpt) / "sharded" / ".metadata").is_file():
+        return f"{Path(ckpt) / 'sharded'}: damaged (no .metadata)"
     for f in sorted(Path(ckpt).glob("*/*.safetensors")):
         try:
             with safe_open(str(f), "pt"):
@@ -337,7 +421,9 @@ def restore_checkpoint(accelerator, ckpt: Path, models: dict, state: dict, optim
     from common.distributed import load_optimizer_state
 
     saved = load_trainer_state(ckpt)
-    for key, (name, opt) in optimizers.items():
+    if is_sharded(ckpt):  # the models' weights and the optimizers, resharded to this run's processes
+        load_sharded(ckpt / "sharded", models, optimizers)
+    for key, (name, opt) in optimizers.items() if not is_sharded(ckpt) else ():
         load_optimizer_state(accelerator, models[name], opt, saved[key], ckpt / name)
     for key, obj in state.items():
         if key not in saved and key in STATE_ADDED_LATER:

@@ -118,6 +118,50 @@ def _save_once(model, tok, out: Path, extra: dict | None = None) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# a sharded checkpoint's model folder holds this file (config and tokenizer beside it; weights in ../sharded)
+SHARDED_MARK = "sharded_weights.json"
+
+
+def _from_shards(folder: Path) -> str:
+    """A sharded checkpoint's model folder (config and tokenizer; its weights in ../sharded, written by
+    torch.distributed.checkpoint from every process): a full model folder, made once into the cache and reused, so
+    --model-name-or-path, the reference, tools.export and vLLM take it as any checkpoint. The conversion runs in
+    this one process and holds the whole model once (7B: 28 GB in float32)."""
+    import hashlib
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    import transformers
+
+    shards = folder.parent / "sharded"
+    meta = shards / ".metadata"
+    if not meta.is_file():
+        raise UserError(f"{folder}: a sharded checkpoint's model, but {shards} has no .metadata (damaged or missing)")
+    key = hashlib.sha1(f"{folder.resolve()}:{meta.stat().st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_dir() / "from_sharded" / f"{folder.parent.name}_{folder.name}_{key}"
+    if (out / "config.json").exists():
+        return str(out)
+    name = json.loads((folder / SHARDED_MARK).read_text())["model"]
+    config = transformers.AutoConfig.from_pretrained(folder)
+    model = getattr(transformers, config.architectures[0])(config)  # the saved class, random weights: all replaced
+    state = {name: model.state_dict()}
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": yes
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(shards))  # one process: every shard, whatever the number of writers
+    model.load_state_dict(state[name])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    model.save_pretrained(tmp, safe_serialization=True)
+    for f in folder.iterdir():  # tokenizer, generation config
+        if f.is_file() and f.name not in (SHARDED_MARK, "config.json"):
+            shutil.copy2(f, tmp / f.name)
+    if out.exists():  # another process converted it meanwhile
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, out)
+    return str(out)
+
+
 def resolve_model_path(name_or_path: str) -> str:
     """Map the alias `smollm2-135m-instruct` to its cached folder (converting on first use), and a
     LoRA adapter folder (a LoRA run's checkpoint) to its base model with the adapter merged in, made
@@ -128,6 +172,8 @@ def resolve_model_path(name_or_path: str) -> str:
         _check_json_files(Path(name_or_path))
     if (Path(name_or_path) / "adapter_config.json").is_file():
         return _merged_adapter(Path(name_or_path))
+    if (Path(name_or_path) / SHARDED_MARK).is_file():  # --checkpoint-format sharded
+        return _from_shards(Path(name_or_path))
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") >= 2  # a hub id is "org/name"
     if looks_local and not Path(name_or_path).expanduser().exists():
         raise UserError(f"model {name_or_path}: no such folder")

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import torch
 
-from common.args import flat_args, resume_may_change, runtime_values
+from common.args import ModelArgs, flat_args, resume_may_change, runtime_values
 from common.checkpoint import (
     BestKeeper,
     checkpoint_record,
     damage,
     earlier_intact,
+    is_sharded,
     list_checkpoints,
     load_weights,
     remove_stale_temp_checkpoints,
@@ -34,6 +35,7 @@ from common.checkpoint import (
     save_checkpoint,
     step_of,
 )
+from common.distributed import is_deepspeed
 from common.errors import UserError, user_error
 from common.health import HealthConfig, HealthMonitor
 
@@ -487,11 +489,16 @@ class Run:
         health = next((v for v in vars(args).values() if isinstance(v, HealthConfig)), None)  # RL scripts' --health.*
         self.health = HealthMonitor(health, self.log_line) if health is not None else None
         self.start_step, self._last, self.evaluate, self._warned_best = 0, None, None, False
+        model = next((v for v in vars(args).values() if isinstance(v, ModelArgs)), None)  # the --lora-r group
+        if self.cfg.checkpoint_format == "sharded" and ((model and model.lora_r) or is_deepspeed(accelerator)):
+            raise UserError("--checkpoint-format sharded: for full fine-tuning under one process, DDP, FSDP2 or TP "
+                            "(a LoRA checkpoint is its small adapter; DeepSpeed writes its own shards)")  # fmt: skip
 
     def load_weights(self, **models) -> None:
-        """Resumed: each model's weights from the checkpoint's folder of that name (before prepare)."""
+        """Resumed: each model's weights from the checkpoint's folder of that name (before prepare); a sharded
+        checkpoint's come after prepare, resharded (`begin`)."""
         for name, model in models.items():
-            if self.ckpt:
+            if self.ckpt and not is_sharded(self.ckpt):
                 load_weights(model, self.ckpt / name)
 
     def begin(self, tokenizer, models: dict, optimizers: dict, state: dict, evaluate=None) -> int:
@@ -575,6 +582,7 @@ class Run:
         save_checkpoint(
             self.accelerator, self.dir, step, self.models, self.state, cfg.keep_last, tokenizer=self.tokenizer,
             args=self.args, save_merged=cfg.save_merged, label=label, optimizers=self.optimizers,
+            sharded=cfg.checkpoint_format == "sharded",
         )  # fmt: skip
 
     def end(self) -> Path:

@@ -104,6 +104,7 @@ def test_the_resume_rule_is_the_one_before_the_groups():
     added = {"reward_worker_max_gb"}  # flags added since, marked too (issue 38)
     added |= {"report_to", "service_timeout", "service_retries", "service_concurrency"}  # issue 37
     added |= {"env_timeout"}  # issue 33
+    added |= {"checkpoint_format"}  # issue 37
     assert resume_may_change(ppo_llm.Args()) == before | added
     assert "steps" in resume_may_change(Toy()) and "gamma" not in resume_may_change(Toy())
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, only_run, read_metrics
+from conftest import REPO, only_run, read_metrics, run_script
 
 TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
 
@@ -21,13 +21,14 @@ CONFIGS = {"DDP": "cpu_2proc", "FSDP": "cpu_2proc_fsdp2", "ZERO2": "cpu_2proc_ze
 RUN_ALL_SCRIPTS = ("DDP", "FSDP", "ZERO3")  # every script under these; ZeRO-2 in the parity test
 
 
-def launch(script, *flags, env=None, config="cpu_2proc"):
+def launch(script, *flags, env=None, config="cpu_2proc", processes=None):
     cmd = [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
         "--config_file",
         str(REPO / f"configs/accelerate/{config}.yaml"),
+        *(["--num_processes", str(processes)] if processes else []),
         str(REPO / "algos" / script),
         *map(str, flags),
     ]
@@ -702,3 +703,40 @@ def test_lora_reward_model_export_under_sharding(tiny, tmp_path):
         assert exports[kind].keys() == ddp.keys()
         for k in ddp:
             torch.testing.assert_close(exports[kind][k], ddp[k], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.distributed
+def test_sharded_checkpoint_resumes_on_1_2_and_4_processes_and_loads_as_a_model(tiny, tmp_path):
+    """--checkpoint-format sharded, SFT under FSDP2 on 2 processes: step 2's checkpoint holds no gathered weights
+    (torch.distributed.checkpoint shards); resumed on 1, 2 and 4 processes, steps 3-4 log the uninterrupted
+    full-format run's losses; its policy folder loads as a model (converted once), equal to the full checkpoint's."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    from common import models as M
+
+    flags = lambda out, n: ["--model-name-or-path", tiny, "--output-dir", out, "--total-steps", n, "--eval-every", 0,
+                            "--batch-size", 4, "--micro-batch-size", 1, "--learning-rate", 1e-3]  # noqa: E731  # fmt: skip
+    launch("sft_llm.py", *flags(tmp_path / "full", 4), "--save-every", 2, config="cpu_2proc_fsdp2")
+    launch("sft_llm.py", *flags(tmp_path / "sh", 2), "--checkpoint-format", "sharded", config="cpu_2proc_fsdp2")
+    full, sharded = only_run(tmp_path / "full"), only_run(tmp_path / "sh")
+    ckpt = sharded / "checkpoints" / "step_2"
+    assert (ckpt / "sharded" / ".metadata").is_file() and not list(ckpt.glob("*/*.safetensors"))
+    assert json.loads((ckpt / "checkpoint.json").read_text())["format"] == "sharded"
+    converted = load_file(Path(M.resolve_model_path(str(ckpt / "policy"))) / "model.safetensors")
+    gathered = load_file(full / "checkpoints" / "step_2" / "policy" / "model.safetensors")
+    assert set(gathered) <= set(converted)
+    assert all(torch.allclose(converted[k], gathered[k], atol=1e-6) for k in gathered)
+    want = [r["loss/sft"] for r in read_metrics(full) if r["step"] in (3, 4)]
+    for n in (1, 2, 4):
+        copy = tmp_path / f"resumed{n}" / sharded.name
+        shutil.copytree(sharded, copy)
+        resume = [*flags(tmp_path / f"resumed{n}", 4), "--checkpoint-format", "sharded",
+                  "--resume", copy / "checkpoints" / "step_2"]  # fmt: skip
+        if n == 1:
+            run_script("sft_llm.py", *resume)
+        else:
+            launch("sft_llm.py", *resume, config="cpu_2proc_fsdp2", processes=n)
+        got = [r["loss/sft"] for r in read_metrics(copy) if r["step"] in (3, 4)]
+        assert np.allclose(got, want, rtol=1e-4), (n, got, want)

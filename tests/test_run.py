@@ -364,3 +364,38 @@ def test_a_real_full_disk_keeps_the_previous_checkpoint(tiny, tmp_path):
     finally:
         # lazy: the reloaded model still maps its safetensors file, so a plain umount fails as busy
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_a_sharded_checkpoint_restores_weights_and_optimizer_and_loads_as_a_model(tiny, tmp_path, monkeypatch):
+    """--checkpoint-format sharded on one process: step_1/sharded/ (torch.distributed.checkpoint), no weights in the
+    model folder; restored into a fresh model and optimizer, both equal the saved ones; the policy folder loads as a
+    model (converted once into the cache); a save that fails midway leaves step_1 as the only checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    from common import models as M
+
+    acc, tok = Accelerator(cpu=True), M.load_tokenizer(tiny)
+    model = M.load_causal_lm(tiny, tok)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(input_ids=torch.tensor([[1, 2, 3]])).logits.mean().backward()
+    opt.step()
+    C.save_checkpoint(acc, tmp_path, 1, {"policy": model}, {}, tokenizer=tok, optimizers={"opt": ("policy", opt)},
+                      sharded=True)  # fmt: skip
+    ckpt = tmp_path / "checkpoints" / "step_1"
+    assert (ckpt / "sharded" / ".metadata").is_file() and not list(ckpt.glob("policy/*.safetensors"))
+    fresh = M.load_causal_lm(tiny, tok)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    assert C.restore_checkpoint(acc, ckpt, {"policy": fresh}, {}, {"opt": ("policy", fresh_opt)}) == 1
+    for (n, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p, q), n
+        assert torch.equal(opt.state[p]["exp_avg_sq"], fresh_opt.state[q]["exp_avg_sq"]), n
+    loaded = M.load_causal_lm(str(ckpt / "policy"), tok)  # converted once into the cache, then a plain folder
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), loaded.parameters()))
+
+    def killed(*a, **k):
+        raise RuntimeError("killed mid-save")
+
+    monkeypatch.setattr(dcp, "save", killed)
+    with pytest.raises(RuntimeError, match="killed mid-save"):
+        C.save_checkpoint(acc, tmp_path, 2, {"policy": model}, {}, tokenizer=tok, sharded=True)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
