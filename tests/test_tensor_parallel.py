@@ -148,12 +148,14 @@ def test_dpo_tp2_loss_and_update_equal_single_process(nproc, tiny, tmp_path):
     assert_same_update(one / "checkpoints/step_2/policy", tp / "checkpoints/step_2/policy", base_weights(tiny), 1e-3)
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_tp2_checkpoint_resumes_in_one_process_with_identical_metrics(nproc, tiny_peaky, toy_prompts, tmp_path):
+@pytest.mark.parametrize("nproc,fmt", [(2, "full"), (4, "sharded")])
+def test_tp2_checkpoint_resumes_in_one_process_with_identical_metrics(nproc, fmt, tiny_peaky, toy_prompts, tmp_path):
     """GRPO for 3 steps under TP=2 (torchrun; 4 processes: TP=2 x DP=2, FSDP2-sharded optimizer state),
-    checkpointing every step; resumed from step 1 in one process it logs steps 2-3 as the TP run did:
-    weights, optimizer state, sampler and RNG all carried."""
+    checkpointing every step, gathered (full) or as torch.distributed.checkpoint shards (sharded: TP x FSDP2
+    DTensors); resumed from step 1 in one process it logs steps 2-3 as the TP run did: weights, optimizer state,
+    sampler and RNG all carried."""
     flags = ["--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--total-steps", 3, *GRPO_FLAGS]
+    flags += ["--checkpoint-format", fmt]
     # a decaying schedule: one scheduler step per update on any number of processes (Accelerate's default
     # steps it once per process: on 2 processes the TP run would decay twice as fast as the resumed one)
     flags += ["--save-every", 1, "--keep-last", 0, "--lr-scheduler", "linear"]
