@@ -138,12 +138,14 @@ OFFLINE_FLAGS = [
 ]
 
 
-# SFT and RM under DDP are the plain path (suite time): DPO under all three, SFT and RM sharded
+# SFT and RM under DDP are the plain path (suite time): DPO under all three, SFT and RM sharded (SFT under FSDP2,
+# with its evaluation: in the sharded-checkpoint test below)
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "script,flags,kind",
-    [(s, f, k) for s, f in OFFLINE_FLAGS for k in RUN_ALL_SCRIPTS if s == "dpo_llm.py" or k != "DDP"],
-)
+    [(s, f, k) for s, f in OFFLINE_FLAGS for k in RUN_ALL_SCRIPTS
+     if s == "dpo_llm.py" or k != "DDP" and (s, k) != ("sft_llm.py", "FSDP")],
+)  # fmt: skip
 def test_two_processes_offline_scripts(script, flags, kind, tiny, tmp_path):
     """DPO, SFT and RM on their built-in data under 2 processes."""
     launch(
@@ -718,7 +720,8 @@ def test_sharded_checkpoint_resumes_on_1_2_and_4_processes_and_loads_as_a_model(
 
     flags = lambda out, n: ["--model-name-or-path", tiny, "--output-dir", out, "--total-steps", n, "--eval-every", 0,
                             "--batch-size", 4, "--micro-batch-size", 1, "--learning-rate", 1e-3]  # noqa: E731  # fmt: skip
-    launch("sft_llm.py", *flags(tmp_path / "full", 4), "--save-every", 2, config="cpu_2proc_fsdp2")
+    evaluation = ["--eval-every", 4, "--num-eval-examples", 4, "--num-eval-prompts", 4, "--max-new-tokens", 4]
+    launch("sft_llm.py", *flags(tmp_path / "full", 4), "--save-every", 2, *evaluation, config="cpu_2proc_fsdp2")
     launch("sft_llm.py", *flags(tmp_path / "sh", 2), "--checkpoint-format", "sharded", config="cpu_2proc_fsdp2")
     full, sharded = only_run(tmp_path / "full"), only_run(tmp_path / "sh")
     ckpt = sharded / "checkpoints" / "step_2"
@@ -728,6 +731,8 @@ def test_sharded_checkpoint_resumes_on_1_2_and_4_processes_and_loads_as_a_model(
     gathered = load_file(full / "checkpoints" / "step_2" / "policy" / "model.safetensors")
     assert set(gathered) <= set(converted)
     assert all(torch.allclose(converted[k], gathered[k], atol=1e-6) for k in gathered)
+    assert_ran(full, "FSDP")
+    assert {"eval/loss", "eval/accuracy"} <= set(read_metrics(full)[0]) and "eval/loss" in read_metrics(full)[-1]
     want = [r["loss/sft"] for r in read_metrics(full) if r["step"] in (3, 4)]
     for n in (1, 2, 4):
         copy = tmp_path / f"resumed{n}" / sharded.name
