@@ -255,7 +255,9 @@ def main(args: Args):
                 with torch.no_grad(), accelerator.autocast():
                     teacher_logits = response_logits(teacher, qr, am, m.p, temperature)  # (b, t, V)
                     teacher_lp = F.log_softmax(teacher_logits, -1)  # (b, t, V)
-                t_token, (t_top, t_index) = teacher_lp.gather(-1, index)[..., 0], teacher_lp.topk(args.teacher_top_k)
+                t_token = teacher_lp.gather(-1, index)[..., 0]  # (b, t)
+                if args.loss == "topk-fkl":  # (b, t, k) x2, only for the loss that reads them
+                    t_top, t_index = teacher_lp.topk(args.teacher_top_k)
             else:
                 t_token, t_top, t_index = (x[micro, : m.t] for x in served)  # (b, t), (b, t, k) x2
             with accelerator.autocast():
