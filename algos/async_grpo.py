@@ -111,7 +111,8 @@ class Args:
     generator_threads: int = -1
     """the generator process's torch threads (-1: every core when K = 0, else half; the trainer gets the rest)"""
     generator_timeout: PositiveFloat = 900.0
-    """seconds without a batch (or the generator's load of the weights it needs) before the run ends"""
+    """seconds without a batch (or the generator's load of the weights it needs) before the run ends, counted once
+    the generator is set up (its start may take max(this, 900 s))"""
     weight_sync: Annotated[Literal["shm", "broadcast"], RESUME_MAY_CHANGE] = "shm"
     """how pushed weights reach the generator: shared CPU memory, or a broadcast (NCCL GPU to GPU, gloo on CPU)"""
     generator_device: Annotated[str, RESUME_MAY_CHANGE] = ""
@@ -266,6 +267,7 @@ def generate_batches(put, args: Args, rank: int, W: int, first_step: int, first_
     policy = M.load_causal_lm(args.model.model_name_or_path, tok, **M.train_kwargs(args.model)).to(device)
     engine = make_engine(args.gen, args.model, tok, policy, accelerator, max_len, args.run.seed + rank)
     version = None
+    put(None)  # set up: the trainer's --generator-timeout clock starts now
 
     def sample_groups(step, round_):
         """One global draw of prompts; this rank's share, each repeated G times, sampled and scored."""

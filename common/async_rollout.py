@@ -294,7 +294,8 @@ def _generator_entry(target, out, threads, env, kwargs):
     if threads > 0:
         torch.set_num_threads(threads)
     try:
-        target(put=lambda batch: out.put(("batch", pickle.dumps(batch))), **kwargs)
+        put = lambda batch: out.put(("ready",) if batch is None else ("batch", pickle.dumps(batch)))  # None: set up
+        target(put=put, **kwargs)
         out.put(("done", None))
     except BaseException as e:  # noqa: BLE001 -- everything goes back to the trainer, which decides
         out.put(("error", f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__,
@@ -305,15 +306,19 @@ class GeneratorProcess:
     """A spawned process running `target(put, **kwargs)`, which calls put(batch) once per batch, in order. The
     queue holds `max_ahead` finished batches at most (its put blocks beyond). `get` returns the next batch or raises
     GeneratorFailed: the target raised (its message), the process died (its exit code), or nothing came for
-    `timeout` seconds (the process is then killed)."""
+    `timeout` seconds (the process is then killed). The clock starts when the target calls put(None), "set up"
+    (imports, model and engine loaded: minutes for a large model on a busy machine); before that it allows
+    max(timeout, STARTUP_S)."""
+
+    STARTUP_S = 900.0
 
     def __init__(self, target, kwargs: dict, max_ahead: int, threads: int, timeout: float, env: dict | None = None):
         self.ctx = self.context()
         self.kwargs, self.max_ahead, self.threads, self.timeout = kwargs, max_ahead, threads, timeout
-        self.target, self.env, self.proc, self.waited_s = target, dict(env or {}), None, 0.0
+        self.target, self.env, self.proc, self.waited_s, self.ready = target, dict(env or {}), None, 0.0, False
 
     def start(self, **more) -> None:
-        self.queue = self.ctx.Queue(maxsize=self.max_ahead)
+        self.queue, self.ready = self.ctx.Queue(maxsize=self.max_ahead), False
         kwargs = {**self.kwargs, **more}
         # not a daemon: the generator may start processes of its own (the reward functions' pool); stopped at exit,
         # whatever ends the trainer (multiprocessing would otherwise wait for it)
@@ -337,15 +342,20 @@ class GeneratorProcess:
         while True:
             try:
                 kind, *payload = self.queue.get(timeout=1.0)
+                if kind == "ready":  # set up: from now on, --generator-timeout per batch
+                    self.ready, t0 = True, time.time()
+                    continue
                 break
             except queue.Empty:
                 if not self.alive():
                     code = self.proc.exitcode
                     why = " (killed: out of memory?)" if code == -9 else ""
                     raise GeneratorFailed(f"the generator process died with exit code {code}{why}") from None
-                if time.time() - t0 > self.timeout:
+                limit = self.timeout if self.ready else max(self.timeout, self.STARTUP_S)
+                if time.time() - t0 > limit:
                     self.stop()
-                    raise GeneratorFailed(f"no batch from the generator in {self.timeout:g} s (--generator-timeout)")
+                    what_ = "no batch from the generator" if self.ready else "the generator not set up"
+                    raise GeneratorFailed(f"{what_} in {limit:g} s (--generator-timeout)")
         self.waited_s += time.time() - t0
         if kind == "error":
             raise GeneratorFailed(f"the generator raised {payload[0]}\n{payload[1]}")

@@ -81,6 +81,34 @@ def test_generator_device_picks_the_generators_gpu_and_refuses_what_nccl_cannot(
         generator_env(torch.device("cpu"), "cuda:0", "shm")
 
 
+def _slow_to_start(put, setup_s, then_hang):
+    """A generator target: `setup_s` seconds of setup (imports, model load), one batch, then silence if `then_hang`."""
+    time.sleep(setup_s)
+    put(None)
+    put({"x": 1})
+    time.sleep(60 if then_hang else 0)
+
+
+@pytest.mark.e2e
+def test_the_generator_timeout_counts_from_its_set_up_and_a_start_that_never_ends_is_bounded_too():
+    """--generator-timeout bounds the wait for each batch once the generator is set up (a loaded machine's start
+    took longer than a 20 s timeout in CI); its start is bounded by max(timeout, STARTUP_S)."""
+    from common.async_rollout import GeneratorProcess
+
+    gen = GeneratorProcess(_slow_to_start, dict(setup_s=4, then_hang=True), max_ahead=2, threads=1, timeout=2)
+    gen.start()
+    assert gen.get() == {"x": 1}  # 4 s of setup > the 2 s timeout: allowed
+    t0 = time.time()
+    with pytest.raises(GeneratorFailed, match="no batch from the generator in 2 s"):
+        gen.get()
+    assert time.time() - t0 < 10
+    never = GeneratorProcess(_slow_to_start, dict(setup_s=60, then_hang=False), max_ahead=2, threads=1, timeout=1)
+    never.STARTUP_S = 3.0
+    never.start()
+    with pytest.raises(GeneratorFailed, match="the generator not set up in 3 s"):
+        never.get()
+
+
 class _FakeAccelerator:
     num_processes, process_index, is_main_process = 1, 0, True
 
@@ -244,6 +272,7 @@ def test_a_generator_that_dies_or_hangs_ends_the_run_with_one_line_and_a_checkpo
               "raises": "raise ValueError('a bug in the reward')"}[how]  # fmt: skip
     bad = DYING_REWARD.format(tests=str(REPO / "tests"), calls=str(tmp_path / "calls"), after=3 * 8, action=action)
     (tmp_path / "bad.py").write_text(bad)
+    # (the 20 s count once the generator is set up: its start, slower on a loaded machine, is not in them)
     flags = _flags(tiny_peaky, toy_prompts, tmp_path / "out", "--total-steps", 5, "--generator-timeout", 20)
     flags[flags.index(TOY_REWARD)] = f"{tmp_path}/bad.py:compute_score"
     t0 = time.time()
