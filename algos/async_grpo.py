@@ -48,9 +48,9 @@ from common.eval import evaluate_policy
 from common.health import HealthConfig
 from common.ops import exact_div, global_mean_divisor, kl_estimate, masked_mean, masked_var, rollout_correction
 from common.perf import mfu, peak_mem_gb
-from common.rewards import reward_by_data_source, reward_from_args
+from common.rewards import reward_by_data_source, reward_from_args, sample_and_score
 from common.rollout import (
-    forward_by_micro_batch, forward_logprobs, generate, micro_batches, padding_fraction, reference_logprobs,
+    forward_by_micro_batch, forward_logprobs, micro_batches, padding_fraction, reference_logprobs,
     select_rows, sequence_attention_mask, tokenize_queries,
 )
 from common.run import Run
@@ -278,15 +278,15 @@ def generate_batches(put, args: Args, rank: int, W: int, first_step: int, first_
         seeds = [mix_seed(args.run.seed, step, uid0 + j) for j in range(len(rows))]
         sampling = dict(**args.gen.sampling(), seeds=seeds, engine=engine)  # each row's own seed
         with unwrap_for_generation(accelerator, policy) as gen_model:
-            if episodes is None:  # one turn: the templated prompt, one response, scored by --reward
+            if episodes is None:  # one turn: the templated prompt, one response, scored by --reward (its calls
+                # outside this process, the worker pool and services, run while the batch's other rows decode)
                 queries, query_mask = tokenize_queries(tok, [x.text for x in rows], device)  # (B, P)
-                rollout = generate(gen_model, tok, queries, query_mask, **sampling)
-                texts = tok.batch_decode(rollout.responses, skip_special_tokens=True)
+                rollout, texts, (scores, components, extras) = sample_and_score(
+                    gen_model, tok, queries, query_mask, rows, reward, device, **sampling)  # fmt: skip
             else:  # --env: turns; observations get mask 0 (no loss); rewards, env/turns, ... from it (docs/agents.md)
                 rollout = episodes.run(gen_model, rows, **sampling)
                 queries, query_mask, texts = rollout.queries, rollout.query_mask, rollout.transcripts  # (B, P) x2
-        scores, components, extras = reward(rows, texts, rollout.response_mask.sum(1), device, rollout.is_eos) \
-            if episodes is None else (rollout.scores, rollout.stats, {})  # fmt: skip
+                scores, components, extras = rollout.scores, rollout.stats, {}
         return dict(
             rows=rows, texts=texts, queries=queries, query_mask=query_mask, responses=rollout.responses,
             mask=rollout.response_mask, logprobs=rollout.logprobs, truncated=rollout.truncated, scores=scores,

@@ -65,9 +65,9 @@ from common.ops import (
     all_sum, exact_div, gae, global_mean_divisor, kl_estimate, masked_mean, masked_whiten, rollout_correction,
 )
 from common.perf import mfu, peak_mem_gb
-from common.rewards import reward_from_args
+from common.rewards import reward_from_args, sample_and_score
 from common.rollout import (
-    forward_by_micro_batch, forward_logprobs, forward_values, generate, micro_batches, padding_fraction,
+    forward_by_micro_batch, forward_logprobs, forward_values, micro_batches, padding_fraction,
     reference_logprobs, sequence_attention_mask, tokenize_queries,
 )
 from common.run import Run
@@ -273,16 +273,19 @@ def main(args: Args):
         seeds = [mix_seed(args.run.seed, step, r * local_batch_size + j) for j in range(len(rows))]
         t_gen = time.time()
         with unwrap_for_generation(accelerator, policy) as gen_model:
-            if episodes is None:  # one turn: the templated prompt, one response, scored by --reward
+            if episodes is None:  # one turn: the templated prompt, one response, scored by --reward (its calls
+                # outside this process, the worker pool and services, run while the batch's other rows decode)
                 queries, query_mask = tokenize_queries(tok, [x.text for x in rows], device)  # (B, P)
                 # pi_old reuses the prompts' KV cache (checkpointed layers take no cache)
-                rollout = generate(
-                    gen_model, tok, queries, query_mask, **args.gen.sampling(), seeds=seeds, engine=engine,
-                    keep_prompt_cache=not args.model.gradient_checkpointing,
+                rollout, texts, (scores, components, extras) = sample_and_score(
+                    gen_model, tok, queries, query_mask, rows, reward, device, **args.gen.sampling(), seeds=seeds,
+                    engine=engine, keep_prompt_cache=not args.model.gradient_checkpointing,
                 )  # fmt: skip
             else:  # --env: turns; observations get mask 0 (no loss; GAE skips them); scored by it (docs/agents.md)
                 rollout = episodes.run(gen_model, rows, seeds, engine, **args.gen.sampling())
                 queries, query_mask = rollout.queries, rollout.query_mask  # (B, P): the environment's first messages
+                # whole conversations, the trajectories' rewards (B,), and env/turns, env/tool_calls, ... (B,) each
+                texts, scores, components, extras = rollout.transcripts, rollout.scores, rollout.stats, {}
         gen_s, P = time.time() - t_gen, queries.shape[1]
         query_responses, responses, mask = rollout.query_responses, rollout.responses, rollout.response_mask
         T = responses.shape[1]  # query_responses (B, P+T); responses, mask (B, T)
@@ -290,11 +293,6 @@ def main(args: Args):
 
         # ------------------------------------------------------------------ 2. score
         lengths = mask.sum(1)  # (B,) the model's tokens
-        if episodes is None:
-            texts = tok.batch_decode(responses, skip_special_tokens=True)
-            scores, components, extras = reward(rows, texts, lengths, device, rollout.is_eos)  # (B,)
-        else:  # whole conversations, the trajectories' rewards (B,), and env/turns, env/tool_calls, ... (B,) each
-            texts, scores, components, extras = rollout.transcripts, rollout.scores, rollout.stats, {}
         scores = scores - args.missing_eos_penalty * (~rollout.is_eos).float()
         # micro-batched (bounds peak memory): --micro-batch-size rows, or by --micro-batch-tokens
         all_micros = micro_batches(

@@ -38,6 +38,7 @@ ROWS = {
     "vllm": ["--rollout-engine", "vllm"],  # the default with rollouts from the colocated vLLM engine
     "vllm-fp32": ["--rollout-engine", "vllm", "--mixed-precision", "no"],
     "adamw_8bit": ["--optim", "adamw_8bit"],  # the default with bitsandbytes' 8-bit AdamW (memory)
+    "lowmem": ["--optim", "adamw_8bit", "--gradient-checkpointing"],  # both (issue 37's memory goals)
 }
 CONFIG = {  # the issue's config: 32 rollouts of <= 64 tokens, beta 0.04, 1 epoch, 1 minibatch
     "grpo": ["--num-prompts", 8, "--group-size", 4, "--mini-batch-size", 32, "--kl-coef", 0.04, "--update-epochs", 1],

@@ -530,20 +530,39 @@ class Reward:
         # rm_llm.py stores the normalisation (mean 0, std 1 on a reference sample) in the config
         return torch.cat(out) * getattr(cfg, "reward_gain", 1.0) + getattr(cfg, "reward_bias", 0.0)
 
-    def __call__(self, rows, responses: list[str], response_lens: torch.Tensor, device="cpu", is_eos=None):
+    @property
+    def outside(self) -> bool:
+        """Some of its calls run outside the trainer's thread (the --reward-fn worker pool, services): what
+        ScoreAsTheyFinish overlaps with decoding."""
+        return (self.pool is not None and ("rule" in self.mix or "exact" in self.mix)) or bool(
+            self.remote or self.judge
+        )
+
+    def outside_parts(self, rows, responses: list[str], is_eos) -> dict:
+        """The calls that run outside this thread, per row: {"raw": the pool's outputs, "remote"/"judge": (scores,
+        failed)}. Safe in another thread (the in-process scorers are not: their timeouts are main-thread signals)."""
+        parts = {}
+        if self.pool is not None and ("rule" in self.mix or "exact" in self.mix):
+            jobs = [(r.data_source, s, r.ground_truth, r.extra_info) for r, s in zip(rows, responses)]
+            parts["raw"] = self.pool.map(jobs, stop_at_failure=self.fallback is None)
+        for term, service in (("remote", self.remote), ("judge", self.judge)):
+            if term in self.mix:  # a service: its failures after retries are the error, or --reward-fallback
+                args = (rows, responses, is_eos) if term == "remote" else (rows, responses)
+                parts[term] = service(*args, fallback=self.fallback)
+        return parts
+
+    def __call__(self, rows, responses: list[str], response_lens: torch.Tensor, device="cpu", is_eos=None, parts=None):
         """rows: PromptRow per response; responses: decoded texts (no special tokens); response_lens:
-        (B,) token counts; is_eos: (B,) bool, the response ended with EOS (for the reward model).
+        (B,) token counts; is_eos: (B,) bool, the response ended with EOS (for the reward model); parts: what
+        `outside_parts` returned for these rows, if already called (ScoreAsTheyFinish).
         Returns (scores (B,), components {name: (B,)}, extras {field: (B,)} e.g. acc)."""
         B = len(responses)
         comps, extras = {}, {}
+        parts = parts if parts is not None else self.outside_parts(rows, responses, is_eos)
         if "rule" in self.mix or "exact" in self.mix:
             jobs = [(r.data_source, s, r.ground_truth, r.extra_info) for r, s in zip(rows, responses)]
             fns = [fn for _, fn, _ in self.rule_fns]
-            raw = (
-                self.pool.map(jobs, stop_at_failure=self.fallback is None)
-                if self.pool
-                else [score_row(fns, self.timeout, *job) for job in jobs]
-            )
+            raw = parts["raw"] if self.pool else [score_row(fns, self.timeout, *job) for job in jobs]
             vals = [self._rule(r, s, o) for r, s, o in zip(rows, responses, raw)]
             rule = torch.tensor([v[0] for v in vals], device=device)
             for k in {k for _, e in vals for k in e}:
@@ -554,10 +573,9 @@ class Reward:
                 comps["exact"] = extras["acc"].clone() if "acc" in extras else (rule >= 1).float()
         if "model" in self.mix:
             comps["model"] = self._model(rows, responses, is_eos, device).to(device)
-        for term, service in (("remote", self.remote), ("judge", self.judge)):
-            if term in self.mix:  # a service: its failures after retries are the error, or --reward-fallback
-                args = (rows, responses, is_eos) if term == "remote" else (rows, responses)
-                vals, failed = service(*args, fallback=self.fallback)
+        for term in ("remote", "judge"):
+            if term in self.mix:
+                vals, failed = parts[term]
                 self.errors += failed
                 comps[term] = torch.tensor(vals, device=device, dtype=torch.float)
         if "format" in self.mix:
@@ -568,6 +586,90 @@ class Reward:
             comps["length_bonus"] = (response_lens.float().to(device) / self.max_new_tokens).clamp(max=1.0)
         scores = sum(self.mix[k] * v for k, v in comps.items())  # (B,)
         return scores.reshape(B), comps, extras
+
+
+class ScoreAsTheyFinish:
+    """Reward calls that run outside the trainer's thread (the --reward-fn worker pool, --reward-url,
+    --judge-url) started on the responses decoding has finished while the rest of the batch still decodes:
+    `generate(on_finished=this)` hands over each row as it ends (EOS or a stop string), a thread scores what has
+    accumulated (one pool map or service request per group), and `parts` scores the rows cut at the token limit
+    and waits. What runs in the trainer (built-in scorers, whose timeouts are main-thread signals; the reward
+    model; format and length terms) runs after, on the whole batch. The scores are Reward's on the whole batch:
+    each term is per row. vLLM returns a batch at once, so there is nothing to overlap (sample_and_score)."""
+
+    def __init__(self, reward: Reward, rows, tok):
+        import queue
+        import threading
+
+        self.reward, self.rows, self.tok = reward, rows, tok
+        self.todo, self.got, self.error, self.sent = queue.Queue(), [], None, set()
+        self.thread = threading.Thread(target=self._work, daemon=True)
+        self.thread.start()
+
+    def __call__(self, idx: list[int], responses: torch.Tensor, stopped: torch.Tensor) -> None:
+        """From the decoding loop: rows `idx` ended; responses (n, t) their tokens so far, stopped (n,) bool."""
+        from common.rollout import response_masks
+
+        _, is_eos, _ = response_masks(responses, self.tok.eos_token_id, self.tok.pad_token_id, stopped)
+        texts = self.tok.batch_decode(responses, skip_special_tokens=True)
+        self.sent.update(idx)
+        self.todo.put(list(zip(idx, texts, is_eos.tolist())))
+
+    def _work(self):
+        import queue
+
+        while (item := self.todo.get()) is not None:
+            while True:  # everything that ended meanwhile: one group
+                try:
+                    more = self.todo.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self.todo.put(None)
+                    break
+                item += more
+            if self.error is not None:
+                continue
+            idx, texts, eos = zip(*item)
+            try:
+                self.got.append((idx, self.reward.outside_parts([self.rows[i] for i in idx], list(texts), eos)))
+            except BaseException as e:  # noqa: BLE001 -- raised in the trainer's thread by parts()
+                self.error = e
+
+    def parts(self, texts: list[str], is_eos) -> dict:
+        """The rows not handed over yet (cut at the limit), then every row's parts in batch order."""
+        rest = [(i, texts[i], bool(is_eos[i])) for i in range(len(self.rows)) if i not in self.sent]
+        if rest:
+            self.todo.put(rest)
+        self.todo.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        B, out = len(self.rows), {}
+        for idx, got in self.got:
+            for key, value in got.items():
+                if key == "raw":
+                    slot = out.setdefault("raw", [None] * B)
+                    for i, v in zip(idx, value):
+                        slot[i] = v
+                else:  # (scores, failed)
+                    scores, failed = out.setdefault(key, ([None] * B, [0]))
+                    for i, v in zip(idx, value[0]):
+                        scores[i] = v
+                    failed[0] += value[1]
+        return {k: v if k == "raw" else (v[0], v[1][0]) for k, v in out.items()}
+
+
+def sample_and_score(model, tok, queries, query_mask, rows, reward: Reward, device, **sampling):
+    """generate() and reward() of one batch: (rollout, texts, (scores (B,), components, extras)). Reward calls that
+    run outside this thread overlap the decoding (ScoreAsTheyFinish) with our engine; vLLM's returns at once."""
+    from common.rollout import generate
+
+    stream = ScoreAsTheyFinish(reward, rows, tok) if reward.outside and sampling.get("engine") is None else None
+    rollout = generate(model, tok, queries, query_mask, on_finished=stream, **sampling)
+    texts = tok.batch_decode(rollout.responses, skip_special_tokens=True)
+    parts = stream.parts(texts, rollout.is_eos.tolist()) if stream is not None else None
+    return rollout, texts, reward(rows, texts, rollout.response_mask.sum(1), device, rollout.is_eos, parts=parts)
 
 
 def reward_by_data_source(rows, scores) -> dict:

@@ -145,6 +145,7 @@ def generate(
     stop_strings: list[str] | None = None,
     engine=None,
     keep_prompt_cache: bool = False,
+    on_finished=None,
 ) -> Rollout:
     """Sample (seeds given) or decode greedily (seeds=None) one response per query row.
 
@@ -163,7 +164,10 @@ def generate(
     it if they changed since the last call, and it samples instead (same arguments, same Rollout).
 
     keep_prompt_cache: return the prompts' KV cache in `Rollout.prompt_cache` (a `PromptCache`; not with an
-    engine, under --tp-size (vocabulary-sharded logits) or with sliding-window cache layers: then None)."""
+    engine, under --tp-size (vocabulary-sharded logits) or with sliding-window cache layers: then None).
+
+    on_finished: called as rows end (EOS or a stop string) with (their row indices, their tokens (n, t), stopped
+    (n,) bool), while the others decode (common.rewards.ScoreAsTheyFinish scores them meanwhile)."""
     if engine is not None:  # vLLM runs its model at its own dtype: never inside the trainer's autocast region
         with torch.autocast(queries.device.type, enabled=False):
             engine.sync(model)
@@ -219,6 +223,9 @@ def generate(
             stopped[rows[hit]] = True
             ended = ended | hit
         done = done | ended
+        if on_finished is not None and ended.any():
+            finished = rows[ended]
+            on_finished(finished.tolist(), responses[finished, :T], stopped[finished])
         if done.all() or T == max_new_tokens:
             break
         if done.sum() * 8 >= len(rows):  # drop finished rows (copying the cache costs about one decoding step)

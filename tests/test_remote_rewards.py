@@ -25,13 +25,14 @@ class Stub:
 
     def __init__(self, answer, delay: float = 0.0):
         stub = self
-        self.bodies, self.lock = [], threading.Lock()
+        self.bodies, self.times, self.lock = [], [], threading.Lock()
 
         class H(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with stub.lock:
                     stub.bodies.append(body)
+                    stub.times.append(time.time())
                     n = len(stub.bodies)
                 time.sleep(delay)
                 code, out = answer(body, n)
@@ -181,3 +182,75 @@ def test_grpo_with_a_served_reward_model_mixed_with_rules(tiny_peaky, toy_prompt
         stub.close()
     rows = read_metrics(only_run(tmp_path))
     assert len(stub.bodies) >= 2 and all(r["reward/remote"] > 0 for r in rows), rows
+
+
+# ------------------------------------------------------------------ reward calls overlap the decoding (37.3)
+def _early_ending(tiny):
+    """The tiny model and a tokenizer whose EOS is the token row 0 samples third: rows end at different steps."""
+    from common import models as M
+    from common.rollout import generate, tokenize_queries
+
+    tok = M.load_tokenizer(tiny)
+    model = M.load_causal_lm(tiny, tok).eval()
+    rows = [PromptRow(f"count {i}", "toy", str(i), {"i": i}, uid=i) for i in range(12)]
+    q, qm = tokenize_queries(tok, [r.text for r in rows])
+    sampling = dict(max_new_tokens=40, temperature=1.0, seeds=list(range(12)))
+    first = generate(model, tok, q, qm, **sampling)
+    tok.eos_token = tok.convert_ids_to_tokens(int(first.responses[0, 2]))
+    return tok, model, rows, q, qm, sampling
+
+
+def test_scores_as_rows_finish_equal_the_batch_scores(tiny, tmp_path):
+    """sample_and_score (the worker pool and a service called on groups of finished rows while the rest decode)
+    gives exactly generate() then Reward on the whole batch; the service sees more than one group."""
+    from common.rewards import sample_and_score
+    from common.rollout import generate
+
+    tok, model, rows, q, qm, sampling = _early_ending(tiny)
+    (tmp_path / "fn.py").write_text(
+        "def score(ds, s, gt, extra_info=None):\n    return {'score': len(s) % 5 / 5, 'acc': len(s) % 2}\n"
+    )
+    stub = Stub(length_scores)
+    try:
+        reward = Reward("rule:1.0,remote:0.5,length:0.1", reward_fn=f"{tmp_path}/fn.py:score", workers=2,
+                        max_new_tokens=40, remote=RemoteScorer(ServiceConfig(stub.url, batch_size=4)))  # fmt: skip
+        assert reward.outside
+        rollout, texts, (scores, comps, extras) = sample_and_score(model, tok, q, qm, rows, reward, "cpu", **sampling)
+        streamed_requests = len(stub.bodies)
+        plain = generate(model, tok, q, qm, **sampling)
+        assert torch.equal(plain.responses, rollout.responses)
+        lens = rollout.response_mask.sum(1)
+        assert 0 < int((lens < 40).sum()) < 12  # some rows ended early, some ran to the limit
+        want = reward(rows, tok.batch_decode(plain.responses, skip_special_tokens=True), lens, "cpu", plain.is_eos)
+        assert torch.equal(scores, want[0]) and comps.keys() == want[1].keys() and extras.keys() == want[2].keys()
+        assert all(torch.equal(comps[k], want[1][k]) for k in comps) and torch.equal(extras["acc"], want[2]["acc"])
+        assert streamed_requests > 3  # 12 rows in requests of 4: more than 3 because groups formed as rows ended
+    finally:
+        stub.close()
+        reward.pool.close()
+
+
+def test_a_service_is_called_while_the_batch_still_decodes_and_its_failure_is_raised_here(tiny):
+    from common.rewards import sample_and_score
+
+    tok, model, rows, q, qm, sampling = _early_ending(tiny)
+    hook = model.register_forward_hook(lambda *a: time.sleep(0.05))  # a slow decoding step: ~2 s for 40 tokens
+    stub = Stub(length_scores)
+    stamps = []
+    try:
+        reward = Reward("remote:1.0", remote=RemoteScorer(ServiceConfig(stub.url)))
+        import common.rollout
+
+        real = common.rollout.generate
+        common.rollout.generate = lambda *a, **k: (real(*a, **k), stamps.append(time.time()))[0]
+        try:
+            sample_and_score(model, tok, q, qm, rows, reward, "cpu", **sampling)
+        finally:
+            common.rollout.generate = real
+        assert stub.times[0] < stamps[0] - 0.5  # the first group was scored while decoding went on
+        dead = Reward("remote:1.0", remote=RemoteScorer(ServiceConfig("http://127.0.0.1:9/s", retries=0, timeout=2)))
+        with pytest.raises(ServiceError, match="http://127.0.0.1:9/s"):
+            sample_and_score(model, tok, q, qm, rows, dead, "cpu", **sampling)
+    finally:
+        hook.remove()
+        stub.close()
