@@ -602,6 +602,8 @@ class ScoreAsTheyFinish:
         import threading
 
         self.reward, self.rows, self.tok = reward, rows, tok
+        if reward.pool is not None and reward.pool.pool is None:  # forked here, not from the thread while this
+            reward.pool._start()  # one decodes (a fork copies locks other threads hold)
         self.todo, self.got, self.error, self.sent = queue.Queue(), [], None, set()
         self.thread = threading.Thread(target=self._work, daemon=True)
         self.thread.start()
