@@ -290,6 +290,9 @@ def _rss_gb(pid: int) -> float:
     return 0.0
 
 
+NOT_SCORED = "not scored: an earlier row failed"
+
+
 class RewardPool:
     """Custom reward functions scored in `workers` processes, as verl and OpenRLHF score off the
     training loop: rows run in parallel, a function that crashes its process (segfault, os._exit)
@@ -369,7 +372,7 @@ class RewardPool:
                 out.append([(False, f"RewardWorkerDied('the reward worker process died: {e}')")] * len(self.specs))
                 broken = True
             if stop_at_failure and not all(ok for ok, _ in out[-1]):
-                out += [[(False, "not scored: an earlier row failed")] * len(self.specs)] * (len(jobs) - len(out))
+                out += [[(False, NOT_SCORED)] * len(self.specs)] * (len(jobs) - len(out))
                 broken = True  # queued and running rows are dropped with the pool
                 break
         if broken:
@@ -563,6 +566,10 @@ class Reward:
             jobs = [(r.data_source, s, r.ground_truth, r.extra_info) for r, s in zip(rows, responses)]
             fns = [fn for _, fn, _ in self.rule_fns]
             raw = parts["raw"] if self.pool else [score_row(fns, self.timeout, *job) for job in jobs]
+            # the row that failed is the error, not a row skipped after it (groups scored as rows finish: any order)
+            failed = [i for i, outs in enumerate(raw) if any(not ok and out != NOT_SCORED for ok, out in outs)]
+            if failed and self.fallback is None:
+                self._rule(rows[failed[0]], responses[failed[0]], raw[failed[0]])
             vals = [self._rule(r, s, o) for r, s, o in zip(rows, responses, raw)]
             rule = torch.tensor([v[0] for v in vals], device=device)
             for k in {k for _, e in vals for k in e}:

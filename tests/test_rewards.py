@@ -325,3 +325,16 @@ def test_reward_workers_die_with_the_trainer(tmp_path):
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids), pids
+
+
+def test_the_failed_row_is_the_error_not_a_row_skipped_after_it(tmp_path):
+    """Groups scored as rows finish (ScoreAsTheyFinish) come back in any order: the pool marks the rows after a
+    failure in its group "not scored", and the error names the row that failed, even when a skipped row is earlier."""
+    from common.rewards import NOT_SCORED
+
+    (tmp_path / "f.py").write_text("def score(ds, s, gt, extra_info=None):\n    return 1.0\n")
+    reward = Reward("rule:1.0", reward_fn=f"{tmp_path}/f.py:score", workers=1)
+    rows = [PromptRow(f"q{i}", "anything", "", {}, uid=i) for i in range(3)]
+    raw = [[(False, NOT_SCORED)], [(False, "ValueError('bad')")], [(True, 1.0)]]
+    with pytest.raises(RewardError, match=r"row 1, .*ValueError\('bad'\)"):
+        reward(rows, ["a", "b", "c"], torch.ones(3), parts={"raw": raw})
