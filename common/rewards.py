@@ -318,6 +318,11 @@ class RewardPool:
             self.workers, mp_context=context, initializer=_init_worker, initargs=(self.specs,)
         )
 
+    def start(self):
+        """The workers, now, unless they run already (else the first map starts them)."""
+        if self.pool is None:
+            self._start()
+
     def _kill(self):
         """Stop every worker now (a stuck one never returns), then forget the pool."""
         if self.pool is None:
@@ -609,8 +614,8 @@ class ScoreAsTheyFinish:
         import threading
 
         self.reward, self.rows, self.tok = reward, rows, tok
-        if reward.pool is not None and reward.pool.pool is None:  # forked here, not from the thread while this
-            reward.pool._start()  # one decodes (a fork copies locks other threads hold)
+        if reward.pool is not None:  # forked here, not from the thread while this one decodes (a fork copies
+            reward.pool.start()  # locks other threads hold)
         self.todo, self.got, self.error, self.sent = queue.Queue(), [], None, set()
         self.thread = threading.Thread(target=self._work, daemon=True)
         self.thread.start()
