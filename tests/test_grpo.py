@@ -387,20 +387,28 @@ def test_grpo_loss_gradient_against_numpy():
     assert np.isfinite(grad).all()
 
 
+# each new loss with one of the sequence-level mismatch corrections (token level: the GSPO and vLLM tests)
+NEW_LOSS_TIS = {"gspo": ["sequence", "mask"], "cispo": ["geometric", "reject"], "sapo": ["sequence", "truncate"]}
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("loss_type", ["gspo", "cispo", "sapo"])
 def test_each_new_loss_learns_the_toy_task(loss_type, tiny_peaky, toy_prompts, tmp_path):
-    """15 iterations on the toy task (mu = 2, so the second pass is off-policy and each loss's bound acts):
-    the reward rises by more than 0.1, as GRPO's does (test_learns_toy_task)."""
+    """15 iterations on the toy task (mu = 2, so the second pass is off-policy and each loss's bound acts), with a
+    sequence-level --tis-level / --tis-mode (the sampler's log-probs against pi_old): the reward rises by more
+    than 0.1, as GRPO's does (test_learns_toy_task), and the correction's metrics are logged."""
     flags = ["--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD]
     flags += ["--output-dir", tmp_path, "--total-steps", 15, "--num-prompts", 8, "--group-size", 4]
     flags += ["--mini-batch-size", 16, "--micro-batch-size", 16, "--max-new-tokens", 6, "--learning-rate", 3e-3]
+    level, mode = NEW_LOSS_TIS[loss_type]
+    flags += ["--tis-cap", 3, "--tis-level", level, "--tis-mode", mode]
     run_script("grpo_llm.py", *flags, "--update-epochs", 2, "--eval-every", 0, "--loss-type", loss_type,
                env={"TOY_MODEL": tiny_peaky})  # fmt: skip
     rows = read_metrics(only_run(tmp_path))
     rewards = [r["train/reward"] for r in rows]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     assert all(0 <= r["train/clip_frac"] <= 1 for r in rows)
+    assert all(0 <= r["mismatch/capped_frac"] <= 1 for r in rows)
     if loss_type == "gspo":
         assert all(r["train/seq_ratio_min"] <= r["train/seq_ratio_mean"] <= r["train/seq_ratio_max"] for r in rows)
 
