@@ -619,13 +619,21 @@ def unwrap_for_generation(accelerator, model):
         region.close()
 
 
+def _param_groups(state) -> list:
+    """An FSDP unit's parameter groups: a list in torch 2.12+, one group (or None) in earlier releases (torch 2.11's
+    FSDPState has only `_fsdp_param_group`: a GPU image's torch failed here, benchmarks/gpu_check.sh)."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return state._fsdp_param_groups
+    return [g] if (g := state._fsdp_param_group) is not None else []
+
+
 def _reshard_setting(m):
     state = m._get_fsdp_state()
-    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]
+    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in _param_groups(state)]
 
 
 def _restore_reshard_setting(m, setting) -> None:
     state = m._get_fsdp_state()
     state._auto_reshard_after_forward = setting[0]
-    for g, info in zip(state._fsdp_param_groups, setting[1]):
+    for g, info in zip(_param_groups(state), setting[1]):
         g.post_forward_mesh_info = info

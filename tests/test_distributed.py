@@ -425,6 +425,18 @@ def test_accelerate_configs_are_consistent():
             assert prod == cfg["num_processes"], path
 
 
+def test_fsdp_param_groups_on_either_torch():
+    """FSDP2's per-unit reshard settings are read through private state: a list of parameter groups in torch 2.12+,
+    one group or None before (torch 2.11 on a GPU image failed with AttributeError: benchmarks/gpu_check.sh)."""
+    from types import SimpleNamespace
+
+    from common.distributed import _param_groups
+
+    assert _param_groups(SimpleNamespace(_fsdp_param_groups=["a", "b"], _fsdp_param_group="a")) == ["a", "b"]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group="a")) == ["a"]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
+
+
 @pytest.mark.distributed
 def test_generation_from_fsdp2_sharded_model(tiny):
     """torch's fully_shard (what Accelerate's FSDP2 uses on GPUs) over gloo: unshard once, generate, reshard."""
