@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -317,9 +318,20 @@ class RewardPool:
         self.pool = ProcessPoolExecutor(
             self.workers, mp_context=context, initializer=_init_worker, initargs=(self.specs,)
         )
+        # The executor forks at its first submit, in whichever thread submits: launch every worker now, in this
+        # thread. PR_SET_PDEATHSIG (_init_worker) fires when the *thread* that forked a worker ends, so workers
+        # forked in ScoreAsTheyFinish's per-batch thread died after each batch, and one killed while holding the
+        # task queue's lock hung the run at exit. One short job per worker, all in flight at once (spawn starts a
+        # worker per submit while none is idle; fork starts them all at the first).
+        for job in [self.pool.submit(time.sleep, 0.05) for _ in range(self.workers)]:
+            job.result()
 
     def start(self):
-        """The workers, now, unless they run already (else the first map starts them)."""
+        """The workers, now, in this thread (the trainer's: see _start), unless they all run already; a pool with a
+        dead worker is replaced."""
+        procs = list(getattr(self.pool, "_processes", {}).values()) if self.pool is not None else []
+        if self.pool is not None and not all(p.is_alive() for p in procs):
+            self._kill()
         if self.pool is None:
             self._start()
 

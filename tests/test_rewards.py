@@ -341,3 +341,30 @@ def test_the_failed_row_is_the_error_not_a_row_skipped_after_it(tmp_path):
     raw = [[(False, NOT_SCORED)], [(False, "ValueError('bad')")], [(True, 1.0)]]
     with pytest.raises(RewardError, match=r"row 1, .*ValueError\('bad'\)"):
         reward(rows, ["a", "b", "c"], torch.ones(3), parts={"raw": raw})
+
+
+def test_reward_workers_outlive_the_scoring_thread(tmp_path):
+    """Rows scored as they finish (ScoreAsTheyFinish) go to the pool from a thread that ends with each batch. The
+    workers were forked there, at the pool's first submit, and PR_SET_PDEATHSIG fires when the *thread* that forked
+    a child exits: the workers were killed after every batch, restarted the next, and a worker killed holding the
+    task queue's lock left the run hanging at exit (CI, a DDP GRPO test). They start in the trainer's thread now and
+    serve every batch."""
+    from common.rewards import ScoreAsTheyFinish
+
+    (tmp_path / "pid.py").write_text(
+        "import os\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': 1.0, 'pid': os.getpid()}\n"
+    )
+    reward = Reward("rule:1.0", reward_fn=f"{tmp_path}/pid.py:score", workers=2)
+    rows = [PromptRow(f"q{i}", "x", None, {}, uid=i) for i in range(4)]
+    pools = []
+    for _ in range(3):  # three batches, each with its own scoring thread
+        scoring = ScoreAsTheyFinish(reward, rows, tok=None)
+        raw = scoring.parts(["a"] * 4, [True] * 4)["raw"]  # the thread scores all 4 rows, then ends
+        assert [ok for outs in raw for ok, _ in outs] == [True] * 4, raw
+        time.sleep(0.5)  # a parent-death signal would have landed by now
+        pids = sorted(reward.pool.pool._processes)
+        assert all(Path(f"/proc/{p}").exists() and "zombie" not in Path(f"/proc/{p}/status").read_text() for p in pids)
+        pools.append(pids)
+    assert len(pools[0]) == 2 and pools[0] == pools[1] == pools[2], pools
+    reward.pool.close()
