@@ -108,14 +108,28 @@ def toy_prompts(tmp_path_factory):
     return str(path)
 
 
+def accelerate_launch(config="cpu_2proc", processes=None) -> list[str]:
+    """`accelerate launch --config_file configs/accelerate/CONFIG.yaml` with a free rendezvous port (accelerate's
+    `--main_process_port 0`): launchers default to port 29500, and under xdist two tests that launch processes can
+    run at once (a vLLM test on one worker, a distributed one on the other: CI failed with EADDRINUSE)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / f"configs/accelerate/{config}.yaml"),
+    ]
+    return [*cmd, "--main_process_port", "0", *(["--num_processes", str(processes)] if processes else [])]
+
+
 TIERS = ("smoke", "e2e", "distributed", "vllm", "slow")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`-n 2 --dist loadgroup`, as .ci/run runs the tiers beyond the fast one): the tests that
-    launch several processes run one after another on one worker (launchers default to one port, 29500, and each
-    of them takes both cores), so do the vLLM tests (an engine each, and module fixtures holding one) and the
+    launch several processes run one after another on one worker (each of them takes both cores; their ports are
+    free ones, accelerate_launch above), so do the vLLM tests (an engine each, and module fixtures holding one) and the
     real-model tests; everything else is balanced over the workers. Without xdist the marks do nothing."""
     for item in items:
         for marker, group in (("distributed", "processes"), ("vllm", "vllm"), ("slow", "smollm2")):

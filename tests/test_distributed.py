@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, only_run, read_metrics, run_script
+from conftest import REPO, accelerate_launch, only_run, read_metrics, run_script
 
 TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
 
@@ -22,16 +22,7 @@ RUN_ALL_SCRIPTS = ("DDP", "FSDP", "ZERO3")  # every script under these; ZeRO-2 i
 
 
 def launch(script, *flags, env=None, config="cpu_2proc", processes=None):
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(REPO / f"configs/accelerate/{config}.yaml"),
-        *(["--num_processes", str(processes)] if processes else []),
-        str(REPO / "algos" / script),
-        *map(str, flags),
-    ]
+    cmd = [*accelerate_launch(config, processes), str(REPO / "algos" / script), *map(str, flags)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
         # seen once in CI (1 of ~50 launches, a ZeRO-3 child, after its outputs were written; 4 of 4 reruns
@@ -170,11 +161,7 @@ def test_two_processes_offline_scripts(script, flags, kind, tiny, tmp_path):
 @pytest.mark.distributed
 def test_batch_not_divisible_by_processes_names_the_flag(tiny, tmp_path):
     cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(REPO / "configs/accelerate/cpu_2proc.yaml"),
+        *accelerate_launch("cpu_2proc"),
         str(REPO / "algos/ppo_llm.py"),
         "--model-name-or-path",
         tiny,
@@ -537,11 +524,7 @@ def test_deepspeed_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
             runs["ZERO3"] / f"checkpoints/step_2/{name}", resumed / f"checkpoints/step_2/{name}", base, rel=1e-6
         )
     cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(REPO / "configs/accelerate/cpu_2proc.yaml"),
+        *accelerate_launch("cpu_2proc"),
         str(REPO / "algos/ppo_llm.py"),
         *map(str, flags),
         "--total-steps",
@@ -562,11 +545,7 @@ def test_deepspeed_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
     state["planted"] = Payload(str(marker))
     torch.save(state, engine_file)
     cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(REPO / f"configs/accelerate/{CONFIGS['ZERO3']}.yaml"),
+        *accelerate_launch(CONFIGS["ZERO3"]),
         str(REPO / "algos/ppo_llm.py"),
         *map(str, flags),
         "--total-steps",

@@ -460,12 +460,11 @@ def test_ppo_with_tools_on_vllm_under_ddp(tiny_agent, toy_prompts, tmp_path):
     both (the same keys on each); the trainer's log-probs of the sampled turns agree with vLLM's."""
     import subprocess
 
-    from conftest import only_run, read_metrics
+    from conftest import accelerate_launch, only_run, read_metrics
 
     flags = _env_flags(tiny_agent, toy_prompts, tmp_path, "--env", "tools", "--tools", "calculator",
                        "--batch-size", 8, "--mini-batch-size", 8, "--total-steps", 2, "--rollout-engine", "vllm")  # fmt: skip
-    cmd = ["accelerate", "launch", "--config_file", str(REPO / "configs/accelerate/cpu_2proc.yaml"),
-           str(REPO / "algos/ppo_llm.py"), *map(str, flags)]  # fmt: skip
+    cmd = [*accelerate_launch("cpu_2proc"), str(REPO / "algos/ppo_llm.py"), *map(str, flags)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "TOY_MODEL": tiny_agent})
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = only_run(tmp_path)

@@ -100,6 +100,21 @@ def test_the_fast_tier_guard_fails_an_unmarked_launch():
     assert subprocess.run(["git", "--version"], capture_output=True).returncode == 0
 
 
+def test_accelerate_launches_take_a_free_port():
+    """Tests launch `accelerate launch` only through conftest.accelerate_launch (`--main_process_port 0`): with the
+    launcher's default port, two launches starting at once on two xdist workers both took 29500 and one failed
+    (EADDRINUSE, CI). torchrun launches use `--standalone`, which picks its own port."""
+    from conftest import accelerate_launch
+
+    assert accelerate_launch("cpu_2proc_zero3", 2)[-4:] == ["--main_process_port", "0", "--num_processes", "2"]
+    for path in sorted((REPO / "tests").glob("*.py")):
+        text = path.read_text()
+        if path.name not in ("conftest.py", "test_house.py"):
+            assert "accelerate.commands.launch" not in text and '"accelerate", "launch"' not in text, path.name
+        for call in re.findall(r"torch\.distributed\.run\"[^\]]*", text):
+            assert "--standalone" in call, path.name
+
+
 # common/ in layers, bottom first (docs/architecture.md): a module imports from its own layer or below, never
 # above, and no two modules import each other, directly or round a longer circle. Imports inside functions
 # count too (a lazy import is still a dependency).

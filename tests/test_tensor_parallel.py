@@ -19,7 +19,7 @@ from test_distributed import (
     ppo_one_update_flags,
 )
 
-from conftest import REPO, only_run, read_metrics, run_script
+from conftest import REPO, accelerate_launch, only_run, read_metrics, run_script
 
 pytestmark = pytest.mark.distributed
 
@@ -200,13 +200,7 @@ def test_other_scripts_run_under_tp2(script, nproc, tiny, tiny_peaky, toy_prompt
 
 
 def launch_unchecked(script, *flags, config="cpu_2proc"):
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(REPO / f"configs/accelerate/{config}.yaml"),
-    ]
+    cmd = accelerate_launch(config)
     return subprocess.run(
         [*cmd, str(REPO / "algos" / script), *map(str, flags)], capture_output=True, text=True, timeout=600
     )

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from conftest import REPO, only_run, read_metrics, run_script
+from conftest import REPO, accelerate_launch, only_run, read_metrics, run_script
 
 pytest.importorskip("vllm", reason="vLLM is part of the CI install (requirements-vllm.txt)")
 
@@ -355,10 +355,8 @@ def test_two_processes_sample_what_one_process_samples(peaky_vllm, toy_prompts, 
     (DeepSpeed's partitions, pushed every phase)."""
     import os
     import subprocess
-    import sys
 
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
-    cmd += [REPO / f"configs/accelerate/{config}.yaml", REPO / "algos/grpo_llm.py"]
+    cmd = [*accelerate_launch(config), REPO / "algos/grpo_llm.py"]
     cmd += _grpo_flags(peaky_vllm, toy_prompts, tmp_path, *TWO_PROC)
     proc = subprocess.run(
         list(map(str, cmd)), capture_output=True, text=True, timeout=600, env={**os.environ, "TOY_MODEL": peaky_vllm}
@@ -383,10 +381,8 @@ def test_under_zero_1_and_2_the_engine_samples_every_updated_policy(
     at steps 2 and 3). Each step's sampler log-probs now equal the trainer's pi_old (fp32: < 1e-3)."""
     import os
     import subprocess
-    import sys
 
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
-    cmd += [REPO / f"configs/accelerate/cpu_2proc_zero{stage}.yaml", "--num_processes", processes]
+    cmd = accelerate_launch(f"cpu_2proc_zero{stage}", processes)
     flags = _grpo_flags(peaky_vllm, toy_prompts, tmp_path, *TWO_PROC)
     cmd += [REPO / "algos/grpo_llm.py", *flags, "--learning-rate", 1e-2]
     proc = subprocess.run(
