@@ -57,7 +57,7 @@ from common.distributed import (
     UpdateGuard, adamw, backward, configure_deepspeed, frozen_reference, make_accelerator, micro_batch_budget,
     unwrap_for_generation,
 )
-from common.envs import episodes_from_args
+from common.envs import episodes_from_args, tool_metrics
 from common.errors import mix_seed, seed_everything
 from common.eval import evaluate_policy
 from common.health import HealthConfig
@@ -428,6 +428,7 @@ def main(args: Args):
             }
             name = lambda k: k if "/" in k else f"reward/{k}"  # --env: env/turns, env/tool_calls, perf/tool_s, ...
             metrics.update({name(k): accelerator.gather(v).mean().item() for k, v in (components | extras).items()})
+            metrics.update(tool_metrics(metrics))  # --env tools: call, success, answer-after-tool rates
             metrics.update({"reward/errors": reward.errors} if reward.errors else {})
             samples = [
                 {"prompt": x.text, "response": t, "reward": float(s), "kl": float(k), "split": "train"}

@@ -47,7 +47,7 @@ from common.distributed import (
     UpdateGuard, adamw, backward, configure_deepspeed, frozen_reference, make_accelerator, micro_batch_budget,
     unwrap_for_generation,
 )
-from common.envs import episodes_from_args
+from common.envs import episodes_from_args, tool_metrics
 from common.errors import mix_seed, seed_everything
 from common.eval import evaluate_policy
 from common.health import HealthConfig
@@ -432,6 +432,7 @@ def main(args: Args):
                 "perf/mfu": mfu(policy, n_fwd * real, args.update_epochs * real, step_s, accelerator),
             }
             metrics.update({k: accelerator.gather(v).mean().item() for k, v in batch.items() if "/" in k})
+            metrics.update(tool_metrics(metrics))  # --env tools: call, success, answer-after-tool rates
             if seq_ratios:  # GSPO: the sequence importance ratios the loss clipped
                 s = accelerator.gather(torch.cat(seq_ratios).flatten())
                 metrics.update({f"train/seq_ratio_{k}": getattr(s, k)().item() for k in ("mean", "min", "max")})

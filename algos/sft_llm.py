@@ -1,8 +1,10 @@
-"""Supervised fine-tuning (warm start): next-token loss on the response tokens of chat examples.
+"""Supervised fine-tuning (warm start): next-token loss on the assistant tokens of chat examples.
 
 Docs: docs/algos/sft.md. The first stage of the classic RLHF pipeline (SFT -> reward model -> PPO;
-Ouyang et al. 2022). Data: `messages` (the last assistant turn is the response) or `prompt` +
-`response`; the loss covers the response and its EOS only, never the prompt.
+Ouyang et al. 2022), and of tool use (docs/agents.md: demonstrations -> SFT -> GRPO --env tools). Data:
+`messages` (a whole conversation: every assistant turn is a target; tool results, user and system
+messages are context, rendered exactly as a multi-turn rollout renders them) or `prompt` + `response`;
+the loss covers the assistant's tokens and their EOS only.
 
     python algos/sft_llm.py                                   # SmolLM2-135M-Instruct on the built-in chain_sum_1d SFT set
     python algos/sft_llm.py --train-files data/chain_sum_1d/sft_train.parquet --lora-r 16
@@ -30,7 +32,7 @@ import torch
 from common import models as M
 from common.args import DataArgs, Group, ModelArgs, NonNegInt, OptimArgs, PositiveInt, RunArgs, group
 from common.cli import cli
-from common.data import Sampler, encode_prompt_response, load_prompts, load_sft
+from common.data import Sampler, load_prompts, load_sft
 from common.distributed import UpdateGuard, adamw, backward, configure_deepspeed, make_accelerator
 from common.errors import seed_everything
 from common.eval import evaluate_policy
@@ -71,18 +73,22 @@ class Args:
     optim: Group[OptimArgs] = group(OptimArgs, learning_rate=1e-5, lr_scheduler="cosine", warmup_steps=10)
 
 
-# ALGO LOGIC: response-only next-token loss
+# ALGO LOGIC: next-token loss on the assistant's tokens only
 def encode_examples(tok, examples, max_length, device):
-    """Right-padded prompt+response+EOS (the shared encoder). Returns input_ids, attention_mask,
-    loss_mask: (B, L). loss_mask is 1 on response tokens and EOS only: the prompt is context, not a target."""
-    return encode_prompt_response(
-        tok,
-        [ex["prompt"] for ex in examples],
-        [ex["response"] for ex in examples],
-        eos=True,
-        max_length=max_length,
-        device=device,
-    )
+    """Right-padded conversations (`common.data.encode_conversation`'s ids: one-turn or multi-turn, rendered as a
+    rollout renders them). Returns input_ids, attention_mask, loss_mask: (B, L). loss_mask is 1 on the assistant
+    turns' tokens and their EOS only: system, user and tool messages are context, not targets. Past `max_length`
+    the prompt's start is cut (never beyond the first assistant token), then the end."""
+    seqs = []
+    for ex in examples:
+        ids, m = ex["ids"], ex["loss_mask"]
+        cut = min(max(0, len(ids) - max_length), m.index(1) if 1 in m else 0)
+        seqs.append((ids[cut:][:max_length], m[cut:][:max_length]))
+    L = max(len(x) for x, _ in seqs)
+    ids = torch.tensor([x + [tok.pad_token_id] * (L - len(x)) for x, _ in seqs], device=device)  # (B, L)
+    attn = torch.tensor([[1] * len(x) + [0] * (L - len(x)) for x, _ in seqs], device=device)  # (B, L)
+    loss_mask = torch.tensor([m + [0] * (L - len(m)) for _, m in seqs], device=device, dtype=torch.float)  # (B, L)
+    return ids, attn, loss_mask
 
 
 def sft_loss_sum(model, ids, attn, loss_mask):

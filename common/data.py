@@ -313,26 +313,95 @@ def load_preferences(files, tok, log=print) -> list[dict]:
 
 
 def load_sft(files, tok) -> list[dict]:
-    """Rows {prompt (templated text), response}: from `messages` (last assistant turn is the
-    response) or from `prompt` + `response` columns."""
+    """Rows {prompt (templated text of the messages before the first assistant turn), ids, loss_mask} (lists of
+    equal length; `encode_conversation`): from `messages` (a whole conversation: the loss covers every assistant
+    turn, nothing else; an optional `tools` column of JSON schemas for templates that render tools=) or from
+    `prompt` + `response` columns (one assistant turn)."""
     first = read_table(files[0] if isinstance(files, list) else files)[0]
+    out = []
     if "messages" in first:
-        rows = read_files(files, ["messages"])
-        out = []
-        for r in rows:
-            msgs = _check_messages(r["messages"], f"{r['_file']} row {r['_row']} column 'messages'")
+        for r in read_files(files, ["messages"]):
+            where = f"{r['_file']} row {r['_row']} column 'messages'"
+            msgs = _check_messages(r["messages"], where)
             if isinstance(msgs, str) or msgs[-1]["role"] != "assistant":
                 raise DataError(f"{r['_file']} row {r['_row']}: 'messages' must end with an assistant turn")
-            out.append({"prompt": apply_chat(tok, msgs[:-1]), "response": msgs[-1]["content"]})
+            if msgs[0]["role"] == "assistant":
+                raise DataError(f"{where}: the conversation starts with an assistant turn (no prompt before it)")
+            tools = r.get("tools") or None
+            if isinstance(tools, str):  # verl's multi-turn SFT files may hold the schemas as a JSON string
+                tools = json.loads(tools)
+            ids, mask = encode_conversation(tok, msgs, tools)
+            out.append({"prompt": _prompt_text(tok, msgs, tools), "ids": ids, "loss_mask": mask})
         return out
-    rows = read_files(files, ["prompt", "response"])
-    return [
-        {
-            "prompt": apply_chat(tok, _check_messages(r["prompt"], f"{r['_file']} row {r['_row']} column 'prompt'")),
-            "response": _check_messages(r["response"], f"{r['_file']} row {r['_row']} column 'response'"),
-        }
-        for r in rows
-    ]
+    for r in read_files(files, ["prompt", "response"]):
+        prompt = _check_messages(r["prompt"], f"{r['_file']} row {r['_row']} column 'prompt'")
+        response = _check_messages(r["response"], f"{r['_file']} row {r['_row']} column 'response'")
+        msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if isinstance(response, str):
+            msgs = msgs + [{"role": "assistant", "content": response}]
+        else:
+            msgs = msgs + [m for m in response]
+        ids, mask = encode_conversation(tok, msgs, prompt_text=apply_chat(tok, prompt))
+        out.append({"prompt": apply_chat(tok, prompt), "ids": ids, "loss_mask": mask})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversations: the one rendering rule of multi-turn rollouts (common/envs.py) and multi-turn SFT
+# ---------------------------------------------------------------------------------------------
+def turn_glue(tok) -> str:
+    """What the template writes after an assistant turn's EOS token (e.g. '\\n' after <|im_end|>)."""
+    eos = tok.eos_token
+    text = apply_chat(tok, [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], False)
+    return text[text.rindex(eos) + len(eos) :] if eos and eos in text else ""
+
+
+def observation_ids(tok, messages: list[dict], glue: str | None = None) -> list[int]:
+    """The tokens that follow a model turn (ended by EOS) when `messages` (tool results, feedback) come next,
+    through the generation prompt of the next assistant turn: the template's rendering of a conversation with and
+    without them, the difference, tokenized alone (after the glue the template writes after EOS). Never a
+    re-rendering of the conversation itself, so earlier turns keep the ids they were sampled as."""
+    base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    before = apply_chat(tok, base, add_generation_prompt=False)
+    after = apply_chat(tok, base + list(messages), add_generation_prompt=True)
+    if not after.startswith(before):
+        raise UserError("the chat template renders earlier turns differently once an observation follows them")
+    glue = turn_glue(tok) if glue is None else glue
+    return tok(glue + after[len(before) :], add_special_tokens=False)["input_ids"]
+
+
+def _prompt_text(tok, messages: list[dict], tools=None) -> str:
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return apply_chat(tok, messages[:first], tools=tools)
+
+
+def encode_conversation(tok, messages: list[dict], tools=None, prompt_text: str | None = None):
+    """A conversation as the token ids a multi-turn rollout of it produces, and its loss mask: (ids, mask), lists.
+
+    The rule (the same as `common.envs.Episodes.run`): the messages before the first assistant turn rendered by
+    the chat template with the generation prompt (with `tools=` where given); each assistant turn its content
+    tokenized alone plus EOS (what the policy samples: the template's own assistant header is already in the
+    preceding generation prompt); the messages between two assistant turns as `observation_ids`. Mask 1 on
+    assistant tokens and their EOS, 0 on everything else (system, user, tool messages: context). A rollout's turn
+    sampled as non-canonical tokens (a rare split of the same text) is encoded here canonically.
+    Naive: for a one-turn conversation, tok(apply_chat(prompt)) + tok(response) + [eos], mask on the last two."""
+    if prompt_text is None:
+        prompt_text = _prompt_text(tok, messages, tools)
+    ids = tok(prompt_text, add_special_tokens=False)["input_ids"]
+    mask = [0] * len(ids)
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    glue, pending = None, []
+    for m in messages[first:]:
+        if m["role"] != "assistant":
+            pending.append(m)
+            continue
+        if pending:
+            glue = turn_glue(tok) if glue is None else glue
+            obs = observation_ids(tok, pending, glue)
+            ids, mask, pending = ids + obs, mask + [0] * len(obs), []
+        turn = tok(m["content"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ids, mask = ids + turn, mask + [1] * len(turn)
+    return ids, mask
 
 
 # ---------------------------------------------------------------------------------------------

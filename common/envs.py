@@ -25,6 +25,7 @@ from functools import partial
 
 import torch
 
+from common.data import observation_ids, turn_glue
 from common.errors import UserError, load_from_file, mix_seed
 from common.models import apply_chat
 from common.rewards import call_with_timeout
@@ -133,7 +134,9 @@ class ToolEnv(Environment):
     with an answer (a turn without a tool call), scored by the run's reward. A malformed call or an unknown tool gets
     an error observation. A call on the last turn is not run: that turn is scored as the answer."""
 
-    info_keys = ("tool_calls", "tool_errors", "tool_s")
+    # per trajectory: calls, failed calls, seconds; the first call (0/1), the final answer (0/1) and whether a tool
+    # result came before it (0/1): tool_metrics turns their batch means into the rates of tool learning
+    info_keys = ("tool_calls", "tool_errors", "tool_s", "tool_used", "answered", "answer_after_tool")
     PROTOCOL = (
         'You can use tools. To call one, write <tool_call>{{"name": NAME, "arguments": {{...}}}}</tool_call> and '
         "stop; its result comes back as <tool_response>...</tool_response>. Tools:\n{tools}\n"
@@ -147,7 +150,7 @@ class ToolEnv(Environment):
             raise UserError(f"--tools {','.join(tools)}: unknown tool(s) {unknown}; known: {sorted(TOOL_SCHEMAS)}")
         self.tools = [TOOL_SCHEMAS[t] for t in tools]
         self.python = dict(timeout=timeout, memory_mb=memory_mb, max_chars=max_chars)
-        self.call_cost = call_cost
+        self.call_cost, self.had_result = call_cost, False
 
     def reset(self, row):
         if self.template_tools:
@@ -173,7 +176,7 @@ class ToolEnv(Environment):
     def step(self, text, ids):
         calls = parse_tool_calls(text)
         if not calls or self.final:  # an answer (or no turn left to read a tool's result)
-            return Step(None, self.score(text), True)
+            return Step(None, self.score(text), True, {"answered": 1, "answer_after_tool": float(self.had_result)})
         t0, outputs, errors = time.time(), [], 0
         for call in calls:
             out, ok = (call, False) if isinstance(call, str) else self.run_tool(call)
@@ -181,7 +184,25 @@ class ToolEnv(Environment):
             outputs.append(f"<tool_response>{out}</tool_response>")
         role = "tool" if self.template_tools else "user"
         info = {"tool_calls": len(calls), "tool_errors": errors, "tool_s": time.time() - t0}
+        info["tool_used"] = float(not self.had_result)  # counted once per trajectory
+        self.had_result = True
         return Step([{"role": role, "content": "\n".join(outputs)}], -self.call_cost * len(calls), False, info)
+
+
+def tool_metrics(metrics: dict) -> dict:
+    """The rates of tool learning from a step's batch means of ToolEnv's per-trajectory counts (`env/<key>`):
+    env/tool_call_rate (share of trajectories with a call), env/tool_success_rate (share of calls that ran without
+    an error), env/answer_after_tool (share of final answers given after a tool result). A ratio of two batch means
+    over the same trajectories is the ratio of the sums. {} without the tool environment's keys."""
+    m = metrics
+    if "env/tool_calls" not in m or "env/tool_used" not in m:
+        return {}
+    out = {"env/tool_call_rate": m["env/tool_used"]}
+    if m["env/tool_calls"] > 0:
+        out["env/tool_success_rate"] = 1 - m["env/tool_errors"] / m["env/tool_calls"]
+    if m.get("env/answered", 0) > 0:
+        out["env/answer_after_tool"] = m["env/answer_after_tool"] / m["env/answered"]
+    return out
 
 
 class FeedbackEnv(Environment):
@@ -224,6 +245,8 @@ class EpisodeRollout(Rollout):
     transcripts: list[str] = field(default_factory=list)  # who said what, for samples.jsonl
     turn_ids: list[list[tuple[list[int], list[int]]]] = field(default_factory=list)  # per trajectory, per model
     # turn: (the context ids the sampler was given, the ids it returned): what tests compare with query_responses
+    messages: list[list[dict]] = field(default_factory=list)  # per trajectory: the conversation as messages (the
+    # first ones, each model turn's text, each observation): an SFT row (common.data.encode_conversation)
 
 
 class Episodes:
@@ -257,21 +280,13 @@ class Episodes:
     def glue(self) -> str:
         """What the template writes after an assistant turn's EOS token (e.g. '\\n' after <|im_end|>): rendered once."""
         if self._glue is None:
-            tok, eos = self.tok, self.tok.eos_token
-            text = apply_chat(tok, [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], False)
-            self._glue = text[text.rindex(eos) + len(eos) :] if eos and eos in text else ""
+            self._glue = turn_glue(self.tok)
         return self._glue
 
     def observation_ids(self, messages: list[dict]) -> list[int]:
-        """The tokens that follow a model turn (ended by EOS) when `messages` come next, through the generation
-        prompt of the next assistant turn: the template's rendering of a conversation with and without them, the
-        difference, tokenized alone. Never a re-rendering of the conversation itself."""
-        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        before = apply_chat(self.tok, base, add_generation_prompt=False)
-        after = apply_chat(self.tok, base + list(messages), add_generation_prompt=True)
-        if not after.startswith(before):
-            raise UserError("the chat template renders earlier turns differently once an observation follows them")
-        return self.tok(self.glue() + after[len(before) :], add_special_tokens=False)["input_ids"]
+        """The tokens that follow a model turn when `messages` come next (common.data.observation_ids: the one
+        rule, shared with multi-turn SFT's `encode_conversation`)."""
+        return observation_ids(self.tok, messages, self.glue())
 
     def _left_pad(self, seqs: list[list[int]], device):
         P = max(len(s) for s in seqs)
@@ -282,12 +297,17 @@ class Episodes:
         return ids.to(device), mask.to(device)
 
     @torch.no_grad()
-    def run(self, model, rows, seeds, engine=None, max_new_tokens=48, temperature=1.0, top_k=0, top_p=1.0):
+    def run(self, model, rows, seeds, engine=None, max_new_tokens=48, temperature=1.0, top_k=0, top_p=1.0, prefix=""):
         """Trajectories for `rows` (one each; `seeds` per row, None: greedy) -> EpisodeRollout. The first turn of
-        row i samples with seeds[i] (as a one-turn rollout does), turn k with mix_seed(seeds[i], k)."""
+        row i samples with seeds[i] (as a one-turn rollout does), turn k with mix_seed(seeds[i], k).
+
+        prefix: text forced at the start of the first model turn (tools.gen_demos: e.g. `<tool_call>`, so a model
+        that never starts a call writes the rest of one); its tokens are part of the turn (mask 1, sampler
+        log-prob 0) and of its text: demonstrations, not on-policy samples."""
         tok, B = self.tok, len(rows)
+        forced = tok(prefix, add_special_tokens=False)["input_ids"] if prefix else []
         device = next(model.parameters()).device
-        envs, prompts, convs = [], [], []
+        envs, prompts, convs, messages = [], [], [], []  # messages: each conversation, for SFT rows
         for row in rows:
             ok, env = self._call("construction", self.factory)
             if ok:
@@ -299,9 +319,8 @@ class Episodes:
             text = apply_chat(tok, msgs, tools=tools) if not isinstance(msgs, str) or tok.chat_template else msgs
             envs.append(env if ok else None)
             prompts.append(tok(text, add_special_tokens=False)["input_ids"])
-            convs.append(
-                [f"{m['role']}: {m['content']}" for m in msgs] if isinstance(msgs, list) else [f"user: {msgs}"]
-            )
+            messages.append(list(msgs) if isinstance(msgs, list) else [{"role": "user", "content": msgs}])
+            convs.append([f"{m['role']}: {m['content']}" for m in messages[-1]])
         ids, own, lps = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]  # own: 1 = model's
         done, truncated, is_eos = [e is None for e in envs], [False] * B, [False] * B
         score = [0.0] * B
@@ -313,25 +332,28 @@ class Episodes:
             active = [i for i in range(B) if not done[i]]
             if not active:
                 break
-            budget = {i: min(max_new_tokens, self.max_tokens - len(ids[i])) for i in active}  # >= 1 (below)
-            ctx = [prompts[i] + ids[i] for i in active]
+            force = forced if turn == 1 else []  # --prefix: the first turn starts with these tokens
+            # sampled tokens this turn (>= 1 without --prefix: below); forced ones count against the trajectory only
+            budget = {i: min(max_new_tokens, self.max_tokens - len(ids[i]) - len(force)) for i in active}
+            ctx = [prompts[i] + ids[i] + force for i in active]
             queries, qmask = self._left_pad(ctx, device)  # (b, P + ids so far)
             turn_seeds = (
                 None if seeds is None else [seeds[i] if turn == 1 else mix_seed(seeds[i], turn) for i in active]
             )
-            out = generate(model, tok, queries, qmask, max(budget.values()), temperature, top_k, top_p, turn_seeds,
-                           engine=engine)  # fmt: skip
+            out = generate(model, tok, queries, qmask, max(1, max(budget.values())), temperature, top_k, top_p,
+                           turn_seeds, engine=engine)  # fmt: skip
             for k, i in enumerate(active):
-                n = min(int(out.response_mask[k].sum()), budget[i])
+                n = max(0, min(int(out.response_mask[k].sum()), budget[i]))
                 new = out.responses[k, :n].tolist()
                 turn_ids[i].append((ctx[k], new))
-                ids[i] += new
-                own[i] += [1] * n
-                lps[i] += out.logprobs[k, :n].tolist() if out.logprobs is not None else [0.0] * n
+                ids[i] += force + new
+                own[i] += [1] * (len(force) + n)
+                lps[i] += [0.0] * len(force) + (out.logprobs[k, :n].tolist() if out.logprobs is not None else [0.0] * n)
                 ended = bool(out.is_eos[k]) and n == int(out.response_mask[k].sum())
                 is_eos[i], stats["turns"][i] = ended, stats["turns"][i] + 1
-                text = tok.decode(new, skip_special_tokens=True)
+                text = tok.decode(force + new, skip_special_tokens=True)
                 convs[i].append(f"assistant: {text}")
+                messages[i].append({"role": "assistant", "content": text})
                 envs[i].turn, envs[i].final = (
                     turn,
                     not ended or turn == self.max_turns or len(ids[i]) >= self.max_tokens,
@@ -357,6 +379,7 @@ class Episodes:
                         own[i] += [0] * len(obs)
                         lps[i] += [0.0] * len(obs)
                         convs[i] += [f"{m['role']}: {m['content']}" for m in step.observation]
+                        messages[i] += [dict(m) for m in step.observation]
         for env in envs:
             if env is not None:
                 self._call("close", env.close)
@@ -387,6 +410,7 @@ class Episodes:
             },
             transcripts=["\n".join(c) for c in convs],
             turn_ids=turn_ids,
+            messages=messages,
         )
 
 
@@ -418,18 +442,21 @@ def episodes_from_args(env_args, tok, reward, device, log=print) -> Episodes | N
 @torch.no_grad()
 def evaluate_with_env(episodes: Episodes, model, rows, max_new_tokens: int, batch_size: int, engine=None):
     """Greedy trajectories for `rows` (tools.evaluate --env): (results as common.eval.score gives them, overall and
-    per data_source: reward (the environment's), accuracy (reward >= 1), n, turns, tool_calls per trajectory;
-    the transcripts)."""
+    per data_source: reward (the environment's), accuracy (reward >= 1), n, turns, tool_calls per trajectory,
+    tool_call_rate (share of trajectories with a call); the transcripts)."""
     per, transcripts = {}, []
     for i in range(0, len(rows), batch_size):
         batch = rows[i : i + batch_size]
         ro = episodes.run(model, batch, None, engine, max_new_tokens)
         transcripts += ro.transcripts
-        calls = ro.stats.get("env/tool_calls", torch.zeros(len(batch)))
-        for row, s, turns, c in zip(batch, ro.scores.tolist(), ro.stats["env/turns"].tolist(), calls.tolist()):
+        calls = ro.stats.get("env/tool_calls", torch.zeros(len(batch))).tolist()
+        used = ro.stats.get("env/tool_used", torch.zeros(len(batch))).tolist()
+        for row, s, turns, c, u in zip(batch, ro.scores.tolist(), ro.stats["env/turns"].tolist(), calls, used):
             for key in ("all", row.data_source):
-                d = per.setdefault(key, {"reward": [], "accuracy": [], "turns": [], "tool_calls": []})
-                for m, v in zip(d, (s, float(s >= 1), turns, c)):
+                d = per.setdefault(
+                    key, {"reward": [], "accuracy": [], "turns": [], "tool_calls": [], "tool_call_rate": []}
+                )
+                for m, v in zip(d, (s, float(s >= 1), turns, c, u)):
                     d[m].append(v)
     return {
         k: {m: sum(v) / len(v) for m, v in d.items()} | {"n": len(d["reward"])} for k, d in per.items()

@@ -33,7 +33,15 @@ TASKS = {
     # number theory, several steps (factor, find the gcd, divide): issue 34's multi-step task. 64 new tokens cut
     # none of SmolLM2-135M's answers (median 16 tokens); its greedy accuracy is 0.17.
     "lcm": ("lcm", dict(min_numbers=2, max_numbers=2, min_value=2, max_value=20)),
+    # tool tasks (docs/agents.md, "Teach the tool"): computation SmolLM2-135M cannot do in its head, a one-line
+    # program can. Trained on the first three; the last two are held out of demonstrations and RL (transfer).
+    "products_3d": ("products", dict(min_terms=2, max_terms=2, min_digits=3, max_digits=3)),
+    "gcd_3d": ("gcd", dict(min_numbers=2, max_numbers=2, min_value=100, max_value=999)),
+    "count_bits": ("count_bits", dict(min_n=1000, max_n=65536)),
+    "chain_sum_4d": ("chain_sum", dict(min_terms=3, max_terms=3, min_digits=4, max_digits=4)),
+    "lcm_2d": ("lcm", dict(min_numbers=2, max_numbers=2, min_value=10, max_value=99)),
 }
+TOOL_TASKS_TRAINED, TOOL_TASKS_HELD_OUT = ("products_3d", "gcd_3d", "count_bits"), ("chain_sum_4d", "lcm_2d")
 DEFAULT_TASK = "chain_sum_1d"
 
 
@@ -156,6 +164,22 @@ def sft_rows(rows: list[dict]) -> list[dict]:
         response = (f"{expr} = {gt}\n" if expr and expr != gt else "") + f"<answer>{gt}</answer>"
         out.append({"prompt": r["prompt"], "response": response, "data_source": r["data_source"]})
     return out
+
+
+def tool_program(row) -> str | None:
+    """A Python program that prints the answer of a reasoning-gym row, written from the generator's own metadata
+    (tools.gen_demos --source program: demonstrations of the tool without a bigger model), or None for a family
+    without a writer. row: a PromptRow (its extra_info holds the generator's entry)."""
+    entry = row.extra_info.get("entry")
+    meta = json.loads(entry).get("metadata", {}) if isinstance(entry, str) else {}
+    family = row.data_source.removeprefix("reasoning_gym/")
+    if family in ("products", "chain_sum", "basic_arithmetic") and meta.get("expression"):
+        return f"print({meta['expression']})"
+    if family in ("gcd", "lcm") and meta.get("numbers"):
+        return f"import math\nprint(math.{family}({', '.join(map(str, meta['numbers']))}))"
+    if family == "count_bits" and "number" in meta:
+        return f"print(bin({meta['number']}).count('1'))"
+    return None
 
 
 def default_sft_files(task: str = DEFAULT_TASK, train_size: int = 2000, test_size: int = 64, seed: int = 0):

@@ -134,10 +134,18 @@ def test_preferences_and_sft(tmp_path, tok):
     )
     r = load_preferences([str(tmp_path / "implicit.jsonl")], tok)[0]
     assert (r["chosen"], r["rejected"]) == ("y", "n") and "q<|im_end|>" in r["prompt"]
+    # SFT rows: the prompt's ids, then the response's and EOS, the loss mask on the last two
+    from common.models import apply_chat
+
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]
     write_rows([{"messages": conv + [{"role": "assistant", "content": "a"}]}], tmp_path / "sft.jsonl")
-    assert load_sft([str(tmp_path / "sft.jsonl")], tok)[0]["response"] == "a"
+    r = load_sft([str(tmp_path / "sft.jsonl")], tok)[0]
+    p = enc(apply_chat(tok, conv))
+    assert r["ids"] == p + enc("a") + [tok.eos_token_id] and r["loss_mask"] == [0] * len(p) + [1, 1]
     write_rows([{"prompt": "p", "response": "r"}], tmp_path / "sft2.jsonl")
-    assert load_sft([str(tmp_path / "sft2.jsonl")], tok)[0]["response"] == "r"
+    r = load_sft([str(tmp_path / "sft2.jsonl")], tok)[0]
+    p = enc(apply_chat(tok, "p"))
+    assert r["ids"] == p + enc("r") + [tok.eos_token_id] and r["loss_mask"] == [0] * len(p) + [1, 1]
 
 
 def test_sampler_is_deterministic_and_resumable():

@@ -124,7 +124,7 @@ def main(args: Args) -> dict:
 
     table = Table(title=f"{len(rows)} prompts from {', '.join(data)}")
     extra_cols = list(dict.fromkeys(k for r in results.values() for k in r["all"] if k.startswith(("pass@", "maj@"))))
-    extra_cols += ["turns", "tool_calls"] if episodes is not None else []
+    extra_cols += ["turns", "tool_calls", "tool_call_rate"] if episodes is not None else []
     for col in ("model", "data_source", "reward", "accuracy", *extra_cols, "n"):
         table.add_column(col)
     for name, res in results.items():

@@ -1,0 +1,260 @@
+"""Teaching the tool (docs/agents.md, "Teach the tool"): multi-turn SFT renders a conversation exactly as a rollout of it
+is rendered (ids and loss mask), demonstrations from the policy, from programs and by hand (rejection, schema,
+duplicates, the cap), the forced prefix, the rates of tool learning, and the chain from checkpoint folders."""
+
+import json
+import sys
+from functools import partial
+
+import pytest
+import torch
+from test_envs import ScriptedEngine
+
+from common import models as M
+from common.data import PromptRow, encode_conversation, load_sft, read_table, write_rows
+from common.envs import Episodes, ToolEnv, tool_metrics
+from conftest import REPO, only_run, read_metrics, run_script
+
+sys.path.insert(0, str(REPO / "algos"))
+import sft_llm as S  # noqa: E402
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+
+
+def _rows(n=2):
+    return [
+        PromptRow(text="", data_source="toy", ground_truth="42", messages=[{"role": "user", "content": f"q{i}: 6*7?"}])
+        for i in range(n)
+    ]
+
+
+def _score(row, text):
+    return 1.0 if row.ground_truth in text else 0.0
+
+
+def _trajectories(tok, model, reply, n=2, prefix=""):
+    engine = ScriptedEngine(tok, reply)
+    eps = Episodes(partial(ToolEnv, ("calculator",)), tok, _score, max_turns=3, max_tokens=200, timeout=10)
+    return eps.run(model, _rows(n), seeds=list(range(n)), engine=engine, prefix=prefix), engine
+
+
+def test_multi_turn_sft_ids_equal_the_rollouts_ids_and_its_mask_the_response_mask(tiny, tmp_path):
+    """A trajectory of the rollout loop (two model turns, a tool result between them), written as an SFT row and loaded
+    the way sft_llm.py loads it: the same ids, and the loss mask on the prompt-less part equals response_mask."""
+    tok = M.load_tokenizer(tiny)
+    model = M.load_causal_lm(tiny, tok)
+    reply = lambda ctx: "The answer is 42." if "<tool_response>42" in ctx else f"I will compute. {CALL}"
+    ro, _ = _trajectories(tok, model, reply)
+    assert ro.stats["env/turns"].tolist() == [2, 2]
+    write_rows([{"messages": m} for m in ro.messages], tmp_path / "sft.jsonl")
+    rows = load_sft([str(tmp_path / "sft.jsonl")], tok)
+    for i, row in enumerate(rows):
+        q = ro.queries[i][ro.query_mask[i].bool()].tolist()  # (P_i,) the prompt as the sampler saw it
+        n = int((ro.responses[i] != tok.pad_token_id).sum())  # real ids after the prompt (pad is never sampled here)
+        assert row["ids"] == q + ro.responses[i, :n].tolist()
+        assert row["loss_mask"] == [0] * len(q) + ro.response_mask[i, :n].int().tolist()
+        assert sum(row["loss_mask"]) == int(ro.response_mask[i].sum()) > 0
+    # the script's encoder pads them and keeps the mask; its loss counts exactly the model's tokens
+    ids, attn, loss_mask = S.encode_examples(tok, rows, 512, "cpu")  # (2, L) each
+    assert (
+        loss_mask.sum() == ro.response_mask.sum() and (attn.sum(1) == torch.tensor([len(r["ids"]) for r in rows])).all()
+    )
+    s, count = S.sft_loss_sum(model, ids, attn, loss_mask)
+    assert count == loss_mask[:, 1:].sum() and torch.isfinite(s)
+
+
+def test_encode_conversation_against_a_naive_rendering(tiny):
+    """One turn: the template's prompt, the response, EOS (mask on the last two parts). Two turns: the observation in
+    between is the template's rendering of the whole conversation minus what the turns contribute."""
+    tok = M.load_tokenizer(tiny)
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]
+    user = [{"role": "user", "content": "What is 6*7?"}]
+    ids, mask = encode_conversation(tok, user + [{"role": "assistant", "content": "42"}])
+    p = enc(M.apply_chat(tok, user))
+    assert ids == p + enc("42") + [tok.eos_token_id] and mask == [0] * len(p) + [1] * (len(ids) - len(p))
+    conv = user + [
+        {"role": "assistant", "content": CALL},
+        {"role": "user", "content": "<tool_response>42</tool_response>"},
+        {"role": "assistant", "content": "42"},
+    ]
+    ids, mask = encode_conversation(tok, conv)
+    full = M.apply_chat(tok, conv, add_generation_prompt=False)  # the template's text of the whole conversation
+    assert tok.decode(ids) == full.rstrip("\n")  # the template's trailing glue after the last EOS is not a turn's
+    text_of = lambda keep: tok.decode([t for t, m in zip(ids, mask) if m == keep])
+    assert text_of(1) == f"{CALL}<|im_end|>42<|im_end|>"
+    assert "<tool_response>42</tool_response>" in text_of(0) and "What is 6*7?" in text_of(0)
+
+
+def test_sft_refuses_conversations_that_do_not_end_with_the_assistant(tiny, tmp_path):
+    from common.data import DataError
+
+    tok = M.load_tokenizer(tiny)
+    bad = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
+    write_rows([{"messages": bad}], tmp_path / "bad.jsonl")
+    with pytest.raises(DataError, match=r"bad.jsonl row 0: 'messages' must end with an assistant turn"):
+        load_sft([str(tmp_path / "bad.jsonl")], tok)
+
+
+def test_forced_prefix_starts_the_first_turn_and_is_part_of_it(tiny):
+    tok = M.load_tokenizer(tiny)
+    prefix = '<tool_call>{"name": "calculator", "arguments": {"expression": "'
+    reply = lambda ctx: "The answer is 42." if "<tool_response>42" in ctx else '6*7"}}</tool_call>'
+    ro, engine = _trajectories(tok, M.load_causal_lm(tiny, tok), reply, n=1, prefix=prefix)
+    forced = tok(prefix, add_special_tokens=False)["input_ids"]
+    assert engine.contexts[0][-len(forced) :] == forced  # the sampler continued after the forced tokens
+    assert ro.messages[0][2] == {"role": "assistant", "content": CALL}  # the turn's text holds them
+    assert ro.response_mask[0, : len(forced)].eq(1).all() and ro.logprobs[0, : len(forced)].eq(0).all()
+    assert ro.stats["env/tool_calls"].item() == 1 and ro.scores.item() == 1.0
+    assert not engine.contexts[1][-len(forced) :] == forced  # only the first turn is forced
+
+
+def test_tool_learning_rates(tiny):
+    """Three trajectories: a call then the answer, an answer without a call, a failing call then the answer."""
+    tok = M.load_tokenizer(tiny)
+    bad = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*"}}</tool_call>'
+
+    def reply(ctx):
+        q = ctx.split("q")[-1][0]
+        if "<tool_response>42" in ctx or "<tool_response>error" in ctx:
+            return "42"
+        return {"0": CALL, "1": "42", "2": bad}[q]
+
+    ro, _ = _trajectories(tok, M.load_causal_lm(tiny, tok), reply, n=3)
+    means = {k: v.float().mean().item() for k, v in ro.stats.items()}
+    rates = tool_metrics(means)
+    assert ro.stats["env/tool_calls"].tolist() == [1, 0, 1] and ro.stats["env/tool_errors"].tolist() == [0, 0, 1]
+    assert rates["env/tool_call_rate"] == pytest.approx(2 / 3)
+    assert rates["env/tool_success_rate"] == pytest.approx(1 / 2)
+    assert rates["env/answer_after_tool"] == pytest.approx(2 / 3)
+    assert tool_metrics({"env/turns": 1.0}) == {}  # not the tool environment: nothing added
+
+
+# ------------------------------------------------------------------ demonstrations (tools.gen_demos)
+@pytest.fixture(scope="module")
+def tool_prompts(tmp_path_factory):
+    """8 train rows of products_3d and 8 of gcd_3d, as prepare_data writes them."""
+    from common.tasks import split_task_rows
+
+    d = tmp_path_factory.mktemp("tool_tasks")
+    files = []
+    for task in ("products_3d", "gcd_3d"):
+        train, _ = split_task_rows(task, 8, 1, seed=0)
+        write_rows(train, d / f"{task}.parquet")
+        files.append(str(d / f"{task}.parquet"))
+    return files
+
+
+def _gen_demos(**kw):
+    import tools.gen_demos as G
+
+    return G.main(G.Args(**kw))
+
+
+def test_program_demonstrations_are_correct_replayed_and_load_as_sft(tiny, tool_prompts, tmp_path):
+    out = tmp_path / "demos.jsonl"
+    report = _gen_demos(prompts=tool_prompts, source="program", out=str(out), model=tiny)
+    rows = read_table(str(out))
+    assert report["kept"] == len(rows) == 16  # every program's answer is right: one row per prompt
+    prompts = [r for f in tool_prompts for r in read_table(f)]
+    for row, src in zip(rows, prompts):
+        assert set(row) >= {"messages", "data_source", "reward_model", "extra_info"}
+        assert row["extra_info"]["source"] == "program" and row["extra_info"]["reward"] == 1.0
+        assert row["data_source"] == src["data_source"] and row["reward_model"]["ground_truth"] == str(
+            src["reward_model"]["ground_truth"]
+        )
+        roles = [m["role"] for m in row["messages"]]
+        assert roles == ["system", "user", "assistant", "user", "assistant"]
+        # the tool result is what the program printed (the tool really ran), and the answer states it
+        gt = src["reward_model"]["ground_truth"]
+        assert row["messages"][3]["content"] == f"<tool_response>{gt}</tool_response>"
+        assert row["messages"][4]["content"] == f"<answer>{gt}</answer>"
+    sft = load_sft([str(out)], M.load_tokenizer(tiny))
+    assert len(sft) == 16 and all(sum(r["loss_mask"]) > 0 for r in sft)
+
+
+def test_hand_demonstrations_are_rejected_deduplicated_and_capped(tiny, tool_prompts, tmp_path):
+    first = read_table(tool_prompts[0])[0]
+    a, b = (int(x) for x in json.loads(first["extra_info"]["entry"])["metadata"]["expression"].split(" * "))
+    call = f'<tool_call>{{"name": "python", "arguments": {{"code": "print({a} * {b})"}}}}</tool_call>'
+    call2 = f'<tool_call>{{"name": "python", "arguments": {{"code": "x = {a} * {b}\\nprint(x)"}}}}</tool_call>'
+    right, wrong = f"<answer>{a * b}</answer>", f"<answer>{a * b + 1}</answer>"
+    demos = [
+        {"messages": [{"role": "assistant", "content": call}, {"role": "assistant", "content": right}]},
+        {"messages": [{"role": "assistant", "content": call}, {"role": "assistant", "content": right}]},  # duplicate
+        {"messages": [{"role": "assistant", "content": call}, {"role": "assistant", "content": wrong}]},  # rejected
+        {"messages": [{"role": "assistant", "content": right}]},  # right, but no tool call: rejected
+        {"messages": [{"role": "assistant", "content": call2}, {"role": "assistant", "content": right}]},
+        {"messages": [{"role": "assistant", "content": call2 + " "}, {"role": "assistant", "content": right}]},  # cap
+    ]
+    write_rows([{**d, "prompt_index": 0} for d in demos], tmp_path / "hand.jsonl")
+    out = tmp_path / "kept.jsonl"
+    report = _gen_demos(prompts=tool_prompts[:1], source="file", demos=[str(tmp_path / "hand.jsonl")], out=str(out),
+                        model=tiny, max_per_prompt=2, summary_out=str(tmp_path / "summary.json"))  # fmt: skip
+    kept = read_table(str(out))
+    assert len(kept) == 2 and [r["messages"][2]["content"] for r in kept] == [call, call2]
+    d = report["per_data_source"]["reasoning_gym/products"]
+    assert (d["tried"], d["kept"], d["duplicates"], d["over_cap"]) == (6, 2, 1, 1)
+    assert d["tool_call_rate"] == pytest.approx(5 / 6)
+    assert json.loads((tmp_path / "summary.json").read_text())["kept"] == 2
+    # the same without the tool requirement keeps the right answer that used no tool
+    report = _gen_demos(prompts=tool_prompts[:1], source="file", demos=[str(tmp_path / "hand.jsonl")], out=str(out),
+                        model=tiny, max_per_prompt=5, require_tool=False)  # fmt: skip
+    assert report["kept"] == 4
+
+
+def test_policy_demonstrations_sample_k_per_prompt_with_a_forced_prefix(tiny, tool_prompts, tmp_path):
+    """The tiny random model's samples are wrong: with --min-reward 0 and no tool requirement every distinct one is
+    kept (the rejection threshold decides), each starting with the forced prefix; at the default threshold none is,
+    which is one line naming what to try."""
+    from common.errors import UserError
+
+    prefix = '<tool_call>{"name": "python", "arguments": {"code": "print('
+    kw = dict(prompts=tool_prompts[:1], model=tiny, num_prompts=2, k=3, prefix=prefix, max_new_tokens=8,
+              max_per_prompt=3, env={"env": "tools", "tools": "python", "max_turns": 1})  # fmt: skip
+    import tools.gen_demos as G
+    from common.args import EnvArgs
+
+    args = lambda **extra: G.Args(**{**kw, **extra, "env": EnvArgs(**kw["env"])})
+    report = G.main(args(out=str(tmp_path / "p.jsonl"), min_reward=0.0, require_tool=False))
+    rows = read_table(str(tmp_path / "p.jsonl"))
+    assert report["tried"] == 6 and len(rows) == 6
+    assert all(r["messages"][2]["content"].startswith(prefix) for r in rows)
+    assert rows[0]["extra_info"]["source"].startswith(f"policy:{tiny}")
+    with pytest.raises(UserError, match="no conversation reached --min-reward 1.0"):
+        G.main(args(out=str(tmp_path / "none.jsonl")))
+    assert not (tmp_path / "none.jsonl").exists()
+
+
+# ------------------------------------------------------------------ the chain, from checkpoint folders
+@pytest.mark.e2e
+def test_the_tool_chain_runs_from_checkpoint_folders(tiny_agent, tool_prompts, tmp_path):
+    """Demonstrations -> sft_llm.py -> grpo_llm.py --env tools (and ppo_llm.py --env tools), each stage from the previous
+    stage's checkpoint folder, then tools.evaluate --env tools on the result: the commands of docs/agents.md."""
+    import subprocess
+
+    demos = tmp_path / "demos.jsonl"
+    _gen_demos(prompts=tool_prompts, source="program", out=str(demos), model=tiny_agent)
+    common = ["--output-dir", tmp_path / "runs", "--eval-every", 0, "--total-steps", 2]
+    run_script("sft_llm.py", "--model-name-or-path", tiny_agent, "--train-files", demos, "--batch-size", 4,
+               "--micro-batch-size", 4, "--learning-rate", 1e-3, "--exp-name", "sft", *common)  # fmt: skip
+    sft_run = only_run(tmp_path / "runs")
+    assert read_metrics(sft_run)[-1]["loss/sft"] > 0
+    sft_ckpt = sft_run / "checkpoints" / "step_2" / "policy"
+    rl = ["--model-name-or-path", sft_ckpt, "--train-files", *tool_prompts, "--env", "tools", "--tools", "python",
+          "--max-new-tokens", 24, "--max-trajectory-tokens", 96, "--micro-batch-size", 4, *common]  # fmt: skip
+    run_script("grpo_llm.py", *rl, "--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--exp-name", "grpo")
+    run_script("ppo_llm.py", *rl, "--batch-size", 4, "--mini-batch-size", 4, "--exp-name", "ppo")
+    runs = {p.name.split("__")[1]: p for p in (tmp_path / "runs").iterdir()}
+    for name in ("grpo", "ppo"):
+        rows = read_metrics(runs[name])
+        assert [r["step"] for r in rows] == [1, 2] and "env/tool_call_rate" in rows[-1], rows[-1]
+        assert json.loads((runs[name] / "args.json").read_text())["model_name_or_path"] == str(sft_ckpt)
+    final = runs["grpo"] / "checkpoints" / "step_2" / "policy"
+    out = tmp_path / "eval.json"
+    cmd = ["-m", "tools.evaluate", "--models", sft_ckpt, final, "--data", *tool_prompts, "--num-prompts", 4,
+           "--max-new-tokens", 16, "--env", "tools", "--tools", "python", "--json-out", out]  # fmt: skip
+    proc = subprocess.run([sys.executable, *map(str, cmd)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert {f"{sft_ckpt} + tools", f"{final} + tools"} <= set(res)
+    assert "tool_call_rate" in res[f"{final} + tools"]["all"]
