@@ -265,6 +265,9 @@ class Episodes:
         # the environment class's declared Step.info keys (a class, or functools.partial of one)
         self.info_keys = tuple(getattr(getattr(env_factory, "func", env_factory), "info_keys", ()))
         self.errors, self._glue, self._said = 0, None, False
+        # hf engine: each trajectory's KV cache kept across turns, so a turn prefills only the new ids (the previous
+        # turn's EOS and the observation), not the prompt and every earlier turn again (False: full prefill each turn)
+        self.kv_cache = True
 
     def _call(self, what: str, fn, *a):
         """(ok, fn(*a)) under the timeout; a failure is counted, the first one printed."""
@@ -326,6 +329,7 @@ class Episodes:
         score = [0.0] * B
         stats = {k: [0.0] * B for k in ("turns", "errors", *self.info_keys)}  # the same keys on every process
         turn_ids = [[] for _ in range(B)]
+        caches = {}  # trajectory -> its RowCache after its last turn (hf engine, self.kv_cache)
         for i in range(B):
             stats["errors"][i] = float(envs[i] is None)
         for turn in range(1, self.max_turns + 1):
@@ -340,8 +344,12 @@ class Episodes:
             turn_seeds = (
                 None if seeds is None else [seeds[i] if turn == 1 else mix_seed(seeds[i], turn) for i in active]
             )
+            keep = self.kv_cache and engine is None
+            past = [caches.get(i) for i in active] if keep and turn > 1 else None
+            past = past if past is not None and all(c is not None for c in past) else None
             out = generate(model, tok, queries, qmask, max(1, max(budget.values())), temperature, top_k, top_p,
-                           turn_seeds, engine=engine)  # fmt: skip
+                           turn_seeds, engine=engine, past=past, keep_row_caches=keep)  # fmt: skip
+            caches = {i: out.row_caches[k] for k, i in enumerate(active)} if out.row_caches is not None else {}
             for k, i in enumerate(active):
                 n = max(0, min(int(out.response_mask[k].sum()), budget[i]))
                 new = out.responses[k, :n].tolist()

@@ -69,6 +69,22 @@ class Rollout:
     truncated: torch.Tensor  # (B,) bool: hit max_new_tokens without EOS or stop string
     logprobs: torch.Tensor | None  # (B, T) sampler's log-probs (temperature-scaled), 0 on padding
     prompt_cache: PromptCache | None = None  # generate(..., keep_prompt_cache=True): the prompts' KV cache
+    row_caches: list | None = None  # generate(..., keep_row_caches=True): a RowCache per row that ended with EOS
+
+
+@dataclass
+class RowCache:
+    """One sequence's KV cache after a generate call (`keep_row_caches`): its context and response up to, not
+    including, the token that ended it (EOS: never fed to the model). The next turn of a multi-turn rollout
+    (common.envs.Episodes) passes it back as `past`, so only the ids after it (that EOS, the observation) are
+    prefilled, not the prompt and every earlier turn again."""
+
+    layers: list  # [(keys, values)] per layer, each (kv heads, L, head dim)
+    mask: torch.Tensor  # (L,) 1 on real positions, 0 on padding (left padding and holes between turns)
+
+    @property
+    def n_real(self) -> int:
+        return int(self.mask.sum())
 
 
 @dataclass
@@ -146,6 +162,8 @@ def generate(
     engine=None,
     keep_prompt_cache: bool = False,
     on_finished=None,
+    past: list[RowCache] | None = None,
+    keep_row_caches: bool = False,
 ) -> Rollout:
     """Sample (seeds given) or decode greedily (seeds=None) one response per query row.
 
@@ -167,7 +185,13 @@ def generate(
     engine, under --tp-size (vocabulary-sharded logits) or with sliding-window cache layers: then None).
 
     on_finished: called as rows end (EOS or a stop string) with (their row indices, their tokens (n, t), stopped
-    (n,) bool), while the others decode (common.rewards.ScoreAsTheyFinish scores them meanwhile)."""
+    (n,) bool), while the others decode (common.rewards.ScoreAsTheyFinish scores them meanwhile).
+
+    past: a RowCache per row (a previous call's `row_caches`) whose real positions are the first real ids of the row's
+    query: only the rest of the query is prefilled (multi-turn rollouts: the previous turn's EOS and the
+    observation). Greedy ids equal a full prefill's and log-probs agree to float rounding (the attention runs at
+    other shapes; tests/test_tool_learning.py). keep_row_caches: return `row_caches` (a RowCache for each row that
+    ended with EOS, else None; None in all rows under --tp-size or with sliding-window cache layers)."""
     if engine is not None:  # vLLM runs its model at its own dtype: never inside the trainer's autocast region
         with torch.autocast(queries.device.type, enabled=False):
             engine.sync(model)
@@ -187,8 +211,11 @@ def generate(
     responses = torch.full((B, max_new_tokens), tok.pad_token_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(B, max_new_tokens, device=device)
     stopped = torch.zeros(B, dtype=torch.bool, device=device)  # ended by a stop string
-    shared = shared_prompt_cache(model, queries, attention_mask)
-    if shared is not None:
+    shared = shared_prompt_cache(model, queries, attention_mask) if past is None else None
+    pos = None
+    if past is not None:  # prefill only what follows each row's cache
+        cache, attention_mask, pos, logits = _prefill_after(model, tok, queries, attention_mask, past)
+    elif shared is not None:
         cache, logits = shared
     else:
         out = model(
@@ -205,8 +232,11 @@ def generate(
         # the decoding below replaces these tensors (torch.cat, index) and never writes into them
         prompt_cache = PromptCache([(c.keys, c.values) for c in cache.layers], logits)
     rows = torch.arange(B, device=device)  # the rows of the batch still in the decoding batch
-    mask, pos = attention_mask, position_ids_from_mask(attention_mask)[:, -1:]  # (b, P+t), (b, 1)
+    mask = attention_mask  # (b, P+t) what the cache holds
+    pos = position_ids_from_mask(attention_mask)[:, -1:] if pos is None else pos  # (b, 1)
     done = torch.zeros(B, dtype=torch.bool, device=device)  # finished rows not yet dropped from the batch
+    keep_rows = keep_row_caches and plain and not tensor_parallel_active()
+    row_caches, valid = [None] * B, {}  # valid: cache positions of a row when it ended with EOS (EOS not fed)
     T = 0
     for t in range(max_new_tokens):
         if uniforms is not None:
@@ -218,6 +248,8 @@ def generate(
         responses[rows[~done], t] = tokens[~done]
         T = t + 1
         ended = ~done & (tokens == tok.eos_token_id)
+        if keep_rows:
+            valid.update({int(r): mask.shape[1] for r in rows[ended]})
         if stop is not None:
             hit = ~done & ~ended & stop(torch.cat([queries[rows], responses[rows, :T]], 1), None).to(device)
             stopped[rows[hit]] = True
@@ -230,6 +262,8 @@ def generate(
             break
         if done.sum() * 8 >= len(rows):  # drop finished rows (copying the cache costs about one decoding step)
             keep = (~done).nonzero()[:, 0]
+            if keep_rows:
+                _save_row_caches(cache, mask, rows, done.nonzero()[:, 0], valid, row_caches)
             cache.batch_select_indices(keep)
             rows, mask, pos, tokens, done = rows[keep], mask[keep], pos[keep], tokens[keep], done[keep]
         mask = torch.cat([mask, mask.new_ones(len(rows), 1)], 1)
@@ -237,11 +271,60 @@ def generate(
         logits = model(
             input_ids=tokens[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
         ).logits[:, -1]
+    if keep_rows:
+        _save_row_caches(cache, mask, rows, torch.arange(len(rows), device=device), valid, row_caches)
     responses = responses[:, :T]
     mask, is_eos, lengths = response_masks(responses, tok.eos_token_id, tok.pad_token_id, stopped)
     truncated = (lengths == max_new_tokens) & ~is_eos & ~stopped
     logprobs = logprobs[:, :T] * mask if uniforms is not None else None
-    return Rollout(torch.cat([queries, responses], 1), responses, mask, is_eos, truncated, logprobs, prompt_cache)
+    return Rollout(torch.cat([queries, responses], 1), responses, mask, is_eos, truncated, logprobs, prompt_cache,
+                   row_caches if keep_rows else None)  # fmt: skip
+
+
+def _save_row_caches(cache, mask, rows, idx, valid: dict, out: list) -> None:
+    """RowCaches of the decoding batch's rows `idx` that ended with EOS (their first `valid` positions: what was
+    fed before EOS; a finished row kept in the batch was fed padding after it), cloned out of the batch's cache."""
+    for b in idx.tolist():
+        r = int(rows[b])
+        if r not in valid or out[r] is not None:
+            continue
+        n = valid[r]
+        first = int(mask[b, :n].argmax())  # drop the left padding: masked, it changes nothing it is cut from
+        layers = [(c.keys[b, :, first:n].clone(), c.values[b, :, first:n].clone()) for c in cache.layers]
+        out[r] = RowCache(layers, mask[b, first:n].clone())
+
+
+def _prefill_after(model, tok, queries, attention_mask, past: list[RowCache]):
+    """The batch's cache from each row's RowCache (left-padded to the longest, masked) plus a forward over the rest of
+    each row's query (its real ids after the cached ones; left-padded). Returns (cache, attention mask (b, L+S),
+    positions of the last query token (b, 1), logits of it (b, V)).
+    Naive: the forward over the whole query, as without `past`."""
+    from transformers import DynamicCache
+
+    device = queries.device
+    rest = [q[m.bool()][p.n_real :] for q, m, p in zip(queries, attention_mask, past)]  # each row's new ids
+    if min(len(r) for r in rest) == 0:
+        raise ValueError("generate(past=...): a row's query holds no id after its cache")
+    L, S = max(len(p.mask) for p in past), max(len(r) for r in rest)
+    cache = DynamicCache()
+    for layer in range(len(past[0].layers)):
+        ks, vs = [], []
+        for p in past:
+            k, v = p.layers[layer]  # (h, l, d)
+            ks.append(F.pad(k, (0, 0, L - k.shape[1], 0)))
+            vs.append(F.pad(v, (0, 0, L - v.shape[1], 0)))
+        cache.update(torch.stack(ks), torch.stack(vs), layer)  # (b, h, L, d)
+    ids = torch.full((len(past), S), tok.pad_token_id, dtype=torch.long, device=device)  # (b, S) left-padded
+    mask = torch.zeros(len(past), L + S, dtype=torch.long, device=device)  # (b, L+S)
+    pos = torch.ones(len(past), S, dtype=torch.long, device=device)  # (b, S) positions continue the row's own
+    for b, (p, r) in enumerate(zip(past, rest)):
+        ids[b, S - len(r) :] = r
+        mask[b, L - len(p.mask) : L] = p.mask.to(device)
+        mask[b, L + S - len(r) :] = 1
+        pos[b, S - len(r) :] = torch.arange(p.n_real, p.n_real + len(r), device=device)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                logits_to_keep=1)  # fmt: skip
+    return out.past_key_values, mask, pos[:, -1:], out.logits[:, -1]
 
 
 @dataclass

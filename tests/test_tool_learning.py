@@ -258,3 +258,34 @@ def test_the_tool_chain_runs_from_checkpoint_folders(tiny_agent, tool_prompts, t
     res = json.loads(out.read_text())
     assert {f"{sft_ckpt} + tools", f"{final} + tools"} <= set(res)
     assert "tool_call_rate" in res[f"{final} + tools"]["all"]
+
+
+# ------------------------------------------------------------------ the KV cache kept across turns (hf engine)
+@pytest.mark.parametrize("sampled", [True, False], ids=["sampled", "greedy"])
+def test_kv_cache_across_turns_gives_the_same_trajectories(tiny_agent, sampled, monkeypatch):
+    """The agent calls the calculator on half its prompts, then answers: trajectories of 1-3 turns. With each
+    trajectory's cache kept across turns (a turn prefills only the EOS and the observation) the ids are those of a full
+    prefill per turn, and the sampler's log-probs agree to float rounding."""
+    tok = M.load_tokenizer(tiny_agent)
+    model = M.load_causal_lm(tiny_agent, tok)
+    words = ["hi", "hello", "count", "go", "yes", "no", "up", "down"]
+    rows = [
+        PromptRow(text="", data_source="toy", ground_truth="2", messages=[{"role": "user", "content": f"{words[i % 8]} {i}"}])
+        for i in range(12)
+    ]  # fmt: skip
+    eps = Episodes(partial(ToolEnv, ("calculator",)), tok, _score, max_turns=3, max_tokens=160, timeout=10)
+    seeds = list(range(12)) if sampled else None
+    import common.rollout as R
+
+    prefills, real = [], R._prefill_after
+    monkeypatch.setattr(R, "_prefill_after", lambda *a: prefills.append(a[2].shape) or real(*a))
+    with_cache = eps.run(model, rows, seeds, max_new_tokens=40)
+    assert len(prefills) >= 1  # turns 2 (and 3) continued each trajectory's cache
+    eps.kv_cache = False
+    without = eps.run(model, rows, seeds, max_new_tokens=40)
+    assert (with_cache.stats["env/turns"] >= 2).sum() >= 3, with_cache.stats["env/turns"]  # the cache was used
+    assert torch.equal(with_cache.responses, without.responses)
+    assert torch.equal(with_cache.response_mask, without.response_mask)
+    if sampled:
+        torch.testing.assert_close(with_cache.logprobs, without.logprobs, atol=2e-5, rtol=0)
+    assert with_cache.turn_ids == without.turn_ids
