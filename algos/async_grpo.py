@@ -511,11 +511,10 @@ def main(args: Args):
                 "perf/mfu": mfu(policy, n_fwd * real, args.update_epochs * real, step_s, accelerator),
             }
             metrics.update({k: accelerator.gather(v).mean().item() for k, v in batch.items() if "/" in k})
-            metrics.update(tool_metrics(metrics))  # --env tools: call, success, answer-after-tool rates
             if seq_ratios:  # GSPO: the sequence importance ratios the loss clipped
                 s = accelerator.gather(torch.cat(seq_ratios).flatten())
                 metrics.update({f"train/seq_ratio_{k}": getattr(s, k)().item() for k in ("mean", "min", "max")})
-            metrics.update(reward_by_data_source(rows, scores))  # several tasks mixed: reward/<data_source>
+            metrics.update(reward_by_data_source(rows, scores) | tool_metrics(metrics))  # reward/<source>, env/tool_*
             metrics.update({"reward/errors": batch["reward_errors"]} if batch["reward_errors"] else {})
             samples = [
                 {"prompt": x.text, "response": t, "reward": float(s), "advantage": float(a), "split": "train"}

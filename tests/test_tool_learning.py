@@ -38,15 +38,36 @@ def _trajectories(tok, model, reply, n=2, prefix=""):
     return eps.run(model, _rows(n), seeds=list(range(n)), engine=engine, prefix=prefix), engine
 
 
-def test_multi_turn_sft_ids_equal_the_rollouts_ids_and_its_mask_the_response_mask(tiny, tmp_path):
-    """A trajectory of the rollout loop (two model turns, a tool result between them), written as an SFT row and loaded
-    the way sft_llm.py loads it: the same ids, and the loss mask on the prompt-less part equals response_mask."""
+# a template that renders tools= itself (as Qwen's and Llama 3.x's do): the tool schemas in a system block, results
+# in "tool" messages
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", ["smollm2", "think_dropping", "tools"])
+def test_multi_turn_sft_ids_equal_the_rollouts_ids_and_its_mask_the_response_mask(tiny, tmp_path, template):
+    """A trajectory of the rollout loop (two model turns, a tool result between them), written as an SFT row (as
+    tools.gen_demos writes it) and loaded the way sft_llm.py loads it: the same ids, and the loss mask on the
+    prompt-less part equals response_mask; with SmolLM2's template, one that drops past <think> blocks, and one that
+    renders tools= itself."""
+    from test_envs import THINK_DROPPING_TEMPLATE
+
     tok = M.load_tokenizer(tiny)
+    tok.chat_template = {"smollm2": tok.chat_template, "think_dropping": THINK_DROPPING_TEMPLATE}.get(
+        template, TOOLS_TEMPLATE
+    )
     model = M.load_causal_lm(tiny, tok)
-    reply = lambda ctx: "The answer is 42." if "<tool_response>42" in ctx else f"I will compute. {CALL}"
+    reply = lambda ctx: (
+        "<think>so</think>The answer is 42." if "<tool_response>42" in ctx else f"<think>hm</think>{CALL}"
+    )
     ro, _ = _trajectories(tok, model, reply)
     assert ro.stats["env/turns"].tolist() == [2, 2]
-    write_rows([{"messages": m} for m in ro.messages], tmp_path / "sft.jsonl")
+    tools = {"tools": json.dumps(ToolEnv(("calculator",)).tools)} if template == "tools" else {}
+    assert ("tool" in [m["role"] for m in ro.messages[0]]) == (template == "tools")
+    write_rows([{"messages": m, **tools} for m in ro.messages], tmp_path / "sft.jsonl")
     rows = load_sft([str(tmp_path / "sft.jsonl")], tok)
     for i, row in enumerate(rows):
         q = ro.queries[i][ro.query_mask[i].bool()].tolist()  # (P_i,) the prompt as the sampler saw it
@@ -289,3 +310,20 @@ def test_kv_cache_across_turns_gives_the_same_trajectories(tiny_agent, sampled, 
     if sampled:
         torch.testing.assert_close(with_cache.logprobs, without.logprobs, atol=2e-5, rtol=0)
     assert with_cache.turn_ids == without.turn_ids
+
+
+@pytest.mark.vllm
+def test_policy_demonstrations_on_the_vllm_engine(tiny_agent, tool_prompts, tmp_path):
+    """tools.gen_demos --source policy --rollout-engine vllm: the forced prefix goes to vLLM as token ids with the
+    context, and the rows hold it."""
+    import subprocess
+
+    prefix = '<tool_call>{"name": "python", "arguments": {"code": "print('
+    out = tmp_path / "demos.jsonl"
+    cmd = ["-m", "tools.gen_demos", "--model", tiny_agent, "--prompts", tool_prompts[0], "--num-prompts", 2, "--k", 2,
+           "--prefix", prefix, "--max-new-tokens", 8, "--min-reward", -1, "--no-require-tool", "--max-per-prompt", 2,
+           "--rollout-engine", "vllm", "--out", out]  # fmt: skip
+    proc = subprocess.run([sys.executable, *map(str, cmd)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_table(str(out))
+    assert 1 <= len(rows) <= 4 and all(r["messages"][2]["content"].startswith(prefix) for r in rows)

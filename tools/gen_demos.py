@@ -80,6 +80,8 @@ class Args:
     """write the summary (tried / kept per data_source, tool-call rate, tool errors) as JSON here"""
     show: NonNegInt = 2
     """print this many kept conversations"""
+    rejected_out: Optional[str] = None
+    """also write the conversations not kept (with their reward and why) here: what the sampler did instead"""
     env: Group[EnvArgs] = group(EnvArgs, env="tools", tools="python")
     """the environment the demonstrations go through (the same flags as the training scripts' --env)"""
 
@@ -200,7 +202,9 @@ def main(args: Args) -> dict:
     else:
         tried = from_program(args, episodes, rows) if args.source == "program" else from_file(args, episodes, rows)
         source = args.source
-    kept, seen, per_prompt = [], set(), defaultdict(int)
+    kept, rejected, seen, per_prompt = [], [], set(), defaultdict(int)
+    # a template that renders tools= itself (Qwen, Llama 3.x) was given the schemas: SFT must render them too
+    tools_column = {"tools": json.dumps(getattr(episodes.factory(), "tools", []))} if episodes.template_tools else {}
     summary = defaultdict(lambda: defaultdict(float))
     for i, messages, r, info in tried:
         s = summary[rows[i].data_source]
@@ -209,7 +213,10 @@ def main(args: Args) -> dict:
         s["tool_calls"] += info.get("tool_calls", 0.0)
         s["tool_errors"] += info.get("tool_errors", 0.0)
         ran = info.get("tool_calls", 0) > info.get("tool_errors", 0)  # at least one call ran without an error
-        if r < args.min_reward or (args.require_tool and not ran) or messages[-1]["role"] != "assistant":
+        why = "reward" if r < args.min_reward else "no tool call ran" if args.require_tool and not ran else ""
+        why = why or ("ends without an answer" if messages[-1]["role"] != "assistant" else "")
+        if why:
+            rejected.append({"messages": messages, "data_source": rows[i].data_source, "reward": r, "why": why})
             continue
         key = (i, tuple(m["content"] for m in messages if m["role"] == "assistant"))
         if key in seen or per_prompt[i] >= args.max_per_prompt:
@@ -224,6 +231,7 @@ def main(args: Args) -> dict:
                 "data_source": rows[i].data_source,
                 "reward_model": raw[i].get("reward_model") or {"style": "rule", "ground_truth": rows[i].ground_truth},
                 "extra_info": {"source": source, "prompt_index": i, "reward": r},
+                **tools_column,
             }
         )
     report = {
@@ -242,6 +250,8 @@ def main(args: Args) -> dict:
         print(f"[gen_demos] {src}: {d}")
     for row in kept[: args.show]:
         print("---\n" + "\n".join(f"{m['role']}: {m['content']}" for m in row["messages"][1:]))
+    if args.rejected_out and rejected:
+        write_rows(rejected, args.rejected_out)
     if args.summary_out:
         with open(args.summary_out, "w") as f:
             json.dump({"source": source, "kept": len(kept), "per_data_source": report}, f, indent=2)
