@@ -76,7 +76,8 @@ def mix_seed(*parts: int) -> int:
 
 def seed_everything(seed: int) -> None:
     """Same seed on every rank, so models initialise identically; per-sample randomness is derived
-    from (seed, step, sample id) explicitly (common.rollout.sample_seed)."""
+    from (seed, step, sample id) explicitly: `mix_seed(seed, step, sample id)`, the seeds common.rollout.generate
+    takes."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

@@ -165,6 +165,20 @@ def tool_prompts(tmp_path_factory):
     return files
 
 
+def test_tool_programs_print_the_answer_of_every_tool_family():
+    """common.tasks.tool_program, for each tool family (trained and held out): the program, run by the Python tool,
+    prints the generator's answer; a family without a writer gets None."""
+    from common.sandbox import run_python
+    from common.tasks import TOOL_TASKS_HELD_OUT, TOOL_TASKS_TRAINED, split_task_rows, tool_program
+
+    for task in TOOL_TASKS_TRAINED + TOOL_TASKS_HELD_OUT:
+        for r in split_task_rows(task, 3, 0, seed=1)[0]:
+            row = PromptRow("", r["data_source"], r["reward_model"]["ground_truth"], r["extra_info"])
+            out, ok = run_python(tool_program(row))
+            assert ok and out == str(row.ground_truth), (task, out, row.ground_truth)
+    assert tool_program(PromptRow("", "reasoning_gym/letter_counting", "3", {"entry": "{}"})) is None
+
+
 def _gen_demos(**kw):
     import tools.gen_demos as G
 
