@@ -8,7 +8,7 @@ from functools import partial
 
 import pytest
 import torch
-from test_envs import ScriptedEngine
+from test_envs import ScriptedEngine, _rows, _score
 
 from common import models as M
 from common.data import PromptRow, encode_conversation, load_sft, read_table, write_rows
@@ -19,17 +19,6 @@ sys.path.insert(0, str(REPO / "algos"))
 import sft_llm as S  # noqa: E402
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
-
-
-def _rows(n=2):
-    return [
-        PromptRow(text="", data_source="toy", ground_truth="42", messages=[{"role": "user", "content": f"q{i}: 6*7?"}])
-        for i in range(n)
-    ]
-
-
-def _score(row, text):
-    return 1.0 if row.ground_truth in text else 0.0
 
 
 def _trajectories(tok, model, reply, n=2, prefix=""):
