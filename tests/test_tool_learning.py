@@ -266,13 +266,16 @@ def test_the_tool_chain_runs_from_checkpoint_folders(tiny_agent, tool_prompts, t
     sft_ckpt = sft_run / "checkpoints" / "step_2" / "policy"
     rl = ["--model-name-or-path", sft_ckpt, "--train-files", *tool_prompts, "--env", "tools", "--tools", "python",
           "--max-new-tokens", 24, "--max-trajectory-tokens", 96, "--micro-batch-size", 4, *common]  # fmt: skip
-    run_script("grpo_llm.py", *rl, "--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--exp-name", "grpo")
+    # GRPO from the tool preset of docs/agents.md (its values, then these flags over them)
+    run_script("grpo_llm.py", "--config", REPO / "configs/grpo_tools_cpu.yaml", *rl, "--num-prompts", 2,
+               "--group-size", 2, "--mini-batch-size", 4, "--exp-name", "grpo")  # fmt: skip
     run_script("ppo_llm.py", *rl, "--batch-size", 4, "--mini-batch-size", 4, "--exp-name", "ppo")
     runs = {p.name.split("__")[1]: p for p in (tmp_path / "runs").iterdir()}
     for name in ("grpo", "ppo"):
         rows = read_metrics(runs[name])
         assert [r["step"] for r in rows] == [1, 2] and "env/tool_call_rate" in rows[-1], rows[-1]
         assert json.loads((runs[name] / "args.json").read_text())["model_name_or_path"] == str(sft_ckpt)
+    assert json.loads((runs["grpo"] / "args.json").read_text())["learning_rate"] == 2e-6  # the preset's, not 5e-6
     final = runs["grpo"] / "checkpoints" / "step_2" / "policy"
     out = tmp_path / "eval.json"
     cmd = ["-m", "tools.evaluate", "--models", sft_ckpt, final, "--data", *tool_prompts, "--num-prompts", 4,
