@@ -19,6 +19,7 @@ Legend: N prompts per rank, G samples per prompt, B = N*G sequences, P prompt le
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -42,18 +43,16 @@ from common.distributed import (
     UpdateGuard, adamw, backward, configure_deepspeed, frozen_reference, make_accelerator, micro_batch_budget,
     unwrap_for_generation,
 )
-from common.envs import episodes_from_args, tool_metrics
+from common.envs import episodes_from_args
 from common.errors import UserError, mix_seed, seed_everything
 from common.eval import evaluate_policy
 from common.health import HealthConfig
 from common.ops import exact_div, global_mean_divisor, kl_estimate, masked_mean, masked_var, rollout_correction
 from common.perf import mfu, peak_mem_gb
-from common.rewards import reward_by_data_source, reward_from_args, sample_and_score
-from common.rollout import (
-    forward_by_micro_batch, forward_logprobs, micro_batches, padding_fraction, reference_logprobs,
-    select_rows, sequence_attention_mask, tokenize_queries,
-)
+from common.rewards import reward_by_data_source, reward_from_args
+from common.rollout import forward_by_micro_batch, forward_logprobs, micro_batches, padding_fraction, reference_logprobs
 from common.run import Run
+from common.sampling import Rollout, sample
 from common.tasks import load_rl_prompts
 from common.vllm_engine import make_engine
 # fmt: on
@@ -143,6 +142,7 @@ class Args:
 
 
 # ALGO LOGIC: advantages, reward shaping and loss aggregation
+# Copied from grpo_llm.compute_advantages
 def compute_advantages(scores, group_size, baseline, scale_rewards, eps=1e-6):
     """scores: (N*G,) with a prompt's G samples adjacent -> advantages (N*G,).
     group-mean: score - group mean (GRPO); rloo: score - mean of the other G-1 (Ahmadian et al. 2024).
@@ -162,6 +162,7 @@ def compute_advantages(scores, group_size, baseline, scale_rewards, eps=1e-6):
     return adv.reshape(-1)
 
 
+# Copied from grpo_llm.overlong_penalty
 def overlong_penalty(lengths, max_new_tokens, buffer, factor):
     """DAPO soft overlong punishment: 0 up to max - buffer, then linearly down to -factor at max. (B,) -> (B,)."""
     if buffer <= 0:
@@ -170,6 +171,7 @@ def overlong_penalty(lengths, max_new_tokens, buffer, factor):
     return -factor * (excess / buffer).clamp(max=1)
 
 
+# Copied from grpo_llm.aggregate
 def aggregate(token_loss, mask, loss_agg, n_tokens, n_seqs, max_new_tokens):
     """This micro-batch's share of the minibatch loss. token_loss, mask: (b, T); n_tokens, n_seqs:
     totals over the whole minibatch, so summing the shares of its micro-batches gives
@@ -186,33 +188,38 @@ def aggregate(token_loss, mask, loss_agg, n_tokens, n_seqs, max_new_tokens):
     raise ValueError(f"unknown --loss-agg {loss_agg!r}")
 
 
-def take_informative_groups(parts, G, n_groups, pad_id):
+# Copied from grpo_llm.take_informative_groups
+def take_informative_groups(parts: list[Rollout], G, n_groups, pad_id):
     """Dynamic sampling: from sampled batches `parts` (a prompt's G samples adjacent), one batch of `n_groups`
     groups, those whose rewards differ first, then (if too few) groups of equal rewards to keep the batch size
     fixed. Returns (batch, number of equal-reward groups used to fill)."""
-    groups = [(k, j) for k, p in enumerate(parts) for j in range(len(p["rows"]) // G)]
-    differ = lambda k, j: bool(parts[k]["scores"].view(-1, G)[j].std() > 0)
+    groups = [(k, j) for k, p in enumerate(parts) for j in range(len(p.rows) // G)]
+    differ = lambda k, j: bool(parts[k].scores.view(-1, G)[j].std() > 0)
     informative = [g for g in groups if differ(*g)][:n_groups]
     filled = [g for g in groups if not differ(*g)][: n_groups - len(informative)]
-    picks = [(k, list(range(j * G, (j + 1) * G))) for k, j in informative + filled]  # (part, its rows)
-    return select_rows(parts, picks, pad_id), len(filled)
+    picks = [parts[k].take(list(range(j * G, (j + 1) * G))) for k, j in informative + filled]  # a group each
+    return Rollout.cat(picks, pad_id), len(filled)
 
 
-# ALGO LOGIC: the policy losses (--loss-type): (per-token loss, where its clip / cap / gate acted), (b, T) each
-def grpo_loss(logprobs, old_logprobs, advantages, eps_low, eps_high):
+# ALGO LOGIC: the policy losses (--loss-type): f(logprobs, old_logprobs, advantages, mask, *its hyperparameters)
+# -> (per-token loss (b, T), {statistic: (b, T)}), each statistic aggregated as the loss is and logged as train/<name>
+# Copied from grpo_llm.grpo_loss
+def grpo_loss(logprobs, old_logprobs, advantages, mask, eps_low, eps_high):
     """PPO's clipped surrogate per token, asymmetric (GRPO, Shao et al. 2024; DAPO's clip-higher):
     r = pi_theta / pi_old, l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)); clipped: the bound is active."""
     ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))  # as verl: a ratio that exploded stays finite
     pg1, pg2 = -advantages * ratio, -advantages * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-    return torch.max(pg1, pg2), (pg2 > pg1).float()
+    return torch.max(pg1, pg2), {"clip_frac": (pg2 > pg1).float()}
 
 
+# Copied from grpo_llm.sequence_ratio
 def sequence_ratio(logprobs, old_logprobs, mask):
     """GSPO's importance ratio of each response: s = exp(mean over its tokens of log pi_theta - log pi_old), (b, 1)."""
     log_s = ((logprobs - old_logprobs) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
     return torch.exp(log_s.clamp(-20, 20))
 
 
+# Copied from grpo_llm.gspo_loss
 def gspo_loss(logprobs, old_logprobs, advantages, mask, eps_low, eps_high):
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): the sequence ratio s, clipped at the sequence
     level, l = max(-A s, -A clip(s, 1 - eps_low, 1 + eps_high)) on every token of the response (the paper's eps
@@ -220,19 +227,21 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, eps_low, eps_high):
     advantages are per response."""
     s = sequence_ratio(logprobs, old_logprobs, mask)  # (b, 1)
     pg1, pg2 = -advantages * s, -advantages * torch.clamp(s, 1 - eps_low, 1 + eps_high)
-    return torch.max(pg1, pg2).expand_as(logprobs), (pg2 > pg1).float().expand_as(logprobs)
+    return torch.max(pg1, pg2).expand_as(logprobs), {"clip_frac": (pg2 > pg1).float().expand_as(logprobs)}
 
 
-def cispo_loss(logprobs, old_logprobs, advantages, eps_high):
+# Copied from grpo_llm.cispo_loss
+def cispo_loss(logprobs, old_logprobs, advantages, mask, eps_high):
     """CISPO (MiniMax-M1, Chen et al. 2025): REINFORCE weighted by the capped, stop-gradient ratio,
     l = -sg(min(r, 1 + eps_high)) A log pi_theta: no token's gradient is dropped (PPO's clip zeroes it), only its
     weight is capped; no lower bound, as in the paper. Clipped: the cap is active."""
     ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))
     weight = torch.clamp(ratio, max=1 + eps_high).detach()
-    return -weight * advantages * logprobs, (ratio > 1 + eps_high).float()
+    return -weight * advantages * logprobs, {"clip_frac": (ratio > 1 + eps_high).float()}
 
 
-def sapo_loss(logprobs, old_logprobs, advantages, tau_pos, tau_neg):
+# Copied from grpo_llm.sapo_loss
+def sapo_loss(logprobs, old_logprobs, advantages, mask, tau_pos, tau_neg):
     """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization"): a soft gate instead of the hard clip,
     l = -A (4 / tau) sigmoid(tau (r - 1)), tau = tau_pos where A > 0, tau_neg where A < 0 (1.0 / 1.05 in the
     paper). Its gradient weight 4 g (1 - g) is 1 at r = 1 (the policy gradient on-policy) and decays smoothly
@@ -240,7 +249,7 @@ def sapo_loss(logprobs, old_logprobs, advantages, tau_pos, tau_neg):
     ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))
     tau = torch.where(advantages > 0, tau_pos, tau_neg)
     gate = torch.sigmoid(tau * (ratio - 1))
-    return -advantages * 4 / tau * gate, (4 * gate * (1 - gate) < 0.5).float()
+    return -advantages * 4 / tau * gate, {"clip_frac": (4 * gate * (1 - gate) < 0.5).float()}
 
 
 # ALGO LOGIC: the generator process: each step's batch, sampled and scored by the policy K updates before it
@@ -262,6 +271,7 @@ def generate_batches(put, args: Args, rank: int, W: int, first_step: int, first_
     quiet = lambda *a, **k: None  # the trainer has said it all
     train_rows, _ = load_rl_prompts(args.data, tok, reward, quiet)
     episodes = episodes_from_args(args.env, tok, reward, device, quiet)  # --env: turns; else None
+    index = {id(x): i for i, x in enumerate(train_rows)}  # a row's prompt id (batches.jsonl, checkpoints)
     sampler = Sampler(len(train_rows), args.run.seed)
     sampler.load_state_dict(sampler_state)
     policy = M.load_causal_lm(args.model.model_name_or_path, tok, **M.train_kwargs(args.model)).to(device)
@@ -269,30 +279,15 @@ def generate_batches(put, args: Args, rank: int, W: int, first_step: int, first_
     version = None
     put(None)  # set up: the trainer's --generator-timeout clock starts now
 
-    def sample_groups(step, round_):
+    def sample_groups(step, round_) -> Rollout:
         """One global draw of prompts; this rank's share, each repeated G times, sampled and scored."""
         r = rank
         ids = sampler.take(args.num_prompts)[r * local_num_prompts : (r + 1) * local_num_prompts]  # this rank's
         rows = [train_rows[i] for i in ids for _ in range(G)]  # (N*G,) a prompt's samples adjacent
         uid0 = (round_ * args.num_prompts + r * local_num_prompts) * G
-        seeds = [mix_seed(args.run.seed, step, uid0 + j) for j in range(len(rows))]
-        sampling = dict(**args.gen.sampling(), seeds=seeds, engine=engine)  # each row's own seed
-        with unwrap_for_generation(accelerator, policy) as gen_model:
-            if episodes is None:  # one turn: the templated prompt, one response, scored by --reward (its calls
-                # outside this process, the worker pool and services, run while the batch's other rows decode)
-                queries, query_mask = tokenize_queries(tok, [x.text for x in rows], device)  # (B, P)
-                rollout, texts, (scores, components, extras) = sample_and_score(
-                    gen_model, tok, queries, query_mask, rows, reward, device, **sampling)  # fmt: skip
-            else:  # --env: turns; observations get mask 0 (no loss); rewards, env/turns, ... from it (docs/agents.md)
-                rollout = episodes.run(gen_model, rows, **sampling)
-                queries, query_mask, texts = rollout.queries, rollout.query_mask, rollout.transcripts  # (B, P) x2
-                scores, components, extras = rollout.scores, rollout.stats, {}
-        return dict(
-            rows=rows, texts=texts, queries=queries, query_mask=query_mask, responses=rollout.responses,
-            mask=rollout.response_mask, logprobs=rollout.logprobs, truncated=rollout.truncated, scores=scores,
-            solved=extras.get("acc", (scores >= 1).float()), prompt_ids=[i for i in ids for _ in range(G)],
-            **{k if "/" in k else f"reward/{k}": v for k, v in (components | extras).items()},  # logged: keys with "/"
-        )  # fmt: skip
+        seeds = [mix_seed(args.run.seed, step, uid0 + j) for j in range(len(rows))]  # each row's own seed
+        with unwrap_for_generation(accelerator, policy) as gen_model:  # one turn, or --env's trajectories
+            return sample(gen_model, tok, rows, reward, episodes, device, seeds, engine, **args.gen.sampling())
 
     for step in range(first_step, args.run.total_steps + 1):
         t_wait = time.time()  # the weights this step is sampled with: version step - 1 - K (waits for the trainer)
@@ -302,13 +297,14 @@ def generate_batches(put, args: Args, rank: int, W: int, first_step: int, first_
         if args.dynamic_sampling:  # DAPO: keep groups whose rewards differ (one trainer process: checked in main)
             parts = [batch]
             while rounds < args.max_resample_rounds:
-                if sum(int((p["scores"].view(-1, G).std(1) > 0).sum()) for p in parts) >= local_num_prompts:
+                if sum(int((p.scores.view(-1, G).std(1) > 0).sum()) for p in parts) >= local_num_prompts:
                     break
                 rounds += 1
                 parts.append(sample_groups(step, rounds))
             batch, n_filled = take_informative_groups(parts, G, local_num_prompts, tok.pad_token_id)
-        put(dict(batch, step=step, version=version, rounds=rounds, n_filled=n_filled, sampler=sampler.state_dict(),
-                 wait_s=t_gen - t_wait, gen_s=time.time() - t_gen, reward_errors=reward.errors))  # fmt: skip
+        put(dict(rollout=batch, prompt_ids=[index[id(x)] for x in batch.rows], step=step, version=version,
+                 rounds=rounds, n_filled=n_filled, sampler=sampler.state_dict(), wait_s=t_gen - t_wait,
+                 gen_s=time.time() - t_gen, reward_errors=reward.errors))  # fmt: skip
 
 
 def main(args: Args):
@@ -347,9 +343,18 @@ def main(args: Args):
     ref_policy = frozen_reference(accelerator, args.model, tok) if args.kl_coef > 0 and not args.model.lora_r else None
     n_updates = args.run.total_steps * args.update_epochs * (args.num_prompts * G // args.mini_batch_size)
     opt, sched = adamw(policy, args.optim, n_updates)
+    policy_loss = {  # --loss-type: f(logprobs, old_logprobs, advantages, mask) -> (per-token loss, statistics)
+        "grpo": partial(grpo_loss, eps_low=args.clip_eps_low, eps_high=args.clip_eps_high),
+        "gspo": partial(gspo_loss, eps_low=args.gspo_eps[0], eps_high=args.gspo_eps[1]),
+        "cispo": partial(cispo_loss, eps_high=args.cispo_eps_high),
+        "sapo": partial(sapo_loss, tau_pos=args.sapo_tau[0], tau_neg=args.sapo_tau[1]),
+    }[args.loss_type]
     # pi_old with one optimizer step per batch (mu = 1, one minibatch) is the policy the update's forward runs:
-    # its own log-probs, detached (ratio 1, as TRL does), no extra forward; else recomputed before the update
+    # its own log-probs, detached (ratio 1, as TRL does), no extra forward; else recomputed before the update.
+    # The shortcut fills old_logprobs micro-batch by micro-batch during the update (zeros before it): a loss whose
+    # rule reads them before (a batch-level token selection, KL-Cov's) sets `my_loss.reads_pi_old = True`
     one_step = args.update_epochs == 1 and args.mini_batch_size == args.num_prompts * G
+    one_step = one_step and not getattr(policy_loss.func, "reads_pi_old", False)
     # K > 0: pi_old is the trainer's policy before the update (recomputed) and --tis-cap weights each token by
     # min(pi_old / pi_behaviour, C) (AReaL's decoupled loss); with --tis-cap 0, pi_old is the behaviour policy
     pi_old_from_update = one_step and not args.mismatch.tis_cap and K == 0
@@ -374,13 +379,6 @@ def main(args: Args):
         state=dict(sched=sched, sampler=sampler, guard=guard, batches=batches),
         evaluate=evaluate if val_rows else None,
     )
-
-    policy_loss = {  # --loss-type: (per-token loss, where its clip / cap / gate acted), (b, T) each
-        "grpo": lambda lp, old, a, m: grpo_loss(lp, old, a, args.clip_eps_low, args.clip_eps_high),
-        "gspo": lambda lp, old, a, m: gspo_loss(lp, old, a, m, *args.gspo_eps),
-        "cispo": lambda lp, old, a, m: cispo_loss(lp, old, a, args.cispo_eps_high),
-        "sapo": lambda lp, old, a, m: sapo_loss(lp, old, a, *args.sapo_tau),
-    }[args.loss_type]
 
     # ALGO LOGIC: the generator process, its weights (version n: the policy after n updates) by --weight-sync
     policy_module = accelerator.unwrap_model(policy)  # (DDP's module) whose weights are pushed
@@ -409,16 +407,16 @@ def main(args: Args):
         staleness = step - 1 - batch["version"]  # updates between the sampling policy and the one trained now
         batch_log.add(step, batch["version"], staleness, batch["prompt_ids"])  # batches.jsonl, staleness.json
         sampler.load_state_dict(batch["sampler"])  # the prompts drawn up to this batch: consumed
-        rows, texts, scores, truncated = batch["rows"], batch["texts"], batch["scores"], batch["truncated"]  # B = N*G
-        mask, query_mask = batch["mask"], batch["query_mask"]  # (B, T), (B, P)
-        P, T = batch["queries"].shape[1], batch["responses"].shape[1]
-        query_responses = torch.cat([batch["queries"], batch["responses"]], 1)  # (B, P+T)
-        attn, lengths = sequence_attention_mask(query_mask, T), mask.sum(1)  # (B, P+T), (B,)
+        rollout = batch["rollout"]  # the Rollout the generator sampled for this step
+        # B = N*G rows: scores (B,), mask (B, T), query_mask (B, P); query_responses, attn (B, P+T); lengths (B,)
+        rows, scores, mask, query_mask = rollout.rows, rollout.scores, rollout.mask, rollout.query_mask
+        P, T = rollout.queries.shape[1], rollout.responses.shape[1]
+        query_responses, attn, lengths = rollout.query_responses, rollout.attention_mask, rollout.lengths
 
         # ------------------------------------------------------------------ 2. reward shaping and advantages
         scores = scores + overlong_penalty(lengths, T_max, args.overlong_buffer, args.overlong_penalty)  # (B,)
         advantages = compute_advantages(scores, G, args.baseline, args.scale_rewards)  # (B,)
-        loss_mask = mask * (~truncated).float()[:, None] if args.mask_truncated else mask  # (B, T)
+        loss_mask = mask * (~rollout.truncated).float()[:, None] if args.mask_truncated else mask  # (B, T)
         # micro-batches of the no-grad forwards: --micro-batch-size rows, or by --micro-batch-tokens
         all_micros = micro_batches(
             list(range(len(rows))), query_mask, mask, args.micro_batch_size, micro_batch_tokens, accelerator
@@ -428,16 +426,16 @@ def main(args: Args):
             if pi_old_from_update:
                 old_logprobs = torch.zeros_like(mask)  # (B, T) filled by the update's forward below
             elif pi_old_from_sampler:
-                old_logprobs = batch["logprobs"] * mask  # (B, T) the behaviour policy's
+                old_logprobs = rollout.logprobs * mask  # (B, T) the behaviour policy's
             else:
                 old_logprobs = by_micro(lambda qr, am, p: forward_logprobs(policy, qr, am, p, args.gen.temperature))
             ref_logprobs = by_micro(ref_logprobs_of) if args.kl_coef > 0 else None  # (B, T)
         # sampler vs pi_old: --tis-* weights (B, T) of each token's loss, mismatch/* (after the update if pi_old is its)
-        fix = lambda: rollout_correction(old_logprobs, batch["logprobs"], mask, **args.mismatch.correction())
+        fix = lambda: rollout_correction(old_logprobs, rollout.logprobs, mask, **args.mismatch.correction())
         tis_weights, mismatch = (None, {}) if pi_old_from_update else fix()
 
         # ------------------------------------------------------------------ 3. update
-        t_train, stats, seq_ratios = time.time(), {k: [] for k in ("pg", "kl", "ent", "clip")}, []  # GSPO's s
+        t_train, stats, seq_ratios = time.time(), {}, []  # stats: name -> each micro-batch's share; GSPO's s
         g = torch.Generator().manual_seed(mix_seed(args.run.seed, step, accelerator.process_index))
         for it in range(args.update_epochs):
             perm = torch.randperm(len(rows), generator=g).tolist()
@@ -456,7 +454,7 @@ def main(args: Args):
                     if pi_old_from_update:  # the one optimizer step: pi_old = pi_theta now
                         old_logprobs[micro, :t] = new_logprobs.detach() * m_mask
                     old_t = old_logprobs[micro, :t]  # (b, t)
-                    token_loss, clipped = policy_loss(new_logprobs, old_t, advantages[micro, None], m_mask)
+                    token_loss, loss_stats = policy_loss(new_logprobs, old_t, advantages[micro, None], m_mask)
                     if tis_weights is not None:
                         token_loss = token_loss * tis_weights[micro, :t]
                     if args.loss_type == "gspo":  # its sequence ratios, logged
@@ -466,8 +464,8 @@ def main(args: Args):
                     if ref_logprobs is not None:  # the KL term in the loss
                         kl_term = agg(kl_estimate(new_logprobs, ref_logprobs[micro, :t], args.kl_estimator))
                     backward(accelerator, policy, pg + args.kl_coef * kl_term, last=k == len(micros) - 1)
-                    for key, v in zip(stats, (pg, kl_term, agg(entropy), agg(clipped))):
-                        stats[key].append(v.detach())
+                    for key, v in dict(pg=pg, kl=kl_term, entropy=entropy, **loss_stats).items():  # (b, t) ones: agg
+                        stats.setdefault(key, []).append((v if v.dim() == 0 else agg(v)).detach())
                 guard.step(policy, opt, args.optim.max_grad_norm, "policy", step)  # these: no-ops under DeepSpeed
                 sched.step()
                 opt.zero_grad()
@@ -483,7 +481,7 @@ def main(args: Args):
             n_minibatches = args.update_epochs * len(rows) // local_mini_batch_size
             mean = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
             all_scores, step_s = accelerator.gather(scores), time.time() - t_step
-            solved = accelerator.gather(batch["solved"]).view(-1, G)  # (all prompts, G) exact-match
+            solved = accelerator.gather(rollout.solved).view(-1, G)  # (all prompts, G) exact-match
             padded, real = padding_fraction(all_micros, query_mask, mask)  # tokens of the batch's forward passes
             n_fwd = 1 + (not pi_old_from_update) + (args.kl_coef > 0)  # generation, pi_old, reference
             metrics = {
@@ -493,9 +491,7 @@ def main(args: Args):
                 "train/solve_all": (solved.min(1).values == 1).float().mean().item(),
                 "train/solve_none": (solved.max(1).values == 0).float().mean().item(),
                 **{"train/kl": mean_kl, "train/kl_coef": args.kl_coef, **mismatch},
-                **{"train/entropy": mean(stats["ent"]), "train/clip_frac": mean(stats["clip"])},
-                "train/response_len": accelerator.gather(lengths).float().mean().item(),
-                "train/truncated": accelerator.gather(truncated.float()).mean().item(),
+                **{f"train/{k}": mean(v) for k, v in stats.items() if k not in ("pg", "kl")},  # entropy, clip_frac, ...
                 "train/lr": sched.get_last_lr()[0],
                 **{"train/resample_rounds": rounds, "train/filled_zero_std_groups": n_filled},
                 **{"train/episodes": step * args.num_prompts * G, "train/skipped_steps": guard.skipped},
@@ -510,21 +506,29 @@ def main(args: Args):
                 **{"perf/peak_mem_gb": peak_mem_gb(device), "perf/padding_frac": 1 - real / max(padded, 1)},
                 "perf/mfu": mfu(policy, n_fwd * real, args.update_epochs * real, step_s, accelerator),
             }
-            metrics.update({k: accelerator.gather(v).mean().item() for k, v in batch.items() if "/" in k})
+            metrics.update(rollout.metrics(accelerator))  # response_len, truncated, reward/<term>, env/*, env/tool_*
             if seq_ratios:  # GSPO: the sequence importance ratios the loss clipped
                 s = accelerator.gather(torch.cat(seq_ratios).flatten())
                 metrics.update({f"train/seq_ratio_{k}": getattr(s, k)().item() for k in ("mean", "min", "max")})
-            metrics.update(reward_by_data_source(rows, scores) | tool_metrics(metrics))  # reward/<source>, env/tool_*
+            metrics.update(reward_by_data_source(rows, scores))  # reward/<source> when the batch mixes sources
             metrics.update({"reward/errors": batch["reward_errors"]} if batch["reward_errors"] else {})
             samples = [
                 {"prompt": x.text, "response": t, "reward": float(s), "advantage": float(a), "split": "train"}
-                for x, t, s, a in zip(rows, texts, scores, advantages)
+                for x, t, s, a in zip(rows, rollout.texts, scores, advantages)
             ]
             run.log(step, metrics, samples)  # + evaluation when due, health warnings, --save-best
 
     generator.stop()
     del mailbox, generator  # their semaphores, freed before exit
     return run.end()
+
+
+# a two-step run on a tiny model, as tests/test_smoke.py runs every script (and every copy) in algos/
+SMOKE = (
+    "--model-name-or-path {tiny_peaky} --max-new-tokens 6 --num-eval-prompts 4 --num-prompts 2 --group-size 2 "
+    "--mini-batch-size 4 --micro-batch-size 2 --train-files {toy_prompts} --val-files {toy_prompts} "
+    "--reward-fn {toy_reward}"
+)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from common.distributed import (
     UpdateGuard, adamw, backward, configure_deepspeed, frozen_reference, make_accelerator, micro_batch_budget,
     unwrap_for_generation,
 )
-from common.envs import episodes_from_args, tool_metrics
+from common.envs import episodes_from_args
 from common.errors import mix_seed, seed_everything
 from common.eval import evaluate_policy
 from common.health import HealthConfig
@@ -57,12 +57,12 @@ from common.ops import (
     exact_div, gae, global_mean_divisor, kl_estimate, masked_mean, masked_whiten, rollout_correction,
 )
 from common.perf import mfu, peak_mem_gb
-from common.rewards import reward_from_args, sample_and_score
+from common.rewards import reward_from_args
 from common.rollout import (
-    forward_by_micro_batch, forward_logprobs, forward_values, micro_batches, padding_fraction,
-    reference_logprobs, sequence_attention_mask, tokenize_queries,
+    forward_by_micro_batch, forward_logprobs, forward_values, micro_batches, padding_fraction, reference_logprobs,
 )
 from common.run import Run
+from common.sampling import sample
 from common.tasks import load_rl_prompts
 from common.vllm_engine import make_engine
 # fmt: on
@@ -111,8 +111,6 @@ class Args:
     """subtracted from the score of responses that end without EOS"""
     critic_model: Optional[str] = None
     """critic body (default: the policy's weights); its value head starts at zero"""
-    values_from_update: bool = True
-    """no effect (kept so earlier commands and presets parse): V_old is always the no-grad values pass of phase 2"""
     health: HealthConfig = field(default_factory=HealthConfig)
     """training-health warning thresholds (--health.kl-max, ...; docs/experiments.md)"""
 
@@ -159,7 +157,7 @@ class KLController:
 def policy_loss(logprobs, old_logprobs, advantages, mask, n_tokens, clip_eps, dual_clip_c=None, tis_weights=None):
     """Clipped surrogate, summed over masked tokens and divided by the minibatch's token count.
     All (b, T) except n_tokens (scalar); tis_weights (b, T) multiply each token's loss (--tis-cap).
-    Returns (loss, clip_frac, approx_kl) as sums over tokens / n_tokens."""
+    Returns (loss, {statistic: value}) as sums over tokens / n_tokens; each statistic is logged as train/<name>."""
     log_ratio = (logprobs - old_logprobs).clamp(-20, 20)  # as verl: a ratio that exploded stays finite
     ratio = torch.exp(log_ratio)
     pg1 = -advantages * ratio
@@ -171,7 +169,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, n_tokens, clip_eps, du
         pg = pg * tis_weights
     clip_frac = ((pg2 > pg1).float() * mask).sum() / n_tokens
     approx_kl = (0.5 * log_ratio**2 * mask).sum() / n_tokens
-    return (pg * mask).sum() / n_tokens, clip_frac, approx_kl
+    return (pg * mask).sum() / n_tokens, {"clip_frac": clip_frac, "approx_kl": approx_kl}
 
 
 def value_loss(values, old_values, returns, mask, n_tokens, clip_eps_value):
@@ -244,27 +242,16 @@ def main(args: Args):
         rows = [train_rows[i] for i in ids]
         seeds = [mix_seed(args.run.seed, step, r * local_batch_size + j) for j in range(len(rows))]
         t_gen = time.time()
-        with unwrap_for_generation(accelerator, policy) as gen_model:
-            if episodes is None:  # one turn: the templated prompt, one response, scored by --reward (its calls
-                # outside this process, the worker pool and services, run while the batch's other rows decode)
-                queries, query_mask = tokenize_queries(tok, [x.text for x in rows], device)  # (B, P)
-                # pi_old reuses the prompts' KV cache (checkpointed layers take no cache)
-                rollout, texts, (scores, components, extras) = sample_and_score(
-                    gen_model, tok, queries, query_mask, rows, reward, device, **args.gen.sampling(), seeds=seeds,
-                    engine=engine, keep_prompt_cache=not args.model.gradient_checkpointing,
-                )  # fmt: skip
-            else:  # --env: turns; observations get mask 0 (no loss; GAE skips them); scored by it (docs/agents.md)
-                rollout = episodes.run(gen_model, rows, seeds, engine, **args.gen.sampling())
-                queries, query_mask = rollout.queries, rollout.query_mask  # (B, P): the environment's first messages
-                # whole conversations, the trajectories' rewards (B,), and env/turns, env/tool_calls, ... (B,) each
-                texts, scores, components, extras = rollout.transcripts, rollout.scores, rollout.stats, {}
-        gen_s, P = time.time() - t_gen, queries.shape[1]
-        query_responses, responses, mask = rollout.query_responses, rollout.responses, rollout.response_mask
-        T = responses.shape[1]  # query_responses (B, P+T); responses, mask (B, T)
-        attn = sequence_attention_mask(query_mask, T)  # (B, P+T)
+        with unwrap_for_generation(accelerator, policy) as gen_model:  # one turn, or --env's trajectories (observations
+            # get mask 0: no loss, GAE skips them); pi_old reuses the prompts' KV cache (checkpointed layers take none)
+            rollout = sample(gen_model, tok, rows, reward, episodes, device, seeds, engine, **args.gen.sampling(),
+                             keep_prompt_cache=not args.model.gradient_checkpointing)  # fmt: skip
+        gen_s, P, T = time.time() - t_gen, rollout.queries.shape[1], rollout.responses.shape[1]
+        # scores (B,), mask (B, T), query_mask (B, P); query_responses, attn (B, P+T)
+        scores, mask, query_mask = rollout.scores, rollout.mask, rollout.query_mask
+        query_responses, attn = rollout.query_responses, rollout.attention_mask
 
         # ------------------------------------------------------------------ 2. score
-        lengths = mask.sum(1)  # (B,) the model's tokens
         scores = scores - args.missing_eos_penalty * (~rollout.is_eos).float()
         # micro-batched (bounds peak memory): --micro-batch-size rows, or by --micro-batch-tokens
         all_micros = micro_batches(
@@ -294,7 +281,7 @@ def main(args: Args):
 
         # ------------------------------------------------------------------ 4. update
         t_train = time.time()
-        stats = {k: [] for k in ("pg", "vf", "ent", "clip", "akl")}
+        stats = {k: [] for k in ("pg", "vf", "ent")}  # + the loss's own statistics
         train_policy = step > args.critic_warmup_steps
         g = torch.Generator().manual_seed(mix_seed(args.run.seed, step, r))
         for epoch in range(args.update_epochs):
@@ -325,15 +312,15 @@ def main(args: Args):
                             policy, query_responses[micro, cut], attn[micro, cut], m.p, args.gen.temperature,
                             with_entropy=True, entropy_grad=args.ent_coef != 0,  # a detached statistic without the bonus
                         )  # (b, t) each  # fmt: skip
-                    pg, clip_frac, approx_kl = policy_loss(
+                    pg, loss_stats = policy_loss(
                         new_logprobs, logprobs[micro, :t], advantages[micro, :t], mask[micro, :t], n_tokens,
                         args.clip_eps, args.dual_clip_c, tis_weights[micro, :t] if tis_weights is not None else None,
                     )  # fmt: skip
                     ent = (entropy * mask[micro, :t]).sum() / n_tokens
                     if train_policy:
                         backward(accelerator, policy, pg - args.ent_coef * ent, last)
-                    for key, v in zip(("pg", "ent", "clip", "akl"), (pg, ent, clip_frac, approx_kl)):
-                        stats[key].append(v.detach())
+                    for key, v in dict(pg=pg, ent=ent, **loss_stats).items():
+                        stats.setdefault(key, []).append(v.detach())
                 if train_policy:  # (clip, step, zero_grad: no-ops under DeepSpeed, whose engines stepped in backward)
                     guard.step(policy, opt, args.optim.max_grad_norm, "policy", step)
                     sched.step()
@@ -362,10 +349,7 @@ def main(args: Args):
                 "train/kl_coef": kl_coef_used,
                 **mismatch,
                 "train/entropy": mean(stats["ent"]),
-                "train/clip_frac": mean(stats["clip"]),
-                "train/approx_kl": mean(stats["akl"]),
-                "train/response_len": accelerator.gather(lengths).float().mean().item(),
-                "train/truncated": accelerator.gather(rollout.truncated.float()).mean().item(),
+                **{f"train/{k}": mean(stats[k]) for k in loss_stats},  # the loss's own: clip_frac, approx_kl
                 "train/lr": sched.get_last_lr()[0],
                 "train/value_mean": masked_mean(values, mask, distributed=True).item(),
                 "train/episodes": step * args.batch_size,
@@ -376,24 +360,29 @@ def main(args: Args):
                 "perf/step_s": step_s,
                 "perf/gen_s": gen_s,
                 "perf/train_s": train_s,
-                "perf/tokens_per_s": accelerator.gather(lengths).sum().item() / step_s,
+                "perf/tokens_per_s": accelerator.gather(rollout.lengths).sum().item() / step_s,
                 "perf/peak_mem_gb": peak_mem_gb(device),
                 "perf/padding_frac": 1 - real / max(padded, 1),
                 # real tokens run forward only (generation, pi_old, reference; the critic's values) and trained
                 "perf/mfu": mfu(policy, (2 + use_ref) * real, args.update_epochs * real, step_s, accelerator)
                 + mfu(critic, real, args.update_epochs * real, step_s, accelerator),
             }
-            name = lambda k: k if "/" in k else f"reward/{k}"  # --env: env/turns, env/tool_calls, perf/tool_s, ...
-            metrics.update({name(k): accelerator.gather(v).mean().item() for k, v in (components | extras).items()})
-            metrics.update(tool_metrics(metrics))  # --env tools: call, success, answer-after-tool rates
+            metrics.update(rollout.metrics(accelerator))  # response_len, truncated, reward/<term>, env/*, env/tool_*
             metrics.update({"reward/errors": reward.errors} if reward.errors else {})
             samples = [
                 {"prompt": x.text, "response": t, "reward": float(s), "kl": float(k), "split": "train"}
-                for x, t, s, k in zip(rows, texts, scores, masked_mean(kl, mask, dim=1))
+                for x, t, s, k in zip(rows, rollout.texts, scores, masked_mean(kl, mask, dim=1))
             ]
             run.log(step, metrics, samples)  # + evaluation when due, health warnings, --save-best
 
     return run.end()
+
+
+# a two-step run on a tiny model, as tests/test_smoke.py runs every script (and every copy) in algos/
+SMOKE = (
+    "--model-name-or-path {tiny} --max-new-tokens 6 --num-eval-prompts 4 --batch-size 4 --mini-batch-size 4 "
+    "--micro-batch-size 2"
+)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Rewards scored while the batch decodes (common.rewards.sample_and_score) against scoring after the rollout, on
+"""Rewards scored while the batch decodes (common.sampling.sample_and_score) against scoring after the rollout, on
 SmolLM2-135M-Instruct: 32 chain_sum_1d prompts (8 distinct x 4) sampled to <= 64 tokens, scored by a reward service
 (a local HTTP server that answers after `--latency` seconds per request plus `--per-row` seconds per response, as a
 judge or a remote reward model would; requests of `--batch-size`, `--concurrency` at once). The same seeds, so the
@@ -47,8 +47,9 @@ def main():
     from common import models as M
     from common.data import load_prompts
     from common.remote_rewards import RemoteScorer, ServiceConfig
-    from common.rewards import Reward, sample_and_score
+    from common.rewards import Reward
     from common.rollout import generate, tokenize_queries
+    from common.sampling import sample_and_score
     from common.tasks import default_task_files
 
     p = argparse.ArgumentParser()

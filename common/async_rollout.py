@@ -388,9 +388,9 @@ class BatchStream:
 
     Checkpoint state (an object with state_dict, saved under the script's key): the batches of the next
     `ahead` = K steps. They were sampled by versions older than the checkpoint's weights, which a resumed run could
-    not sample with again; kept, the resumed run trains on exactly what the uninterrupted one did. A batch is saved
-    without its rows (rebuilt from its prompt ids and `train_rows`): trainer_state.pt holds tensors, numbers and
-    strings only (it is loaded with weights_only)."""
+    not sample with again; kept, the resumed run trains on exactly what the uninterrupted one did. A batch (a dict:
+    its Rollout, prompt ids, version, ...) is saved with its Rollout as a dict and without rows (rebuilt from the
+    prompt ids and `train_rows`): trainer_state.pt holds tensors, numbers and strings only (loaded with weights_only)."""
 
     def __init__(self, accelerator, ahead: int, total_steps: int, train_rows):
         self.acc, self.ahead, self.total, self.train_rows = accelerator, ahead, total_steps, train_rows
@@ -416,7 +416,7 @@ class BatchStream:
                     self.ready[s] = self.gen.get(f"the batch of step {s}")
                 except GeneratorFailed as e:  # saved without it: resumed, it is sampled again
                     self.failed = e
-        mine = {s: {k: v for k, v in b.items() if k != "rows"} for s, b in self.ready.items()}
+        mine = {s: dict(b, rollout=saved_rollout(b["rollout"])) for s, b in self.ready.items()}
         if self.acc.num_processes == 1:
             return {"ranks": [mine]}
         everyone = [None] * self.acc.num_processes
@@ -425,7 +425,27 @@ class BatchStream:
 
     def load_state_dict(self, state: dict) -> None:
         mine = state["ranks"][self.acc.process_index]
-        self.ready = {s: dict(b, rows=[self.train_rows[i] for i in b["prompt_ids"]]) for s, b in mine.items()}
+        self.ready = {s: loaded_batch(b, self.train_rows) for s, b in mine.items()}
+
+
+def saved_rollout(rollout) -> dict:
+    """A batch's Rollout as trainer_state.pt holds it: its fields but the rows (rebuilt from the prompt ids) and the
+    prompt cache; tensors, lists of strings and a dict of tensors."""
+    return {k: v for k, v in vars(rollout).items() if k not in ("rows", "prompt_cache")}
+
+
+def loaded_batch(batch: dict, train_rows) -> dict:
+    """A batch from a checkpoint, its Rollout rebuilt. Checkpoints written before the Rollout (2026-12-05) hold its
+    fields flat in the batch (and no `is_eos`, which nothing after sampling reads: taken as "not truncated")."""
+    from common.sampling import Rollout
+
+    b = dict(batch)
+    if "rollout" not in b:
+        flat = ("texts", "queries", "query_mask", "responses", "mask", "logprobs", "truncated", "scores", "solved")
+        fields = {k: b.pop(k) for k in flat} | {"is_eos": ~batch["truncated"]}
+        b["rollout"] = dict(fields, logged={k: b.pop(k) for k in list(b) if "/" in k})
+    b["rollout"] = Rollout(rows=[train_rows[i] for i in b["prompt_ids"]], **b["rollout"])
+    return b
 
 
 class BatchLog:

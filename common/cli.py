@@ -20,7 +20,7 @@ def parse_args(cls, argv: list[str] | None = None):
     An unknown key is an error naming the file, the key and the valid names."""
     import yaml
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _drop_retired(list(sys.argv[1:] if argv is None else argv), "")
     for a in argv:
         for theirs, ours in FOREIGN_FLAGS.items():
             if a == theirs or a.startswith(theirs + "="):
@@ -46,6 +46,11 @@ def parse_args(cls, argv: list[str] | None = None):
                 user_error(f"--config {path}: not valid YAML ({' '.join(str(e).split())})")
             if not isinstance(cfg, dict):
                 user_error(f"--config {path}: expected a mapping of field names to values")
+            cfg = {
+                k: v
+                for k, v in cfg.items()
+                if _drop_retired([f"--{str(k).replace('_', '-')}"], f"--config {path}: ")  # kept unless retired
+            }
             preset = _preset_flags(cls, cfg, path)
             _tyro_cli(
                 cls, preset, blame=f"--config {path}: "
@@ -131,6 +136,30 @@ FOREIGN_FLAGS = {
     "--gradient-accumulation-steps": "accumulation follows from the sizes: --mini-batch-size (or --batch-size) over "
     "--micro-batch-size x processes",
 }
+
+
+# Flags that did nothing for a while and were removed: still accepted (earlier commands and presets run), with a note.
+RETIRED_FLAGS = {
+    "--values-from-update": "PPO's V_old is always the critic's no-grad values pass (issue 31); the flag had no effect"
+}
+
+
+def _drop_retired(argv: list[str], where: str) -> list[str]:
+    """argv without the retired flags (and a value that follows one), each named once on stderr."""
+    out, skip = [], False
+    for a in argv:
+        name = a.split("=", 1)[0]
+        flag = name.replace("--no-", "--", 1) if name.startswith("--no-") else name
+        if skip:
+            skip = False
+            if not a.startswith("--"):
+                continue
+        if flag in RETIRED_FLAGS:
+            print(f"[cleanrlhf] {where}{name}: retired, ignored ({RETIRED_FLAGS[flag]})", file=sys.stderr)
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
 
 
 def cli(main, cls):

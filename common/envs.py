@@ -29,7 +29,7 @@ from common.data import observation_ids, turn_glue
 from common.errors import UserError, load_from_file, mix_seed
 from common.models import apply_chat
 from common.rewards import call_with_timeout
-from common.rollout import Rollout, generate
+from common.rollout import Generation, generate
 from common.sandbox import calculator, run_python
 
 
@@ -237,7 +237,7 @@ def load_env_class(spec: str):
 
 
 @dataclass
-class EpisodeRollout(Rollout):
+class EpisodeRollout(Generation):
     queries: torch.Tensor | None = None  # (B, P) left-padded: the first messages, rendered
     query_mask: torch.Tensor | None = None  # (B, P)
     scores: torch.Tensor | None = None  # (B,) the environment's reward of each trajectory (sum over its steps)

@@ -619,7 +619,7 @@ class ScoreAsTheyFinish:
     accumulated (one pool map or service request per group), and `parts` scores the rows cut at the token limit
     and waits. What runs in the trainer (built-in scorers, whose timeouts are main-thread signals; the reward
     model; format and length terms) runs after, on the whole batch. The scores are Reward's on the whole batch:
-    each term is per row. vLLM returns a batch at once, so there is nothing to overlap (sample_and_score)."""
+    each term is per row. vLLM returns a batch at once, so there is nothing to overlap (common.sampling.sample_and_score)."""
 
     def __init__(self, reward: Reward, rows, tok):
         import queue
@@ -684,18 +684,6 @@ class ScoreAsTheyFinish:
                         scores[i] = v
                     failed[0] += value[1]
         return {k: v if k == "raw" else (v[0], v[1][0]) for k, v in out.items()}
-
-
-def sample_and_score(model, tok, queries, query_mask, rows, reward: Reward, device, **sampling):
-    """generate() and reward() of one batch: (rollout, texts, (scores (B,), components, extras)). Reward calls that
-    run outside this thread overlap the decoding (ScoreAsTheyFinish) with our engine; vLLM's returns at once."""
-    from common.rollout import generate
-
-    stream = ScoreAsTheyFinish(reward, rows, tok) if reward.outside and sampling.get("engine") is None else None
-    rollout = generate(model, tok, queries, query_mask, on_finished=stream, **sampling)
-    texts = tok.batch_decode(rollout.responses, skip_special_tokens=True)
-    parts = stream.parts(texts, rollout.is_eos.tolist()) if stream is not None else None
-    return rollout, texts, reward(rows, texts, rollout.response_mask.sum(1), device, rollout.is_eos, parts=parts)
 
 
 def reward_by_data_source(rows, scores) -> dict:

@@ -61,7 +61,7 @@ def sample_tokens(
 
 
 @dataclass
-class Rollout:
+class Generation:
     query_responses: torch.Tensor  # (B, P+T)
     responses: torch.Tensor  # (B, T)
     response_mask: torch.Tensor  # (B, T) 1 for real tokens up to and including EOS / the stop string
@@ -164,10 +164,10 @@ def generate(
     on_finished=None,
     past: list[RowCache] | None = None,
     keep_row_caches: bool = False,
-) -> Rollout:
+) -> Generation:
     """Sample (seeds given) or decode greedily (seeds=None) one response per query row.
 
-    queries, attention_mask: (B, P) left-padded. Returns a `Rollout`; responses are right-padded to
+    queries, attention_mask: (B, P) left-padded. Returns a `Generation`; responses are right-padded to
     the longest in the batch (at most max_new_tokens).
 
     Our own decoding loop over the model's forward with its KV cache, not `model.generate`, for
@@ -179,9 +179,9 @@ def generate(
     ...) is never applied, so rollouts come from the distribution the trainer recomputes.
 
     engine: a `common.vllm_engine.VLLMEngine` (--rollout-engine vllm): `model`'s weights are pushed into
-    it if they changed since the last call, and it samples instead (same arguments, same Rollout).
+    it if they changed since the last call, and it samples instead (same arguments, same Generation).
 
-    keep_prompt_cache: return the prompts' KV cache in `Rollout.prompt_cache` (a `PromptCache`; not with an
+    keep_prompt_cache: return the prompts' KV cache in `Generation.prompt_cache` (a `PromptCache`; not with an
     engine, under --tp-size (vocabulary-sharded logits) or with sliding-window cache layers: then None).
 
     on_finished: called as rows end (EOS or a stop string) with (their row indices, their tokens (n, t), stopped
@@ -277,7 +277,7 @@ def generate(
     mask, is_eos, lengths = response_masks(responses, tok.eos_token_id, tok.pad_token_id, stopped)
     truncated = (lengths == max_new_tokens) & ~is_eos & ~stopped
     logprobs = logprobs[:, :T] * mask if uniforms is not None else None
-    return Rollout(torch.cat([queries, responses], 1), responses, mask, is_eos, truncated, logprobs, prompt_cache,
+    return Generation(torch.cat([queries, responses], 1), responses, mask, is_eos, truncated, logprobs, prompt_cache,
                    row_caches if keep_rows else None)  # fmt: skip
 
 

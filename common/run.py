@@ -5,6 +5,7 @@ Run folder: runs/{algo}__{exp_name}__{seed}__{unix_time}/
     args.json        every Args field, world_size, distributed_type, git commit/dirty, library versions
     metrics.jsonl    one JSON object per logged step
     samples.jsonl    a few (prompt, response, reward) rows per log interval
+    code/{script}.py the script that ran, as it was (W&B's save_code): an edited copy stays with its results
     checkpoints/step_{N}/   save_pretrained folders + trainer_state.pt
 """
 
@@ -302,6 +303,21 @@ def make_run_dir(accelerator, algo: str, args, resume_from: Path | None = None) 
     return run_dir
 
 
+def keep_code(accelerator, run_dir: Path, algo: str, start_step: int) -> None:
+    """run_dir/code/<script>.py: the script that runs, committed or not (args.json's git commit does not hold an
+    edited or untracked copy). A resumed run whose script changed keeps the earlier text beside it
+    (<script>.py.before_step_N). Only when the script is the program (`python algos/x.py`, `accelerate launch`), not
+    when a test calls main() in-process."""
+    main = Path(getattr(sys.modules.get("__main__"), "__file__", None) or "-")
+    if not accelerator.is_main_process or main.suffix != ".py" or main.stem != algo:
+        return
+    dst, text = run_dir / "code" / main.name, main.read_text()
+    dst.parent.mkdir(exist_ok=True)
+    if dst.exists() and dst.read_text() != text:
+        os.replace(dst, dst.with_name(f"{dst.name}.before_step_{start_step}"))
+    _write_atomic(dst, text)
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
@@ -516,6 +532,7 @@ class Run:
             self.start_step = restore_checkpoint(acc, self.ckpt, models, state, optimizers)
             self.log_line(f"resumed from {self.ckpt} at step {self.start_step}")
         self.dir = make_run_dir(acc, self.algo, self.args, self.ckpt)
+        keep_code(acc, self.dir, self.algo, self.start_step)
         self.tracker = Tracker(acc, self.args, self.dir, cfg.total_steps, self.start_step)
         self.stop = StopSignal(acc)  # --max-wall-minutes counts from here
         self.log_line(f"run folder: {self.dir}")

@@ -3,7 +3,7 @@
 One `vllm.LLM` per process, made once at start-up from the policy's folder (`VLLMEngine`). Before a
 rollout phase whose policy changed, the policy's current weights are pushed into the engine in
 memory (`sync`): no disk round-trip. `common.rollout.generate(..., engine=...)` then hands the batch
-to `VLLMEngine.generate`, which returns the same `Rollout` as our own decoding loop.
+to `VLLMEngine.generate`, which returns the same `Generation` as our own decoding loop.
 
 Choices (docs/rollout.md has the why and the measurements):
 - Weight sync: vLLM's in-place reload, `collective_rpc("reload_weights", weights_iterator=...)`: the
@@ -209,11 +209,11 @@ class VLLMEngine:
         seeds: list[int] | None = None,
         stop_strings: list[str] | None = None,
     ):
-        """Same contract as `common.rollout.generate`: (B, P) left-padded queries -> `Rollout`, responses
+        """Same contract as `common.rollout.generate`: (B, P) left-padded queries -> `Generation`, responses
         right-padded to the longest, greedy when seeds is None."""
         from vllm import SamplingParams
 
-        from common.rollout import Rollout, response_masks
+        from common.rollout import Generation, response_masks
 
         tok, B = self.tok, queries.shape[0]
         prompts = [{"prompt_token_ids": q[m.bool()].tolist()} for q, m in zip(queries.cpu(), attention_mask.cpu())]
@@ -253,7 +253,7 @@ class VLLMEngine:
         responses, logprobs, stopped = responses.to(device), logprobs.to(device), stopped.to(device)
         mask, is_eos, lengths = response_masks(responses, tok.eos_token_id, tok.pad_token_id, stopped)
         truncated = (lengths == max_new_tokens) & ~is_eos & ~stopped
-        return Rollout(
+        return Generation(
             torch.cat([queries, responses], 1),
             responses,
             mask,

@@ -113,6 +113,16 @@ class _FakeAccelerator:
     num_processes, process_index, is_main_process = 1, 0, True
 
 
+def _rollout(step, rows=("not saved", "not saved")):
+    from common.sampling import Rollout
+
+    x, z = torch.full((2,), float(step)), torch.zeros(2, dtype=torch.bool)
+    return Rollout(rows=list(rows), texts=["a", "b"], queries=torch.ones(2, 3, dtype=torch.long),
+                   query_mask=torch.ones(2, 3), responses=torch.ones(2, 4, dtype=torch.long), mask=torch.ones(2, 4),
+                   logprobs=torch.zeros(2, 4), is_eos=~z, truncated=z, scores=x, solved=x, logged={"reward/rule": x},
+                   prompt_cache="not saved")  # fmt: skip
+
+
 class _FakeGenerator:
     """Hands out the batches of steps `first_step`, ... (what GeneratorProcess.get returns); dies after `n`."""
 
@@ -125,8 +135,8 @@ class _FakeGenerator:
     def get(self, what=""):
         if self.given == self.n:
             raise GeneratorFailed("the generator process died with exit code -9 (killed: out of memory?)")
-        b = {"step": self.step, "prompt_ids": [self.step, self.step], "x": torch.full((2,), float(self.step)),
-             "sampler": {"epoch": 0, "pos": self.step}, "rows": ["not saved"]}  # fmt: skip
+        b = {"step": self.step, "prompt_ids": [self.step, self.step], "rollout": _rollout(self.step),
+             "sampler": {"epoch": 0, "pos": self.step}}  # fmt: skip
         self.step, self.given = self.step + 1, self.given + 1
         return b
 
@@ -142,14 +152,23 @@ def test_a_checkpoint_keeps_the_next_k_batches_without_their_rows_and_restores_t
     torch.save(stream.state_dict(), buf)  # after step 1: steps 2 and 3 (sampled by versions <= 1)
     buf.seek(0)
     state = torch.load(buf, weights_only=True)  # as checkpoints load: tensors, numbers, strings only
-    assert sorted(state["ranks"][0]) == [2, 3] and "rows" not in state["ranks"][0][2]
+    assert sorted(state["ranks"][0]) == [2, 3] and {"rows", "prompt_cache"}.isdisjoint(state["ranks"][0][2]["rollout"])
     resumed = BatchStream(_FakeAccelerator(), ahead=2, total_steps=6, train_rows=rows)
     resumed.load_state_dict(state)
     gen = _FakeGenerator()
     resumed.start(gen, next_step=2, sampler_state={"epoch": 0, "pos": 1})
     assert gen.step == 4 and gen.sampler_state == {"pos": 3, "epoch": 0}  # after the last batch held
     b2, b3, b4 = resumed.next(2), resumed.next(3), resumed.next(4)
-    assert b2["rows"] == ["row 2", "row 2"] and torch.equal(b3["x"], torch.full((2,), 3.0)) and b4["step"] == 4
+    assert b2["rollout"].rows == ["row 2", "row 2"] and b4["step"] == 4 and b3["rollout"].prompt_cache is None
+    assert torch.equal(b3["rollout"].scores, torch.full((2,), 3.0)) and b3["rollout"].logged["reward/rule"][0] == 3
+    # a checkpoint written before the Rollout (its fields flat in the batch) resumes the same
+    flat = {k: v for k, v in vars(_rollout(7)).items() if k not in ("rows", "prompt_cache", "is_eos", "logged")}
+    old = dict(flat, step=7, prompt_ids=[1, 2], sampler={}, **{"reward/rule": flat["scores"]})
+    before = BatchStream(_FakeAccelerator(), ahead=2, total_steps=8, train_rows=rows)
+    before.load_state_dict({"ranks": [{7: old}]})
+    r7 = before.ready[7]["rollout"]
+    assert r7.rows == ["row 1", "row 2"] and r7.is_eos.all() and r7.logged["reward/rule"].tolist() == [7.0, 7.0]
+    assert r7.texts == ["a", "b"] and r7.query_responses.shape == (2, 7) and "reward/rule" not in before.ready[7]
     # near the end: only the steps that exist; a dead generator: saved without the batches it never sent
     assert sorted(resumed.state_dict()["ranks"][0]) == [5, 6]
     dying = BatchStream(_FakeAccelerator(), ahead=2, total_steps=6, train_rows=rows)

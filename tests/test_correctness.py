@@ -344,7 +344,7 @@ def test_exploded_log_ratio_gives_a_finite_loss():
     lp, old, adv, mask = torch.tensor([[100.0]]), torch.tensor([[0.0]]), torch.tensor([[-1.0]]), torch.ones(1, 1)
     assert torch.isfinite(PPO.policy_loss(lp, old, adv, mask, 1.0, 0.2)[0])
     assert torch.isfinite(DKL.policy_loss(lp, old, adv, mask, 1.0, 0.2)[0])
-    assert torch.isfinite(GRPO.grpo_loss(lp, old, adv, 0.2, 0.2)[0]).all()
+    assert torch.isfinite(GRPO.grpo_loss(lp, old, adv, mask, 0.2, 0.2)[0]).all()
 
 
 def test_k3_is_clamped_so_one_token_cannot_dominate():

@@ -16,7 +16,7 @@ from common import models as M
 from common.data import PromptRow
 from common.envs import Environment, Episodes, FeedbackEnv, Step, ToolEnv, load_env_class, parse_tool_calls
 from common.errors import UserError
-from common.rollout import Rollout, forward_logprobs, response_masks, sequence_attention_mask
+from common.rollout import Generation, forward_logprobs, response_masks, sequence_attention_mask
 from common.sandbox import calculator, run_python
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,7 +131,7 @@ class ScriptedEngine:
         for i, o in enumerate(outs):
             responses[i, : len(o)] = torch.tensor(o)
         mask, is_eos, lengths = response_masks(responses, self.tok.eos_token_id, self.tok.pad_token_id)
-        return Rollout(torch.cat([queries, responses], 1), responses, mask, is_eos, (lengths == max_new_tokens) & ~is_eos,
+        return Generation(torch.cat([queries, responses], 1), responses, mask, is_eos, (lengths == max_new_tokens) & ~is_eos,
                        -mask)  # fmt: skip
 
 
@@ -303,8 +303,8 @@ def test_observation_tokens_get_no_gradient(tiny):
             # ratios near 1: no token clipped (a clipped token's zero gradient is the clip's, not the mask's)
             old, adv = new.detach() + 0.01 * torch.randn(mask.shape, generator=g), torch.tensor([[1.0], [-0.5]])
             ref = torch.randn(mask.shape, generator=g)
-            fn = {"grpo": lambda: G.grpo_loss(new, old, adv, 0.2, 0.2), "cispo": lambda: G.cispo_loss(new, old, adv, 4.0),
-                  "sapo": lambda: G.sapo_loss(new, old, adv, 1.0, 1.05)}[loss_type]  # fmt: skip
+            fn = {"grpo": lambda: G.grpo_loss(new, old, adv, mask, 0.2, 0.2), "cispo": lambda: G.cispo_loss(new, old, adv, mask, 4.0),
+                  "sapo": lambda: G.sapo_loss(new, old, adv, mask, 1.0, 1.05)}[loss_type]  # fmt: skip
             token_loss, _ = fn()
             total = G.aggregate(token_loss, mask, agg, mask.sum(), 2, 48)
             total = total + G.aggregate(kl_estimate(new, ref, "k3"), mask, agg, mask.sum(), 2, 48)

@@ -57,10 +57,10 @@ def test_loss_aggregation_two_responses_of_different_length():
 def test_clip_higher_and_overlong_penalty():
     old = torch.zeros(1, 3)
     new = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))
-    loss, clipped = G.grpo_loss(new, old, torch.ones(1, 1), 0.2, 0.28)
+    loss, stats = G.grpo_loss(new, old, torch.ones(1, 1), torch.ones(1, 3), 0.2, 0.28)
     assert loss.tolist()[0] == pytest.approx([-1.28, -0.5, -1.1])  # A > 0: ratio capped at 1 + eps_high
-    assert clipped.tolist() == [[1.0, 0.0, 0.0]]
-    loss, _ = G.grpo_loss(new, old, -torch.ones(1, 1), 0.2, 0.28)
+    assert stats["clip_frac"].tolist() == [[1.0, 0.0, 0.0]]
+    loss, _ = G.grpo_loss(new, old, -torch.ones(1, 1), torch.ones(1, 3), 0.2, 0.28)
     assert loss.tolist()[0] == pytest.approx([1.5, 0.8, 1.1])  # A < 0: ratio floored at 1 - eps_low
     pen = G.overlong_penalty(torch.tensor([10, 12, 14, 16]), 16, 4, 1.0)
     assert pen.tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0])
@@ -68,24 +68,26 @@ def test_clip_higher_and_overlong_penalty():
 
 
 def test_take_informative_groups_fills_fixed_size():
+    from common.sampling import Rollout
+
     def part(scores, width):
-        n = len(scores)
-        return {
-            "rows": list(range(n)),
-            "scores": torch.tensor(scores),
-            "queries": torch.ones(n, width, dtype=torch.long),
-            "query_mask": torch.ones(n, width),
-            "responses": torch.ones(n, width + 1, dtype=torch.long),
-            "mask": torch.ones(n, width + 1),
-            "truncated": torch.zeros(n, dtype=torch.bool),
-        }
+        n, z = len(scores), torch.zeros(len(scores), dtype=torch.bool)
+        return Rollout(
+            rows=list(range(n)), texts=[str(s) for s in scores], queries=torch.ones(n, width, dtype=torch.long),
+            query_mask=torch.ones(n, width), responses=torch.ones(n, width + 1, dtype=torch.long),
+            mask=torch.ones(n, width + 1), logprobs=torch.full((n, width + 1), -1.0), is_eos=~z, truncated=z,
+            scores=torch.tensor(scores), solved=torch.tensor(scores), logged={"reward/rule": torch.tensor(scores)},
+        )  # fmt: skip
 
     a = part([1.0, 1.0, 1.0, 1.0], 2)  # both groups equal
     b = part([0.0, 2.0, 2.0, 2.0], 3)  # group 0 informative
     out, filled = G.take_informative_groups([a, b], 2, 2, pad_id=0)
-    assert filled == 1 and out["scores"].tolist() == [0.0, 2.0, 1.0, 1.0]
-    assert out["queries"].shape == (4, 3) and out["query_mask"][2:, 0].eq(0).all()  # left-padded
-    assert out["responses"].shape == (4, 4) and out["mask"][2:, -1].eq(0).all()  # right-padded
+    assert filled == 1 and out.scores.tolist() == [0.0, 2.0, 1.0, 1.0] and out.texts == ["0.0", "2.0", "1.0", "1.0"]
+    assert out.logged["reward/rule"].tolist() == out.solved.tolist() == [0.0, 2.0, 1.0, 1.0]
+    assert out.queries.shape == (4, 3) and out.query_mask[2:, 0].eq(0).all()  # left-padded
+    assert out.responses.shape == (4, 4) and out.mask[2:, -1].eq(0).all()  # right-padded
+    assert out.logprobs[2:, -1].eq(0).all() and out.logprobs[:2].eq(-1).all()
+    assert out.query_responses.shape == (4, 7) and out.attention_mask[2:].tolist() == [[0, 1, 1, 1, 1, 1, 1]] * 2
 
 
 def _tiny_flags(model, prompts, out, *extra):
@@ -312,9 +314,9 @@ MASK = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.fl
 def _grad(fn):
     """(per-token loss, clipped, d sum(loss * mask) / d logprobs) of a loss function of logprobs."""
     lp = LP.clone().requires_grad_(True)
-    loss, clipped = fn(lp)[:2]
+    loss, stats = fn(lp)[:2]
     (loss * MASK).sum().backward()
-    return loss.detach().numpy(), clipped.numpy(), lp.grad.numpy()
+    return loss.detach().numpy(), stats["clip_frac"].numpy(), lp.grad.numpy()
 
 
 def test_gspo_value_and_gradient_against_numpy():
@@ -341,7 +343,7 @@ def test_cispo_value_and_gradient_against_numpy():
     import numpy as np
 
     eps = 4.0
-    loss, clipped, grad = _grad(lambda lp: G.cispo_loss(lp, OLD, ADV, eps))
+    loss, clipped, grad = _grad(lambda lp: G.cispo_loss(lp, OLD, ADV, MASK, eps))
     lp, old, a = LP.numpy(), OLD.numpy(), ADV.numpy()
     r = np.exp(np.clip(lp - old, -20, 20))
     w = np.minimum(r, 1 + eps)  # the capped weight, a constant for the gradient
@@ -356,7 +358,7 @@ def test_sapo_value_and_gradient_against_numpy():
     import numpy as np
 
     tau_pos, tau_neg = 1.0, 1.05
-    loss, clipped, grad = _grad(lambda lp: G.sapo_loss(lp, OLD, ADV, tau_pos, tau_neg))
+    loss, clipped, grad = _grad(lambda lp: G.sapo_loss(lp, OLD, ADV, MASK, tau_pos, tau_neg))
     lp, old, a, m = LP.numpy(), OLD.numpy(), ADV.numpy(), MASK.numpy()
     r = np.exp(np.clip(lp - old, -20, 20))
     tau = np.where(a > 0, tau_pos, tau_neg)
@@ -367,7 +369,7 @@ def test_sapo_value_and_gradient_against_numpy():
     assert clipped.tolist() == (4 * g * (1 - g) < 0.5).astype(float).tolist()
     # on-policy the soft gate is the policy gradient: weight 1 at r = 1
     same = torch.zeros(1, 1, dtype=torch.float64, requires_grad=True)
-    G.sapo_loss(same, torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64), 1.0, 1.05)[
+    G.sapo_loss(same, torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64), None, 1.0, 1.05)[
         0
     ].sum().backward()
     assert same.grad.item() == pytest.approx(-1.0)
@@ -377,7 +379,7 @@ def test_sapo_value_and_gradient_against_numpy():
 def test_grpo_loss_gradient_against_numpy():
     import numpy as np
 
-    loss, clipped, grad = _grad(lambda lp: G.grpo_loss(lp, OLD, ADV, 0.2, 0.28))
+    loss, clipped, grad = _grad(lambda lp: G.grpo_loss(lp, OLD, ADV, MASK, 0.2, 0.28))
     lp, old, a, m = LP.numpy(), OLD.numpy(), ADV.numpy(), MASK.numpy()
     r = np.exp(np.clip(lp - old, -20, 20))
     unclipped, bounded = -a * r, -a * np.clip(r, 0.8, 1.28)

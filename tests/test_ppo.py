@@ -275,17 +275,24 @@ def test_config_preset_loads_and_cli_overrides():
 
 
 @pytest.mark.parametrize("script", ["ppo_llm", "dynamic_kl_ppo"])
-def test_values_from_update_still_parses_and_changes_no_code_path(script):
+def test_the_retired_values_from_update_is_accepted_and_read_nowhere(script, tmp_path, capsys):
     """--values-from-update chose V_old from the critic's update forward with one critic step per batch: two
-    code paths for one phase, for ~7 % of a step, so it was dropped (issue 31). The flag still parses (earlier
-    commands and presets), and the script no longer reads it: GAE and whitening run in one place."""
+    code paths for one phase, for ~7 % of a step, so it was dropped (issue 31) and then retired (issue 50): on the
+    command line (either spelling, with or without a value) and in a preset it is accepted with a note, and no script
+    has it. GAE and whitening run in one place."""
     import importlib
 
     from common.cli import parse_args
 
     sys.path.insert(0, str(REPO / "algos"))
     module = importlib.import_module(script)
-    assert parse_args(module.Args, ["--no-values-from-update"]).values_from_update is False
+    for argv in (["--no-values-from-update"], ["--values-from-update", "--total-steps", "3"],
+                 ["--values-from-update=false", "--total-steps", "3"], ["--values-from-update", "False", "--total-steps", "3"]):  # fmt: skip
+        assert parse_args(module.Args, argv).run.total_steps in (3, module.Args().run.total_steps), argv
+        assert "--values-from-update: retired, ignored" in capsys.readouterr().err.replace("--no-", "--"), argv
+    preset = tmp_path / "old.yaml"
+    preset.write_text("values_from_update: true\ntotal_steps: 4\n")
+    assert parse_args(module.Args, ["--config", str(preset)]).run.total_steps == 4
+    assert f"--config {preset}: --values-from-update: retired" in capsys.readouterr().err
     source = (REPO / "algos" / f"{script}.py").read_text()
-    assert source.count("values_from_update") == 1  # the Args field only
-    assert source.count("gae(") == 1
+    assert "values_from_update" not in source and source.count("gae(") == 1

@@ -203,8 +203,8 @@ def _early_ending(tiny):
 def test_scores_as_rows_finish_equal_the_batch_scores(tiny, tmp_path):
     """sample_and_score (the worker pool and a service called on groups of finished rows while the rest decode)
     gives exactly generate() then Reward on the whole batch; the service sees more than one group."""
-    from common.rewards import sample_and_score
     from common.rollout import generate
+    from common.sampling import sample_and_score
 
     tok, model, rows, q, qm, sampling = _early_ending(tiny)
     (tmp_path / "fn.py").write_text(
@@ -231,7 +231,7 @@ def test_scores_as_rows_finish_equal_the_batch_scores(tiny, tmp_path):
 
 
 def test_a_service_is_called_while_the_batch_still_decodes_and_its_failure_is_raised_here(tiny):
-    from common.rewards import sample_and_score
+    from common.sampling import sample_and_score
 
     tok, model, rows, q, qm, sampling = _early_ending(tiny)
     hook = model.register_forward_hook(lambda *a: time.sleep(0.05))  # a slow decoding step: ~2 s for 40 tokens
@@ -239,14 +239,14 @@ def test_a_service_is_called_while_the_batch_still_decodes_and_its_failure_is_ra
     stamps = []
     try:
         reward = Reward("remote:1.0", remote=RemoteScorer(ServiceConfig(stub.url)))
-        import common.rollout
+        import common.sampling
 
-        real = common.rollout.generate
-        common.rollout.generate = lambda *a, **k: (real(*a, **k), stamps.append(time.time()))[0]
+        real = common.sampling.generate
+        common.sampling.generate = lambda *a, **k: (real(*a, **k), stamps.append(time.time()))[0]
         try:
             sample_and_score(model, tok, q, qm, rows, reward, "cpu", **sampling)
         finally:
-            common.rollout.generate = real
+            common.sampling.generate = real
         assert stub.times[0] < stamps[0] - 0.5  # the first group was scored while decoding went on
         dead = Reward("remote:1.0", remote=RemoteScorer(ServiceConfig("http://127.0.0.1:9/s", retries=0, timeout=2)))
         with pytest.raises(ServiceError, match="http://127.0.0.1:9/s"):

@@ -1,8 +1,10 @@
-"""One short run of every script, as a user launches it (`python algos/X.py`, the built-in default task (GRPO:
-a toy task), a tiny model): exits 0, writes its run folder and metrics, saves a checkpoint whose model folders load with plain
-transformers, and changed the trained weights. These are the fast tier's only process launches (CleanRL's
+"""One short run of every script in algos/ (discovered: a copy is tested from the moment it exists), as a user
+launches it (`python algos/X.py` with the script's own SMOKE flags: a tiny model, the built-in default task or a toy
+one): exits 0, writes its run folder, metrics and a copy of its code, saves a checkpoint whose model folders load
+with plain transformers, and changed the trained weights. These are the fast tier's only process launches (CleanRL's
 test per script); the longer runs (learning, resume, pipelines) are marked e2e."""
 
+import ast
 import json
 from pathlib import Path
 
@@ -13,91 +15,38 @@ from safetensors.torch import load_file
 from conftest import REPO, only_run, read_metrics, run_script
 
 TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
+SCRIPTS = sorted(p.name for p in (REPO / "algos").glob("*.py"))
 
-RL = ["--max-new-tokens", 6, "--num-eval-prompts", 4, "--learning-rate", 1e-3]
-SCRIPTS = {
-    "ppo_llm.py": (RL + ["--batch-size", 4, "--mini-batch-size", 4, "--micro-batch-size", 2], ["policy", "critic"]),
-    "dynamic_kl_ppo.py": (RL + ["--batch-size", 4, "--mini-batch-size", 4, "--micro-batch-size", 2], ["policy"]),
-    "grpo_llm.py": (
-        RL + ["--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 2],
-        ["policy"],
-    ),
-    "distill_llm.py": (RL + ["--num-prompts", 2, "--samples-per-prompt", 2, "--micro-batch-size", 2], ["policy"]),
-    "dpo_llm.py": (
-        [
-            "--batch-size",
-            4,
-            "--micro-batch-size",
-            2,
-            "--num-eval-pairs",
-            4,
-            "--num-eval-prompts",
-            4,
-            "--max-new-tokens",
-            6,
-            "--learning-rate",
-            1e-3,
-        ],
-        ["policy"],
-    ),  # fmt: skip
-    "sft_llm.py": (
-        [
-            "--batch-size",
-            4,
-            "--micro-batch-size",
-            2,
-            "--num-eval-examples",
-            4,
-            "--num-eval-prompts",
-            4,
-            "--max-new-tokens",
-            6,
-            "--learning-rate",
-            1e-3,
-        ],
-        ["policy"],
-    ),  # fmt: skip
-    "rm_llm.py": (
-        [
-            "--batch-size",
-            4,
-            "--micro-batch-size",
-            2,
-            "--num-eval-pairs",
-            4,
-            "--num-norm-samples",
-            4,
-            "--learning-rate",
-            1e-3,
-        ],
-        ["model"],
-    ),  # fmt: skip
-}
+
+def smoke_flags(path) -> str:
+    """The script's module constant SMOKE (read with ast: the script is not imported)."""
+    for node in ast.parse(Path(path).read_text()).body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", "") for t in node.targets] == ["SMOKE"]:
+            return ast.literal_eval(node.value)
+    raise AssertionError(
+        f"{Path(path).name} declares no SMOKE: add the flags of a two-step run on a tiny model (see algos/grpo_llm.py)"
+    )
 
 
 @pytest.mark.smoke
-@pytest.mark.parametrize("script", list(SCRIPTS))
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_script_runs_two_steps(script, tiny, tiny_peaky, toy_prompts, tmp_path):
-    flags, trained = SCRIPTS[script]
+    """Discovered: every algos/*.py (a new copy included) runs its SMOKE flags for 2 steps."""
+    fixtures = dict(tiny=tiny, tiny_peaky=tiny_peaky, toy_prompts=toy_prompts, toy_reward=TOY_REWARD)
+    flags = smoke_flags(REPO / "algos" / script).format(**fixtures).split()
+    base_model = flags[flags.index("--model-name-or-path") + 1]
     env = {"TOY_MODEL": tiny_peaky}  # the toy reward's tokenizer
-    if script == "grpo_llm.py":  # a random model scores 0 on every default-task group: no advantage, no update
-        tiny, flags = (
-            tiny_peaky,
-            flags + ["--train-files", toy_prompts, "--val-files", toy_prompts, "--reward-fn", TOY_REWARD],
-        )
-    if script == "distill_llm.py":  # the student (tiny) learns toward another model of its tokenizer
-        flags = flags + ["--teacher", tiny_peaky]
     proc = run_script(
         script,
-        "--model-name-or-path",
-        tiny,
+        *flags,
         "--total-steps",
         2,
         "--eval-every",
         2,
+        "--learning-rate",
+        1e-3,
         "--output-dir",
         tmp_path,
-        *flags,
         env=env,
     )
     run = only_run(tmp_path)
@@ -111,11 +60,62 @@ def test_script_runs_two_steps(script, tiny, tiny_peaky, toy_prompts, tmp_path):
     assert any(k.startswith("eval/") for r in rows if r["step"] == 2 for k in r), rows[-1].keys()
     ckpt = run / "checkpoints" / "step_2"
     assert (ckpt / "trainer_state.pt").exists()
-    base = load_file(Path(tiny) / "model.safetensors")
-    for name in trained:
+    base = load_file(Path(base_model) / "model.safetensors")
+    trained = sorted(d.name for d in ckpt.iterdir() if (d / "model.safetensors").exists())
+    assert trained, f"{script}: no model folder in {ckpt}"
+    for name in trained:  # every model the checkpoint holds (policy; PPO's critic; the reward model) was trained
         saved = load_file(ckpt / name / "model.safetensors")
         changed = [k for k in base if k in saved and not torch.equal(base[k], saved[k])]
         assert changed, f"{script}: {name} saved unchanged weights"
     from transformers import AutoConfig
 
     AutoConfig.from_pretrained(ckpt / trained[0])
+    assert (run / "code" / script).read_text() == (REPO / "algos" / script).read_text()  # the code that ran, kept
+
+
+@pytest.mark.e2e
+def test_a_copied_and_edited_script_passes_the_suite(tiny_peaky, toy_prompts, tmp_path):
+    """The README's "Try an idea", done as a researcher does it: copy grpo_llm.py to a new script in algos/, change
+    its loss (here a made-up term), and the house rules and the smoke run (which discovers the copy) pass on that
+    tree; the copy's run folder keeps the edited code."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    tree = tmp_path / "repo"
+    for part in ("algos", "common", "tests", "configs", "tools"):
+        shutil.copytree(REPO / part, tree / part, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pytest.ini", "pyproject.toml"):
+        shutil.copy(REPO / name, tree / name)
+    src = (tree / "algos" / "grpo_llm.py").read_text()
+    old = '    return torch.max(pg1, pg2), {"clip_frac": (pg2 > pg1).float()}\n'
+    assert src.count(old) == 1
+    mine = [
+        "    drift = (logprobs - old_logprobs) ** 2  # my idea: a penalty on moving away from pi_old",
+        '    return torch.max(pg1, pg2) + 0.01 * drift, {"clip_frac": (pg2 > pg1).float(), "neg_adv": (advantages < 0)}',
+        "",
+        "",
+        "grpo_loss.reads_pi_old = True  # pi_old recomputed before the update (a batch-level rule may read it)",
+    ]
+    edited = src.replace(old, "\n".join(mine) + "\n")
+    (tree / "algos" / "grpo_idea.py").write_text(edited)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "tests/test_house.py",
+         "tests/test_smoke.py::test_script_runs_two_steps[grpo_idea.py]"],
+        cwd=tree, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "PASSED tests/test_smoke.py::test_script_runs_two_steps[grpo_idea.py]" in proc.stdout, proc.stdout[-3000:]
+    assert "PASSED tests/test_house.py::test_marked_copies_stay_identical" in proc.stdout
+    assert (tree / "algos" / "grpo_idea.py").read_text() == edited
+    # run as a user does: its named statistic is logged (train/neg_adv), pi_old is recomputed, its code is kept
+    out = tmp_path / "runs"
+    flags = smoke_flags(tree / "algos" / "grpo_idea.py").format(tiny=tiny_peaky, tiny_peaky=tiny_peaky,
+                                                                toy_prompts=toy_prompts, toy_reward=TOY_REWARD)  # fmt: skip
+    subprocess.run([sys.executable, str(tree / "algos" / "grpo_idea.py"), *flags.split(), "--total-steps", "1",
+                    "--output-dir", str(out)], check=True, capture_output=True, env={**os.environ, "TOY_MODEL": tiny_peaky})  # fmt: skip
+    run = only_run(out)
+    assert json.loads((run / "args.json").read_text())["old_logprobs_from"] == "trainer"
+    assert 0 <= read_metrics(run)[-1]["train/neg_adv"] <= 1 and "train/clip_frac" in read_metrics(run)[-1]
+    assert (run / "code" / "grpo_idea.py").read_text() == edited
