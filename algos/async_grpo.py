@@ -40,7 +40,7 @@ from common.async_rollout import (
 from common.cli import cli
 from common.data import Sampler
 from common.distributed import (
-    UpdateGuard, adamw, backward, configure_deepspeed, frozen_reference, make_accelerator, micro_batch_budget,
+    UpdateGuard, backward, configure_deepspeed, frozen_reference, make_accelerator, micro_batch_budget,
     unwrap_for_generation,
 )
 from common.envs import episodes_from_args
@@ -48,9 +48,10 @@ from common.errors import UserError, mix_seed, seed_everything
 from common.eval import evaluate_policy
 from common.health import HealthConfig
 from common.ops import exact_div, global_mean_divisor, kl_estimate, masked_mean, masked_var, rollout_correction
+from common.optim import adamw
 from common.perf import mfu, peak_mem_gb
 from common.rewards import reward_by_data_source, reward_from_args
-from common.rollout import forward_by_micro_batch, forward_logprobs, micro_batches, padding_fraction, reference_logprobs
+from common.rollout import forward_by_micro_batch, forward_logprobs, micro_batches, padding_counts, reference_logprobs
 from common.run import Run
 from common.sampling import Rollout, sample
 from common.tasks import load_rl_prompts
@@ -142,7 +143,7 @@ class Args:
 
 
 # ALGO LOGIC: advantages, reward shaping and loss aggregation
-# Copied from grpo_llm.compute_advantages
+# Copied from grpo_llm.py: every definition in this section
 def compute_advantages(scores, group_size, baseline, scale_rewards, eps=1e-6):
     """scores: (N*G,) with a prompt's G samples adjacent -> advantages (N*G,).
     group-mean: score - group mean (GRPO); rloo: score - mean of the other G-1 (Ahmadian et al. 2024).
@@ -162,7 +163,6 @@ def compute_advantages(scores, group_size, baseline, scale_rewards, eps=1e-6):
     return adv.reshape(-1)
 
 
-# Copied from grpo_llm.overlong_penalty
 def overlong_penalty(lengths, max_new_tokens, buffer, factor):
     """DAPO soft overlong punishment: 0 up to max - buffer, then linearly down to -factor at max. (B,) -> (B,)."""
     if buffer <= 0:
@@ -171,7 +171,6 @@ def overlong_penalty(lengths, max_new_tokens, buffer, factor):
     return -factor * (excess / buffer).clamp(max=1)
 
 
-# Copied from grpo_llm.aggregate
 def aggregate(token_loss, mask, loss_agg, n_tokens, n_seqs, max_new_tokens):
     """This micro-batch's share of the minibatch loss. token_loss, mask: (b, T); n_tokens, n_seqs:
     totals over the whole minibatch, so summing the shares of its micro-batches gives
@@ -188,7 +187,6 @@ def aggregate(token_loss, mask, loss_agg, n_tokens, n_seqs, max_new_tokens):
     raise ValueError(f"unknown --loss-agg {loss_agg!r}")
 
 
-# Copied from grpo_llm.take_informative_groups
 def take_informative_groups(parts: list[Rollout], G, n_groups, pad_id):
     """Dynamic sampling: from sampled batches `parts` (a prompt's G samples adjacent), one batch of `n_groups`
     groups, those whose rewards differ first, then (if too few) groups of equal rewards to keep the batch size
@@ -203,7 +201,7 @@ def take_informative_groups(parts: list[Rollout], G, n_groups, pad_id):
 
 # ALGO LOGIC: the policy losses (--loss-type): f(logprobs, old_logprobs, advantages, mask, *its hyperparameters)
 # -> (per-token loss (b, T), {statistic: (b, T)}), each statistic aggregated as the loss is and logged as train/<name>
-# Copied from grpo_llm.grpo_loss
+# Copied from grpo_llm.py: every definition in this section
 def grpo_loss(logprobs, old_logprobs, advantages, mask, eps_low, eps_high):
     """PPO's clipped surrogate per token, asymmetric (GRPO, Shao et al. 2024; DAPO's clip-higher):
     r = pi_theta / pi_old, l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)); clipped: the bound is active."""
@@ -212,14 +210,12 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, eps_low, eps_high):
     return torch.max(pg1, pg2), {"clip_frac": (pg2 > pg1).float()}
 
 
-# Copied from grpo_llm.sequence_ratio
 def sequence_ratio(logprobs, old_logprobs, mask):
     """GSPO's importance ratio of each response: s = exp(mean over its tokens of log pi_theta - log pi_old), (b, 1)."""
     log_s = ((logprobs - old_logprobs) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
     return torch.exp(log_s.clamp(-20, 20))
 
 
-# Copied from grpo_llm.gspo_loss
 def gspo_loss(logprobs, old_logprobs, advantages, mask, eps_low, eps_high):
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): the sequence ratio s, clipped at the sequence
     level, l = max(-A s, -A clip(s, 1 - eps_low, 1 + eps_high)) on every token of the response (the paper's eps
@@ -230,7 +226,6 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, eps_low, eps_high):
     return torch.max(pg1, pg2).expand_as(logprobs), {"clip_frac": (pg2 > pg1).float().expand_as(logprobs)}
 
 
-# Copied from grpo_llm.cispo_loss
 def cispo_loss(logprobs, old_logprobs, advantages, mask, eps_high):
     """CISPO (MiniMax-M1, Chen et al. 2025): REINFORCE weighted by the capped, stop-gradient ratio,
     l = -sg(min(r, 1 + eps_high)) A log pi_theta: no token's gradient is dropped (PPO's clip zeroes it), only its
@@ -240,7 +235,6 @@ def cispo_loss(logprobs, old_logprobs, advantages, mask, eps_high):
     return -weight * advantages * logprobs, {"clip_frac": (ratio > 1 + eps_high).float()}
 
 
-# Copied from grpo_llm.sapo_loss
 def sapo_loss(logprobs, old_logprobs, advantages, mask, tau_pos, tau_neg):
     """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization"): a soft gate instead of the hard clip,
     l = -A (4 / tau) sigmoid(tau (r - 1)), tau = tau_pos where A > 0, tau_neg where A < 0 (1.0 / 1.05 in the
@@ -264,12 +258,10 @@ def generate_batches(put, args: Args, rank: int, W: int, first_step: int, first_
     device, G, K = accelerator.device, args.group_size, args.max_off_policy_steps
     local_num_prompts = args.num_prompts // W
     seed_everything(args.run.seed)
-    T_max = args.gen.max_new_tokens  # the response length limit
-    max_len = args.data.max_prompt_length + args.env.budget(T_max)  # --env: --max-trajectory-tokens
+    max_len = args.data.max_prompt_length + args.env.budget(args.gen.max_new_tokens)  # --env: --max-trajectory-tokens
     tok = M.prompt_tokenizer(args.model, args.data, max_len, "--max-prompt-length + --max-new-tokens")
     reward = reward_from_args(args.rewards, args.model, args.gen.max_new_tokens, accelerator)  # rules, models, mixes
-    quiet = lambda *a, **k: None  # the trainer has said it all
-    train_rows, _ = load_rl_prompts(args.data, tok, reward, quiet)
+    train_rows, _ = load_rl_prompts(args.data, tok, reward, quiet := lambda *a, **k: None)  # the trainer said it all
     episodes = episodes_from_args(args.env, tok, reward, device, quiet)  # --env: turns; else None
     index = {id(x): i for i, x in enumerate(train_rows)}  # a row's prompt id (batches.jsonl, checkpoints)
     sampler = Sampler(len(train_rows), args.run.seed)
@@ -482,7 +474,7 @@ def main(args: Args):
             mean = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
             all_scores, step_s = accelerator.gather(scores), time.time() - t_step
             solved = accelerator.gather(rollout.solved).view(-1, G)  # (all prompts, G) exact-match
-            padded, real = padding_fraction(all_micros, query_mask, mask)  # tokens of the batch's forward passes
+            padded, real = padding_counts(all_micros, query_mask, mask)  # tokens of the batch's forward passes
             n_fwd = 1 + (not pi_old_from_update) + (args.kl_coef > 0)  # generation, pi_old, reference
             metrics = {
                 "train/reward": all_scores.mean().item(),

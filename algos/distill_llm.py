@@ -41,11 +41,12 @@ from common.args import (
 from common.cli import cli
 from common.data import Sampler
 from common.distributed import (
-    UpdateGuard, adamw, backward, configure_deepspeed, make_accelerator, prepare_frozen, unwrap_for_generation,
+    UpdateGuard, backward, configure_deepspeed, make_accelerator, prepare_frozen, unwrap_for_generation,
 )
 from common.errors import UserError, mix_seed, seed_everything
 from common.eval import evaluate_policy
 from common.ops import all_sum, exact_div, global_mean_divisor
+from common.optim import adamw
 from common.perf import peak_mem_gb
 from common.rewards import reward_from_args
 from common.rollout import (

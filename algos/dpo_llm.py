@@ -41,12 +41,13 @@ from common.args import (
 from common.cli import cli
 from common.data import Sampler, encode_prompt_response, load_preferences, load_prompts
 from common.distributed import (
-    UpdateGuard, adamw, backward, configure_deepspeed, frozen_reference, make_accelerator, unwrap_for_generation,
+    UpdateGuard, backward, configure_deepspeed, frozen_reference, make_accelerator, unwrap_for_generation,
 )
 from common.errors import UserError, mix_seed, seed_everything
 from common.eval import evaluate_policy
 from common.ops import exact_div, global_mean_divisor, selective_log_softmax
 from common.parallel import sharded_logits
+from common.optim import adamw
 from common.perf import peak_mem_gb
 from common.rewards import Reward, reward_from_args
 from common.rollout import generate, tokenize_queries

@@ -45,7 +45,7 @@ from common.args import (
 from common.cli import cli
 from common.data import Sampler
 from common.distributed import (
-    UpdateGuard, adamw, backward, configure_deepspeed, frozen_reference, make_accelerator, micro_batch_budget,
+    UpdateGuard, backward, configure_deepspeed, frozen_reference, make_accelerator, micro_batch_budget,
     unwrap_for_generation,
 )
 from common.envs import episodes_from_args
@@ -53,9 +53,10 @@ from common.errors import mix_seed, seed_everything
 from common.eval import evaluate_policy
 from common.health import HealthConfig
 from common.ops import exact_div, global_mean_divisor, kl_estimate, masked_mean, masked_var, rollout_correction
+from common.optim import adamw
 from common.perf import mfu, peak_mem_gb
 from common.rewards import reward_by_data_source, reward_from_args
-from common.rollout import forward_by_micro_batch, forward_logprobs, micro_batches, padding_fraction, reference_logprobs
+from common.rollout import forward_by_micro_batch, forward_logprobs, micro_batches, padding_counts, reference_logprobs
 from common.run import Run
 from common.sampling import Rollout, sample
 from common.tasks import load_rl_prompts
@@ -395,7 +396,7 @@ def main(args: Args):
             mean = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
             all_scores, step_s = accelerator.gather(scores), time.time() - t_step
             solved = accelerator.gather(rollout.solved).view(-1, G)  # (all prompts, G) exact-match
-            padded, real = padding_fraction(all_micros, query_mask, mask)  # tokens of the batch's forward passes
+            padded, real = padding_counts(all_micros, query_mask, mask)  # tokens of the batch's forward passes
             n_fwd = 1 + (not pi_old_from_update) + (args.kl_coef > 0)  # generation, pi_old, reference
             metrics = {
                 "train/reward": all_scores.mean().item(),

@@ -46,7 +46,7 @@ from common.args import (
 from common.cli import cli
 from common.data import Sampler
 from common.distributed import (
-    UpdateGuard, adamw, backward, configure_deepspeed, frozen_reference, make_accelerator, micro_batch_budget,
+    UpdateGuard, backward, configure_deepspeed, frozen_reference, make_accelerator, micro_batch_budget,
     unwrap_for_generation,
 )
 from common.envs import episodes_from_args
@@ -56,10 +56,11 @@ from common.health import HealthConfig
 from common.ops import (
     exact_div, gae, global_mean_divisor, kl_estimate, masked_mean, masked_whiten, rollout_correction,
 )
+from common.optim import adamw
 from common.perf import mfu, peak_mem_gb
 from common.rewards import reward_from_args
 from common.rollout import (
-    forward_by_micro_batch, forward_logprobs, forward_values, micro_batches, padding_fraction, reference_logprobs,
+    forward_by_micro_batch, forward_logprobs, forward_values, micro_batches, padding_counts, reference_logprobs,
 )
 from common.run import Run
 from common.sampling import sample
@@ -341,7 +342,7 @@ def main(args: Args):
             n_minibatches = args.update_epochs * len(rows) // local_mini_batch_size
             mean = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
             all_scores, step_s = accelerator.gather(scores), time.time() - t_step
-            padded, real = padding_fraction(all_micros, query_mask, mask)  # tokens of the batch's forward passes
+            padded, real = padding_counts(all_micros, query_mask, mask)  # tokens of the batch's forward passes
             metrics = {
                 "train/reward": all_scores.mean().item(),
                 "train/reward_std": all_scores.std().item(),

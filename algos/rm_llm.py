@@ -34,10 +34,11 @@ from common.args import DataArgs, Group, ModelArgs, NonNegInt, OptimArgs, Positi
 from common.cli import cli
 from common.data import Sampler, encode_prompt_response, load_preferences
 from common.distributed import (
-    UpdateGuard, adamw, backward, configure_deepspeed, full_tensors, make_accelerator, reshard, saved_by_one_process,
+    UpdateGuard, backward, configure_deepspeed, full_tensors, make_accelerator, reshard, saved_by_one_process,
 )
 from common.errors import seed_everything
 from common.ops import exact_div
+from common.optim import adamw
 from common.perf import peak_mem_gb
 from common.rollout import position_ids_from_mask
 from common.run import Run

@@ -33,11 +33,12 @@ from common import models as M
 from common.args import DataArgs, Group, ModelArgs, NonNegInt, OptimArgs, PositiveInt, RunArgs, group
 from common.cli import cli
 from common.data import Sampler, load_prompts, load_sft
-from common.distributed import UpdateGuard, adamw, backward, configure_deepspeed, make_accelerator
+from common.distributed import UpdateGuard, backward, configure_deepspeed, make_accelerator
 from common.errors import seed_everything
 from common.eval import evaluate_policy
 from common.ops import exact_div, global_mean_divisor, selective_log_softmax
 from common.parallel import sharded_logits
+from common.optim import adamw
 from common.perf import peak_mem_gb
 from common.rewards import Reward
 from common.run import Run

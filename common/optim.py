@@ -12,8 +12,11 @@ parameters take the plain AdamW update (the same arithmetic as torch.optim.AdamW
 from __future__ import annotations
 
 import math
+import os
 
 import torch
+
+from common.errors import UserError
 
 
 class KahanAdamW(torch.optim.Optimizer):
@@ -68,3 +71,43 @@ class KahanAdamW(torch.optim.Optimizer):
                 p.copy_(exact)  # rounded to the parameter's dtype
                 state["kahan_comp"].copy_(exact - p.float())  # what the rounding dropped, carried to the next step
         return loss
+
+
+def adamw(model: torch.nn.Module, optim, n_updates: int, lr: float | None = None):
+    """(AdamW over `model`'s trainable parameters, its transformers learning-rate schedule) from a script's
+    OptimArgs `optim`: --learning-rate (or `lr`), --weight-decay, --lr-scheduler and --warmup-steps over
+    `n_updates` optimizer steps. fused: one kernel per step over all parameters (5-9x faster than foreach on
+    CPU: docs/performance.md). Weights not in float32 (--dtype bfloat16) get `KahanAdamW` (below)."""
+    from transformers import get_scheduler
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    kw = dict(lr=lr or optim.learning_rate, weight_decay=optim.weight_decay)
+    if optim.optim != "adamw":
+        opt = adamw_8bit(params, optim.optim, kw)
+    elif all(p.dtype == torch.float32 for p in params):
+        opt = torch.optim.AdamW(params, **kw, fused=True)
+    else:  # bf16 weights (--dtype bfloat16): torch's AdamW would round away most RL-sized updates
+        opt = KahanAdamW(params, **kw)
+    sched = get_scheduler(optim.lr_scheduler, opt, num_warmup_steps=optim.warmup_steps, num_training_steps=n_updates)
+    return opt, sched
+
+
+def adamw_8bit(params: list, name: str, kw: dict):
+    """--optim adamw_8bit / paged_adamw_8bit: bitsandbytes' AdamW with blockwise 8-bit moments (Dettmers et al. 2022;
+    TRL's `optim="adamw_8bit"`): 2 bytes of state per parameter instead of 8; tensors under 4096 elements (norms,
+    biases) keep float32 moments (bitsandbytes' min_8bit_size). Plain parameters only: FSDP2 / TP shards (DTensor)
+    and DeepSpeed's own optimizer path are refused by name."""
+    from torch.distributed.tensor import DTensor
+
+    launched = [os.environ.get(f"ACCELERATE_USE_{k}", "false").lower() == "true" for k in ("DEEPSPEED", "FSDP")]
+    if any(launched) or any(isinstance(p, DTensor) for p in params):
+        raise UserError(
+            f"--optim {name}: not under FSDP2, --tp-size or DeepSpeed here (their sharded states); use adamw"
+        )
+    if name == "paged_adamw_8bit" and not torch.cuda.is_available():
+        raise UserError(
+            "--optim paged_adamw_8bit: pages optimizer state between GPU and CPU memory; needs CUDA (adamw_8bit runs on CPU)"
+        )
+    import bitsandbytes as bnb
+
+    return (bnb.optim.PagedAdamW8bit if name == "paged_adamw_8bit" else bnb.optim.AdamW8bit)(params, **kw)

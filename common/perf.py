@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from common.models import cache_dir
+from common.defaults import cache_dir
 
 _PEAK: dict = {}
 

@@ -376,7 +376,7 @@ def micro_batches(
     return [MicroBatch(g, max(p_len[i] for i in g), max(t_len[i] for i in g)) for g in groups]
 
 
-def padding_fraction(micros: list[MicroBatch], query_mask, response_mask) -> tuple[float, float]:
+def padding_counts(micros: list[MicroBatch], query_mask, response_mask) -> tuple[float, float]:
     """(padded positions, real tokens) of running `micros`: the update's padding fraction is 1 - real / padded."""
     padded = sum(len(m.ids) * (m.p + m.t) for m in micros)
     real = sum(query_mask[m.ids].sum().item() + response_mask[m.ids].sum().item() for m in micros)

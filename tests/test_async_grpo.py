@@ -326,7 +326,7 @@ def test_diff_against_grpo_stays_small():
         ["diff", str(REPO / "algos/grpo_llm.py"), str(REPO / "algos/async_grpo.py")], capture_output=True, text=True
     ).stdout
     changed = [line for line in out.splitlines() if line[:1] in "<>"]
-    assert 0 < len(changed) <= 230, len(changed)
+    assert 0 < len(changed) <= 200, len(changed)  # the idea: generator, weight push, staleness (issue 50)
 
 
 @pytest.mark.distributed

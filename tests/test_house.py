@@ -14,9 +14,12 @@ from conftest import REPO
 SCRIPTS = sorted((REPO / "algos").glob("*.py"))
 # A copy kept identical on purpose carries transformers' marker on the line above its `def` / `class`:
 #     # Copied from grpo_llm.grpo_loss
+# or, for a section of copies, one line under its `# ALGO LOGIC` heading (every definition up to the next heading):
+#     # Copied from grpo_llm.py: every definition in this section
 # and must stay the same text as that definition in algos/grpo_llm.py. An unmarked function is the script's own: a
 # copied script whose loss is edited (README: "try an idea") is a new algorithm, not a drifted copy.
 COPIED_FROM = re.compile(r"^# Copied from (\w+)\.(\w+)$")
+SECTION_COPIED_FROM = re.compile(r"^# Copied from (\w+)\.py: every definition in this section$")
 
 
 def definitions(path):
@@ -35,14 +38,23 @@ def definitions(path):
 
 
 def copy_markers(path) -> dict[str, tuple[str, str]]:
-    """{name: (source script, source name)} of the top-level definitions marked `# Copied from script.name`."""
+    """{name: (source script, source name)} of the top-level definitions marked as copies (either form above)."""
     src = path.read_text()
     lines, out = src.splitlines(), {}
+    section, sections = None, {}  # line number -> the script its section copies (None: not a copied section)
+    for i, line in enumerate(lines, 1):
+        if line.startswith(("# ALGO LOGIC", "def main")):
+            section = None
+        m = SECTION_COPIED_FROM.match(line.strip())
+        section = m.group(1) if m else section
+        sections[i] = section
     for node in ast.parse(src).body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.lineno >= 2:
-            m = COPIED_FROM.match(lines[node.lineno - 2].strip())
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            m = COPIED_FROM.match(lines[node.lineno - 2].strip()) if node.lineno >= 2 else None
             if m:
                 out[node.name] = (m.group(1), m.group(2))
+            elif sections.get(node.lineno):
+                out[node.name] = (sections[node.lineno], node.name)
     return out
 
 
@@ -70,19 +82,26 @@ def test_marked_copies_stay_identical():
 
 
 def test_the_copy_check_finds_a_drifted_copy_and_leaves_an_unmarked_one_alone(tmp_path):
-    """The check above can fail: a marked copy edited is named; the same edit without the marker passes."""
+    """The check above can fail: a copy in a marked section, edited, is named; the same edit without the section's
+    marker passes; a per-definition marker is checked the same way, and one naming nothing is an error."""
     src = (REPO / "algos" / "async_grpo.py").read_text()
     (tmp_path / "grpo_llm.py").write_text((REPO / "algos" / "grpo_llm.py").read_text())
     edited = src.replace("pg1, pg2 = -advantages * ratio,", "pg1, pg2 = -2 * advantages * ratio,", 1)
     assert edited != src
-    (tmp_path / "mine.py").write_text(edited)
-    assert drifted_copies([tmp_path / "mine.py"]) == [
+    mine, section = tmp_path / "mine.py", "# Copied from grpo_llm.py: every definition in this section\n"
+    mine.write_text(edited)
+    assert drifted_copies([mine]) == [
         "mine.py: grpo_loss drifted from grpo_llm.grpo_loss (edit both, or drop the marker)"
     ]
-    (tmp_path / "mine.py").write_text(edited.replace("# Copied from grpo_llm.grpo_loss\n", ""))
-    assert drifted_copies([tmp_path / "mine.py"]) == []
-    (tmp_path / "mine.py").write_text(src.replace("# Copied from grpo_llm.grpo_loss", "# Copied from grpo_llm.nope"))
-    assert "grpo_llm.nope, which does not exist" in drifted_copies([tmp_path / "mine.py"])[0]
+    mine.write_text(edited.replace(section, ""))
+    assert drifted_copies([mine]) == [] and "grpo_loss" not in copy_markers(mine)
+    one = edited.replace(section, "").replace("def grpo_loss(", "# Copied from grpo_llm.grpo_loss\ndef grpo_loss(")
+    mine.write_text(one)
+    assert drifted_copies([mine]) == [
+        "mine.py: grpo_loss drifted from grpo_llm.grpo_loss (edit both, or drop the marker)"
+    ]
+    mine.write_text(one.replace("# Copied from grpo_llm.grpo_loss", "# Copied from grpo_llm.nope"))
+    assert "grpo_llm.nope, which does not exist" in drifted_copies([mine])[0]
 
 
 # How every script drives the run's life (common.run.Run), checked as code: each name a call in main, in this order
@@ -185,7 +204,10 @@ def test_accelerate_launches_take_a_free_port():
 # above, and no two modules import each other, directly or round a longer circle. Imports inside functions
 # count too (a lazy import is still a dependency).
 LAYERS = [
-    ("floor: errors, seeds, process groups, the tools' sandbox", {"errors", "parallel", "health", "sandbox"}),
+    (
+        "floor: errors, seeds, process groups, the tools' sandbox, defaults",
+        {"errors", "parallel", "health", "sandbox", "defaults"},
+    ),
     ("tensor functions", {"ops", "attention", "optim"}),
     ("models and data files", {"models", "data"}),
     ("placement, generation, tasks", {"distributed", "rollout", "tasks", "vllm_engine"}),

@@ -16,7 +16,7 @@ from common.rollout import (
     forward_logprobs,
     generate,
     micro_batches,
-    padding_fraction,
+    padding_counts,
     sample_tokens,
     sequence_attention_mask,
     tokenize_queries,
@@ -129,7 +129,7 @@ def test_micro_batches_by_token_budget():
         for m in micros:
             assert m.p == max(p_len[m.ids]).item() and m.t == max(1, max(t_len[m.ids]).item())
             assert len(m.ids) == 1 or len(m.ids) * (m.p + m.t) <= budget
-        padded, real = padding_fraction(micros, qm, rm)
+        padded, real = padding_counts(micros, qm, rm)
         naive_padded = naive_real = 0
         for m in micros:  # naive: count every position and every real token of each micro-batch
             for i in m.ids:

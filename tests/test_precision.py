@@ -8,9 +8,9 @@ import torch
 
 from common import models as M
 from common.args import ModelArgs, OptimArgs, check_args
-from common.distributed import adamw, auto_mixed_precision
+from common.distributed import auto_mixed_precision
 from common.errors import UserError
-from common.optim import KahanAdamW
+from common.optim import KahanAdamW, adamw
 from conftest import REPO, only_run, read_metrics, run_script
 
 

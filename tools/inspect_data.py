@@ -19,7 +19,8 @@ from collections import Counter
 import numpy as np
 
 from common.data import overlap_report, read_table
-from common.models import DEFAULT_MODEL, apply_chat, load_tokenizer
+from common.defaults import DEFAULT_MODEL
+from common.models import apply_chat, load_tokenizer
 
 SCORE_COLUMNS = ("score", "reward", "chosen_score", "rejected_score")
 
