@@ -86,8 +86,6 @@ class Args:
     """rollouts per optimizer step, over all processes"""
     update_epochs: Annotated[PositiveInt, tyro.conf.arg(aliases=("--ppo-epochs",))] = 2
     """passes over the rollout batch per iteration (CleanRL's update_epochs; --ppo-epochs works too)"""
-    critic_learning_rate: PositiveFloat = 2e-5
-    """critic learning rate (the policy's: --learning-rate)"""
     gamma: UnitFloat = 1.0
     """discount"""
     lam: UnitFloat = 0.95
@@ -96,10 +94,6 @@ class Args:
     """policy ratio clip"""
     dual_clip_c: Annotated[Optional[float], Check(gt=1)] = None
     """dual-clip constant (> 1) bounding the loss for negative advantages (Ye et al. 2020)"""
-    clip_eps_value: PositiveFloat = 0.2
-    """value clip around the rollout's values"""
-    vf_coef: NonNegFloat = 0.1
-    """value loss weight"""
     ent_coef: NonNegFloat = 0.0
     """entropy bonus weight"""
     kl_coef: NonNegFloat = 0.05
@@ -118,8 +112,6 @@ class Args:
     """first N iterations train only the critic"""
     missing_eos_penalty: NonNegFloat = 0.0
     """subtracted from the score of responses that end without EOS"""
-    critic_model: Optional[str] = None
-    """critic body (default: the policy's weights); its value head starts at zero"""
     policy_kl_target: PositiveFloat = 0.1
     """target of KL(pi_old || pi_theta) after each iteration's update (token mean); beta adapts toward it"""
     beta_init: NonNegFloat = 0.5
@@ -130,6 +122,16 @@ class Args:
     """lower bound of beta"""
     policy_kl_estimator: Literal["k1", "k3"] = "k3"
     """k3: (r - 1) - log r with r = pi_theta / pi_old, >= 0; k1: log pi_old - log pi_theta (negative on the samples just fitted)"""
+    # CRITIC {  the value model V (a copy without it deletes every CRITIC block and line)
+    critic_model: Optional[str] = None
+    """critic body (default: the policy's weights); its value head starts at zero"""
+    critic_learning_rate: PositiveFloat = 2e-5
+    """critic learning rate (the policy's: --learning-rate)"""
+    clip_eps_value: PositiveFloat = 0.2
+    """value clip around the rollout's values"""
+    vf_coef: NonNegFloat = 0.1
+    """value loss weight"""
+    # CRITIC }
     health: HealthConfig = field(default_factory=HealthConfig)
     """training-health warning thresholds (--health.kl-max, ...; docs/experiments.md)"""
 
@@ -193,12 +195,16 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, n_tokens, clip_eps, du
     return (pg * mask).sum() / n_tokens, {"clip_frac": clip_frac, "approx_kl": approx_kl}
 
 
+# CRITIC {
 # Copied from ppo_llm.value_loss
 def value_loss(values, old_values, returns, mask, n_tokens, clip_eps_value):
     """0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2), token-summed / n_tokens. All (b, T)."""
     v_clipped = old_values + torch.clamp(values - old_values, -clip_eps_value, clip_eps_value)
     loss = 0.5 * torch.max((values - returns) ** 2, (v_clipped - returns) ** 2)
     return (loss * mask).sum() / n_tokens
+
+
+# CRITIC }
 
 
 def update_beta(beta, kl, target, beta_min, beta_max):
@@ -235,36 +241,38 @@ def main(args: Args):
     # ALGO LOGIC: PPO's models and optimizers: the policy, a critic (value model), a frozen reference
     # for the KL penalty in the reward (none when --kl-coef 0 and no --kl-target), the KL controller
     policy = M.load_causal_lm(args.model.model_name_or_path, tok, **M.train_kwargs(args.model))
-    critic = M.load_value_model(args.critic_model or args.model.model_name_or_path, tok, **M.train_kwargs(args.model))
     use_ref = args.kl_coef > 0 or args.kl_target is not None
     # with LoRA the reference is the policy with its adapter disabled
     ref_policy = frozen_reference(accelerator, args.model, tok) if use_ref and not args.model.lora_r else None
     n_updates = args.run.total_steps * args.update_epochs * (args.batch_size // args.mini_batch_size)
     opt, sched = adamw(policy, args.optim, n_updates)
+    # CRITIC {
+    critic = M.load_value_model(args.critic_model or args.model.model_name_or_path, tok, **M.train_kwargs(args.model))
     critic_opt, critic_sched = adamw(critic, args.optim, n_updates, lr=args.critic_learning_rate)
+    # CRITIC }
     kl_ctl = KLController(args.kl_coef, args.kl_target, args.kl_horizon)
     beta = KLController(args.beta_init)  # holds and checkpoints beta; update_beta moves it
 
     # ------------------------------------------------------- checkpoint state, run folder  # TRY NOT TO MODIFY
     guard = UpdateGuard(accelerator)  # non-finite gradients: step skipped, never NaN weights
-    run.load_weights(policy=policy, critic=critic)  # resumed: the checkpoint's weights
+    run.load_weights(policy=policy)  # resumed: the checkpoint's weights
     # one model per call: FSDP2 pairs it with its optimizer
     policy, opt, sched = accelerator.prepare(policy, opt, sched)
+    # what a checkpoint holds, by name (restored here when resuming)
+    models, optimizers = {"policy": policy}, {"opt": ("policy", opt)}
+    state = dict(sched=sched, sampler=sampler, kl_ctl=kl_ctl, beta=beta, guard=guard)
+    # CRITIC {
+    run.load_weights(critic=critic)
     critic, critic_opt, critic_sched = accelerator.prepare(critic, critic_opt, critic_sched)
+    models["critic"], optimizers["critic_opt"], state["critic_sched"] = critic, ("critic", critic_opt), critic_sched
+    # CRITIC }
     # --rollout-engine vllm: the colocated engine; hf: None
     engine = make_engine(args.gen, args.model, tok, policy, accelerator, max_len, args.run.seed)
     evaluate = lambda: evaluate_policy(
         accelerator, policy, tok, reward, val_rows, args.gen.max_new_tokens, args.micro_batch_size, engine
     )
     ref_logprobs_of = reference_logprobs(accelerator, ref_policy, policy, args.gen.temperature)  # (B, T) fn
-    # what a checkpoint holds, by name (restored here when resuming); evaluation before the first step
-    run.begin(
-        tok,
-        models={"policy": policy, "critic": critic},
-        optimizers={"opt": ("policy", opt), "critic_opt": ("critic", critic_opt)},
-        state=dict(sched=sched, critic_sched=critic_sched, sampler=sampler, kl_ctl=kl_ctl, beta=beta, guard=guard),
-        evaluate=evaluate if val_rows else None,
-    )
+    run.begin(tok, models, optimizers, state, evaluate=evaluate if val_rows else None)  # + evaluation before step 1
 
     for step in run.steps():  # after each: checkpoints (periodic, final, on a signal), --max-wall-minutes
         t_step = time.time()
@@ -294,7 +302,8 @@ def main(args: Args):
             pi_old = lambda qr, am, p, **cache: forward_logprobs(policy, qr, am, p, args.gen.temperature, **cache)
             logprobs = by_micro(pi_old, rollout.prompt_cache)  # (B, T) responses over the rollout's prompt KV cache
             rollout.prompt_cache = None  # its memory back before the update
-            values = by_micro(lambda *a: forward_values(critic, *a))  # (B, T) V_old
+            values = torch.zeros_like(mask)  # (B, T) V_old; 0 without a critic (GAE: the discounted reward to go)
+            values = by_micro(lambda *a: forward_values(critic, *a))  # CRITIC
             ref_logprobs = by_micro(ref_logprobs_of) if use_ref else logprobs
         # pi_old is the trainer's recomputed log-probs; the sampler's (KV cache, maybe another precision
         # or engine) can differ: the gap is metrics (mismatch/*), and --tis-* corrects for it: weights (B, T) or None
@@ -324,6 +333,7 @@ def main(args: Args):
                 # each rank divides by (all ranks' tokens) / W
                 n_tokens = global_mean_divisor(mask[mb_ids].sum())
                 micros = micro_batches(mb_ids, query_mask, mask, args.micro_batch_size, micro_batch_tokens, accelerator)
+                # CRITIC {
                 # the critic's pass, then the policy's: disjoint graphs, one model's alive at a time (peak memory);
                 # under DeepSpeed each engine steps itself at its last micro-batch
                 for k, m in enumerate(micros):
@@ -336,6 +346,7 @@ def main(args: Args):
                     )  # fmt: skip
                     backward(accelerator, critic, args.vf_coef * vf, k == len(micros) - 1)
                     stats["vf"].append(vf.detach())
+                # CRITIC }
                 for k, m in enumerate(micros):
                     micro, t, cut = m.ids, m.t, slice(P - m.p, P + m.t)
                     last = k == len(micros) - 1  # the minibatch's last micro-batch
@@ -359,10 +370,10 @@ def main(args: Args):
                 if train_policy:  # (clip, step, zero_grad: no-ops under DeepSpeed, whose engines stepped in backward)
                     guard.step(policy, opt, args.optim.max_grad_norm, "policy", step)
                     sched.step()
-                guard.step(critic, critic_opt, args.optim.max_grad_norm, "critic", step)
-                critic_sched.step()
+                guard.step(critic, critic_opt, args.optim.max_grad_norm, "critic", step)  # CRITIC
+                critic_sched.step()  # CRITIC
                 opt.zero_grad()
-                critic_opt.zero_grad()
+                critic_opt.zero_grad()  # CRITIC
         train_s = time.time() - t_train
         # ALGO LOGIC: beta follows the KL the update produced, measured after it (one extra forward)
         if train_policy:
@@ -395,15 +406,15 @@ def main(args: Args):
                 "train/entropy": mean(stats["ent"]),
                 **{f"train/{k}": mean(stats[k]) for k in loss_stats},  # the loss's own: clip_frac, approx_kl
                 "train/lr": sched.get_last_lr()[0],
-                "train/value_mean": masked_mean(values, mask, distributed=True).item(),
+                "train/value_mean": masked_mean(values, mask, distributed=True).item(),  # CRITIC
                 "train/episodes": step * args.batch_size,
                 "train/skipped_steps": guard.skipped,
                 "train/beta": beta.value,
                 "train/policy_kl": mean(stats["pkl"]),
                 "train/policy_kl_after": policy_kl_after if train_policy else 0.0,
                 "loss/policy": mean(stats["pg"]),
-                "loss/value": mean(stats["vf"]),
-                "loss/total": mean(stats["pg"]) + args.vf_coef * mean(stats["vf"]) - args.ent_coef * mean(stats["ent"]),
+                "loss/value": mean(stats["vf"]),  # CRITIC
+                "loss/total": mean(stats["pg"]) - args.ent_coef * mean(stats["ent"]),  # + the value term below
                 "perf/step_s": step_s,
                 "perf/gen_s": gen_s,
                 "perf/train_s": train_s,
@@ -411,9 +422,10 @@ def main(args: Args):
                 "perf/peak_mem_gb": peak_mem_gb(device),
                 "perf/padding_frac": 1 - real / max(padded, 1),
                 # real tokens run forward only (generation, pi_old, reference; the critic's values) and trained
-                "perf/mfu": mfu(policy, (2 + use_ref) * real, args.update_epochs * real, step_s, accelerator)
-                + mfu(critic, real, args.update_epochs * real, step_s, accelerator),
+                "perf/mfu": mfu(policy, (2 + use_ref) * real, args.update_epochs * real, step_s, accelerator),
             }
+            metrics["loss/total"] += args.vf_coef * metrics["loss/value"]  # CRITIC
+            metrics["perf/mfu"] += mfu(critic, real, args.update_epochs * real, step_s, accelerator)  # CRITIC
             metrics.update(rollout.metrics(accelerator))  # response_len, truncated, reward/<term>, env/*, env/tool_*
             metrics.update({"reward/errors": reward.errors} if reward.errors else {})
             samples = [

@@ -77,7 +77,8 @@ def test_script_runs_two_steps(script, tiny, tiny_peaky, toy_prompts, tmp_path):
 def test_a_copied_and_edited_script_passes_the_suite(tiny_peaky, toy_prompts, tmp_path):
     """The README's "Try an idea", done as a researcher does it: copy grpo_llm.py to a new script in algos/, change
     its loss (here a made-up term), and the house rules and the smoke run (which discovers the copy) pass on that
-    tree; the copy's run folder keeps the edited code."""
+    tree; the copy's run folder keeps the edited code. Also a critic-free PPO made by deleting ppo_llm.py's
+    `# CRITIC` blocks runs its smoke test (its checkpoint: the policy alone)."""
     import os
     import shutil
     import subprocess
@@ -100,14 +101,19 @@ def test_a_copied_and_edited_script_passes_the_suite(tiny_peaky, toy_prompts, tm
     ]
     edited = src.replace(old, "\n".join(mine) + "\n")
     (tree / "algos" / "grpo_idea.py").write_text(edited)
+    from test_house import strip_marked  # and PPO without its critic: the marked blocks deleted (REINFORCE + KL)
+
+    (tree / "algos" / "ppo_no_critic.py").write_text(strip_marked((tree / "algos" / "ppo_llm.py").read_text()))
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "tests/test_house.py",
-         "tests/test_smoke.py::test_script_runs_two_steps[grpo_idea.py]"],
+         "tests/test_smoke.py::test_script_runs_two_steps[grpo_idea.py]",
+         "tests/test_smoke.py::test_script_runs_two_steps[ppo_no_critic.py]"],
         cwd=tree, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "PASSED tests/test_smoke.py::test_script_runs_two_steps[grpo_idea.py]" in proc.stdout, proc.stdout[-3000:]
     assert "PASSED tests/test_house.py::test_marked_copies_stay_identical" in proc.stdout
+    assert "PASSED tests/test_smoke.py::test_script_runs_two_steps[ppo_no_critic.py]" in proc.stdout
     assert (tree / "algos" / "grpo_idea.py").read_text() == edited
     # run as a user does: its named statistic is logged (train/neg_adv), pi_old is recomputed, its code is kept
     out = tmp_path / "runs"
