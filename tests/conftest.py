@@ -116,6 +116,21 @@ def toy_prompts(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def grpo_toy_teacher(tiny_peaky, toy_prompts, tmp_path_factory):
+    """grpo_llm.py on the toy task, 15 steps (float32): its run folder, whose last checkpoint is test_distill's
+    teacher (both of its learning tests). One run per session: under xdist the tests that use it share a group."""
+    out = tmp_path_factory.mktemp("grpo_toy")
+    run_script(
+        "grpo_llm.py", "--model-name-or-path", tiny_peaky, "--train-files", toy_prompts,
+        "--reward-fn", f"{REPO}/tests/toy_reward.py:compute_score", "--output-dir", out, "--total-steps", 15,
+        "--num-prompts", 8, "--group-size", 4, "--mini-batch-size", 16, "--micro-batch-size", 16,
+        "--max-new-tokens", 6, "--learning-rate", 3e-3, "--update-epochs", 2, "--eval-every", 0,
+        env={"TOY_MODEL": tiny_peaky},
+    )  # fmt: skip
+    return only_run(out)
+
+
 def accelerate_launch(config="cpu_2proc", processes=None) -> list[str]:
     """`accelerate launch --config_file configs/accelerate/CONFIG.yaml` with a free rendezvous port (accelerate's
     `--main_process_port 0`): launchers default to port 29500, and under xdist two tests that launch processes can
@@ -144,6 +159,9 @@ def pytest_collection_modifyitems(config, items):
             if item.get_closest_marker(marker):
                 item.add_marker(pytest.mark.xdist_group(group))
                 break
+        else:
+            if "grpo_toy_teacher" in getattr(item, "fixturenames", ()):  # one worker trains it once for them all
+                item.add_marker(pytest.mark.xdist_group("grpo_toy"))
 
 
 def _launches_python(cmd) -> bool:

@@ -124,19 +124,13 @@ def test_resume_gives_identical_metrics_with_lmbda(tiny, tiny_peaky, toy_prompts
     [("gkd", ["--total-steps", 20]), ("reverse-kl-pg", ["--total-steps", 30, "--samples-per-prompt", 4])],
     ids=["gkd", "reverse-kl-pg"],
 )
-def test_the_student_reaches_the_teachers_reward(loss, budget, tiny_peaky, toy_prompts, tmp_path):
-    """A teacher trained by GRPO on the toy task (its reward well above the base's); the base distilled from it
-    on-policy reaches >= 90 % of the teacher's reward gain, and its KL to the teacher halves. The sampled-token
-    estimator is noisier: 30 steps of 4 samples per prompt (the exact reverse KL: 20 steps of 2)."""
+def test_the_student_reaches_the_teachers_reward(loss, budget, tiny_peaky, toy_prompts, tmp_path, grpo_toy_teacher):
+    """A teacher trained by GRPO on the toy task (conftest.grpo_toy_teacher: its reward well above the base's); the base
+    distilled from it on-policy reaches >= 90 % of the teacher's reward gain, and its KL to the teacher halves. The
+    sampled-token estimator is noisier: 30 steps of 4 samples per prompt (the exact reverse KL: 20 steps of 2)."""
     env = {"TOY_MODEL": tiny_peaky}
-    grpo = ["--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD,
-            "--output-dir", tmp_path / "teacher", "--total-steps", 15, "--num-prompts", 8, "--group-size", 4,
-            "--mini-batch-size", 16, "--micro-batch-size", 16, "--max-new-tokens", 6, "--learning-rate", 3e-3,
-            "--update-epochs", 2, "--eval-every", 0]  # fmt: skip
-    run_script("grpo_llm.py", *grpo, env=env)
-    teacher_run = only_run(tmp_path / "teacher")
-    teacher = teacher_run / "checkpoints" / "step_15" / "policy"
-    rewards = [r["train/reward"] for r in read_metrics(teacher_run)]
+    teacher = grpo_toy_teacher / "checkpoints" / "step_15" / "policy"
+    rewards = [r["train/reward"] for r in read_metrics(grpo_toy_teacher)]
     base, taught = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     run_script("distill_llm.py", *_flags(tiny_peaky, teacher, toy_prompts, tmp_path / "s", *budget, "--loss", loss,
                "--learning-rate", 3e-3, "--eval-every", 0), env=env)  # fmt: skip
