@@ -25,14 +25,6 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-if os.environ.get("PYTEST_XDIST_WORKER"):  # .ci/run's tiers on 2 workers: one thread per process. Two 2-thread
-    # processes on 2 cores ran a tiny GRPO run in 42-45 s each, two 1-thread ones in 21 s (one alone: 18 s, 2
-    # threads); the launched scripts inherit it. Without xdist (the fast tier) torch keeps every core.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("MKL_NUM_THREADS", "1")
-    import torch
-
-    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
