@@ -371,6 +371,10 @@ class EnvArgs:
     """--env tools: address-space limit of the Python tool's process (MiB)"""
     tool_output_chars: PositiveInt = 1000
     """--env tools: a tool's output is cut to this many characters"""
+    tool_sandbox: Annotated[Literal["namespaces", "audit"], RESUME_MAY_CHANGE] = "namespaces"
+    """--env tools: the Python tool's isolation: namespaces (an OS boundary: its own PID, mount, network namespaces,
+    no privilege; docs/agents.md) or audit (the weaker mode where the kernel refuses namespaces: an audit hook and
+    the limits, as the trainer's user; not a boundary against hostile code)"""
     turn_cost: NonNegFloat = 0.0
     """reward subtracted per tool call (tools) or per extra turn (feedback)"""
     env_timeout: Annotated[PositiveFloat, RESUME_MAY_CHANGE] = 60.0

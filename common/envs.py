@@ -30,7 +30,7 @@ from common.errors import UserError, load_from_file, mix_seed
 from common.models import apply_chat
 from common.rewards import call_with_timeout
 from common.rollout import Generation, generate
-from common.sandbox import calculator, run_python
+from common.sandbox import calculator, check_sandbox, run_python
 
 
 @dataclass
@@ -144,12 +144,22 @@ class ToolEnv(Environment):
     )
     EXAMPLES = {"calculator": {"expression": "12 * (3 + 4)"}, "python": {"code": "print(sum(range(10)))"}}
 
-    def __init__(self, tools=("calculator", "python"), timeout=5.0, memory_mb=512, max_chars=1000, call_cost=0.0):
+    def __init__(
+        self,
+        tools=("calculator", "python"),
+        timeout=5.0,
+        memory_mb=512,
+        max_chars=1000,
+        call_cost=0.0,
+        sandbox="namespaces",
+    ):
         unknown = sorted(set(tools) - set(TOOL_SCHEMAS))
         if unknown:
             raise UserError(f"--tools {','.join(tools)}: unknown tool(s) {unknown}; known: {sorted(TOOL_SCHEMAS)}")
         self.tools = [TOOL_SCHEMAS[t] for t in tools]
-        self.python = dict(timeout=timeout, memory_mb=memory_mb, max_chars=max_chars)
+        self.python = dict(timeout=timeout, memory_mb=memory_mb, max_chars=max_chars, sandbox=sandbox)
+        if "python" in tools:
+            check_sandbox(sandbox)  # where the kernel refuses namespaces: one line naming --tool-sandbox, now
         self.call_cost, self.had_result = call_cost, False
 
     def reset(self, row):
@@ -431,7 +441,10 @@ def episodes_from_args(env_args, tok, reward, device, log=print) -> Episodes | N
     if cls is ToolEnv:
         tools = tuple(t for t in env_args.tools.split(",") if t)
         opts = dict(
-            timeout=env_args.tool_timeout, memory_mb=env_args.tool_memory_mb, max_chars=env_args.tool_output_chars
+            timeout=env_args.tool_timeout,
+            memory_mb=env_args.tool_memory_mb,
+            max_chars=env_args.tool_output_chars,
+            sandbox=env_args.tool_sandbox,
         )
         factory = partial(ToolEnv, tools, call_cost=env_args.turn_cost, **opts)
         factory()  # an unknown tool: one line now, not a counted failure per trajectory

@@ -1,35 +1,41 @@
 """The tools an environment offers the policy (common/envs.py): a calculator and a Python runner.
 
-The Python tool runs the model's code in a child process. What it guarantees (each tested in tests/test_envs.py):
-  - wall-clock limit: the child is killed (its whole process group) after `timeout` seconds;
-  - CPU limit: RLIMIT_CPU of `timeout` seconds (a busy loop gets SIGXCPU even if the clock were not checked);
-  - memory limit: RLIMIT_AS of `memory_mb` (an allocation past it is a MemoryError in the child);
-  - an empty environment: no variable of the trainer (tokens, keys, paths) reaches the child;
-  - a private working directory, created empty for the call and deleted after it;
-  - no file written outside that directory, no process started, no socket opened: a Python audit hook installed
-    before the model's code runs refuses `open` for writing outside the directory, `os.remove`/`rename`/`mkdir`/...
-    outside it, `subprocess`/`os.system`/`os.exec*`/`os.fork`, `socket.connect`/`bind`, and `ctypes`;
-  - output cut to `max_chars` characters (stdout and stderr go to a file capped by RLIMIT_FSIZE, so a printing loop
-    cannot fill the memory or the disk).
-What it does not guarantee: it is not a security boundary against hostile native code. An audit hook is
-Python-level: a C extension module that the child can import and that writes files or opens sockets without
-Python's audited calls is not stopped (the extensions of the standard library's own `_posixsubprocess`, `_socket`
-and `_ctypes` are refused at import). Reads are not restricted (the child can read files the trainer can read), the
-network is not cut at the OS level, and the child runs as the trainer's user. For untrusted models at scale run
-the tool in a container or a VM (e.g. a service the environment calls).
+The Python tool runs the model's code in a child process, isolated by the operating system (`namespaces`, the
+default; docs/agents.md has the guarantee table, each row tested in tests/test_envs.py):
+  - its own PID namespace: it sees no other process (no /proc is mounted; the trainer has no pid it can name), and
+    every process it starts dies with it (the namespace's init is killed when the call ends or times out);
+  - its own mount namespace whose root holds only the standard library and the system's shared libraries, read-only,
+    a few devices (/dev/null, zero, random, urandom), and a private size-limited tmpfs as its working directory
+    (/work, also /tmp): no file of the trainer (checkpoints, tokens, other runs, the project) can be read or written;
+  - its own network namespace with no interface up: no socket reaches anything; its own IPC and UTS namespaces;
+  - no privilege: as root, the trainer's child runs as `nobody` (uid 65534); otherwise as the trainer's uid mapped
+    to root of a new user namespace; either way with every capability dropped and no_new_privs set;
+  - the limits: wall clock (the whole namespace is killed), RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_FSIZE (its output
+    file), RLIMIT_NPROC (a fork bomb), the working directory's size (a disk filler), an empty environment;
+  - a Python audit hook as a second layer (refuses writes outside /work, processes, sockets, ctypes); its state lives
+    in a closure, not in reachable globals.
+Where the kernel refuses the namespaces (some containers), the tool refuses to start with one line naming
+`--tool-sandbox audit`, the weaker mode: the audit hook and the limits only, in a fresh temporary directory of the
+host, as the trainer's user. That mode is not a security boundary against hostile code (docs/agents.md).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+import json
+import math
 import operator
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
+
+from common.errors import UserError
 
 # ---------------------------------------------------------------------------------------------
 # Calculator: arithmetic on numbers only, evaluated on the syntax tree (never eval)
@@ -79,54 +85,232 @@ def calculator(expression: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # Python: the model's code in a limited child process
 # ---------------------------------------------------------------------------------------------
-# Runs in the child before the model's code: the audit hook (it cannot be removed once added).
-_GUARD = r"""
+SANDBOXES = ("namespaces", "audit")
+_UNSHARE_EXTRA = 0  # more unshare(2) flags (tests set an invalid one to see the refusal)
+_UNAVAILABLE = 97  # the exit code of a child that could not build its namespaces (and the marker it prints)
+
+# The audit hook, the second layer (both modes). Its state is in a closure: the model's code cannot reach it through
+# sys.modules["__main__"] (a hook, once added, cannot be removed).
+_HOOK = r"""
+def _install_hook(root):
+    import os, sys
+    writes = frozenset({"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.link",
+                        "os.symlink", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"})
+    deny = frozenset({"subprocess.Popen", "os.system", "os.posix_spawn", "os.fork", "os.forkpty", "socket.connect",
+                      "socket.bind", "socket.sendto", "socket.getaddrinfo", "ctypes.dlopen", "ctypes.cdata",
+                      "os.kill", "os.killpg", "signal.pthread_kill"})
+    modules = frozenset({"_posixsubprocess", "_ctypes", "ctypes", "_socket", "socket"})
+    realpath, join, fspath, sep = os.path.realpath, os.path.join, os.fspath, os.sep
+    wr = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC
+
+    def inside(path):
+        try:
+            p = fspath(path)
+        except TypeError:
+            return True  # a file descriptor: already opened
+        if isinstance(p, bytes):
+            p = p.decode(errors="replace")
+        return realpath(join(root, p)).startswith(root + sep)
+
+    def hook(event, args):
+        if event in deny or event.startswith(("os.exec", "os.spawn")):
+            raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "import" and args and str(args[0]).split(".")[0] in modules:
+            raise PermissionError(f"sandbox: import of {args[0]} is not allowed")
+        if event == "open" and len(args) > 1:
+            mode = args[1] if isinstance(args[1], str) else ""
+            flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+            if (any(c in mode for c in "wax+") or flags & wr) and not inside(args[0]):
+                raise PermissionError(f"sandbox: writing {args[0]!r} outside the working directory")
+        if event in writes and args and not all(inside(a) for a in args[:2] if isinstance(a, (str, bytes))):
+            raise PermissionError(f"sandbox: {event} outside the working directory")
+
+    sys.addaudithook(hook)
+"""
+
+# Audit mode: the child starts in a fresh host directory (its cwd), limits set by the parent (preexec_fn).
+_AUDIT_MAIN = (
+    _HOOK
+    + r"""
 import os, sys
-_ROOT = os.path.realpath(os.getcwd())
-_WRITE_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.link",
-                 "os.symlink", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
-_DENY = {"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-         "socket.connect", "socket.bind", "socket.sendto", "socket.getaddrinfo", "ctypes.dlopen", "ctypes.cdata",
-         "os.kill", "os.killpg", "signal.pthread_kill"}
-_DENY_MODULES = {"_posixsubprocess", "_ctypes", "ctypes", "_socket", "socket"}
-
-def _inside(path):
-    try:
-        p = os.fspath(path)
-    except TypeError:
-        return True  # a file descriptor: already opened
-    if isinstance(p, bytes):
-        p = p.decode(errors="replace")
-    return os.path.realpath(os.path.join(_ROOT, p)).startswith(_ROOT + os.sep)
-
-def _hook(event, args):
-    if event in _DENY or event.startswith("os.exec") or event.startswith("os.spawn"):
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event == "import" and args and str(args[0]).split(".")[0] in _DENY_MODULES:
-        raise PermissionError(f"sandbox: import of {args[0]} is not allowed")
-    if event == "open" and len(args) > 1:
-        mode = args[1] if isinstance(args[1], str) else ""
-        flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
-        writes = any(c in mode for c in "wax+") or flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-        if writes and not _inside(args[0]):
-            raise PermissionError(f"sandbox: writing {args[0]!r} outside the working directory")
-    if event in _WRITE_EVENTS and args and not all(_inside(a) for a in args[:2] if isinstance(a, (str, bytes))):
-        raise PermissionError(f"sandbox: {event} outside the working directory")
-
-sys.addaudithook(_hook)
-del _hook
 code = sys.stdin.read()
+if sys.argv[1] == "1":
+    _install_hook(os.path.realpath(os.getcwd()))
+del _install_hook
 exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
 """
+)
+
+# Namespaces mode: this child (single-threaded, trusted code) builds the namespaces and the new root, then forks the
+# namespace's init (pid 1: waits and reports), which forks the model's process (pid 2: drops every privilege, sets
+# the limits, runs the code). Linux calls not in Python 3.11's os module go through ctypes (libc), before the
+# model's code runs; ctypes is then removed from sys.modules.
+_NS_MAIN = (
+    _HOOK
+    + r"""
+import ctypes, json, os, resource, signal, sys
+cfg = json.loads(sys.argv[1])
+code = sys.stdin.read()
+libc = ctypes.CDLL(None, use_errno=True)
+NEWNS, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET = 0x20000, 0x4000000, 0x8000000, 0x10000000, 0x20000000, 0x40000000
+RDONLY, NOSUID, NODEV, NOEXEC, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+NOBODY = 65534
+
+def call(name, *args):
+    if getattr(libc, name)(*args) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{name}{args[:2]}: {os.strerror(e)}")
+
+def unavailable(why):
+    print(f"cleanrlhf-sandbox-unavailable: {why}", file=sys.stderr, flush=True)
+    os._exit(97)
+
+# 1. the namespaces. As root: without a user namespace (the model's process becomes nobody below). Otherwise, or
+# where root may not: in a new user namespace. Not root: its root is the trainer's uid (the only id it may map).
+# Root: its root is root (to build the new root) and its uid 1 is nobody outside (the model's process, below); a
+# helper left in the parent namespaces writes that map (only a writer there may map other ids).
+uid, gid = os.geteuid(), os.getegid()
+base = NEWNS | NEWPID | NEWNET | NEWIPC | NEWUTS | cfg["extra"]
+
+def map_ids(pid, uids, gids):
+    for name, text in (("setgroups", "deny"), ("uid_map", uids), ("gid_map", gids)):
+        with open(f"/proc/{pid}/{name}", "w") as f:
+            f.write(text)
+
+try:
+    try:
+        if uid != 0 or cfg["userns"]:
+            raise PermissionError
+        call("unshare", base)
+        userns = False
+    except PermissionError:
+        userns = True
+        if uid == 0:
+            (go_r, go_w), (done_r, done_w) = os.pipe(), os.pipe()
+            if os.fork() == 0:
+                os.read(go_r, 1)
+                map_ids(os.getppid(), f"0 0 1\n1 {NOBODY} 1", f"0 0 1\n1 {NOBODY} 1")
+                os.write(done_w, b"1")
+                os._exit(0)
+        call("unshare", base | NEWUSER)
+        if uid == 0:
+            os.write(go_w, b"1")
+            os.read(done_r, 1)
+            os.wait()
+        else:
+            map_ids("self", f"0 {uid} 1", f"0 {gid} 1")
+except OSError as e:
+    unavailable(e)
+
+# 2. the new root: a tmpfs holding read-only binds of the standard library and the shared libraries, a few devices,
+# a size-limited tmpfs /work; pivot_root into it and detach the old root.
+def flags_of(path):  # a remount keeps the flags the source mount has (the kernel locks them in a user namespace)
+    f = os.statvfs(path).f_flag
+    return sum(m for st, m in ((2, NOSUID), (4, NODEV), (8, NOEXEC), (1024, 1024), (2048, 2048), (4096, 1 << 21))
+               if f & st)
+
+def bind(src, new, writable=False):
+    dst = new + src
+    if os.path.isdir(src):
+        os.makedirs(dst, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        open(dst, "a").close()
+    call("mount", src.encode(), dst.encode(), None, BIND | REC, None)
+    if not writable:
+        call("mount", None, dst.encode(), None, BIND | REMOUNT | RDONLY | NOSUID | flags_of(src), None)
+
+try:
+    new = cfg["root"]
+    call("mount", None, b"/", None, REC | PRIVATE, None)
+    call("mount", b"tmpfs", new.encode(), b"tmpfs", NOSUID | NODEV, b"size=1m,mode=755")
+    for path in cfg["read_only"]:
+        if os.path.islink(path):
+            os.makedirs(os.path.dirname(new + path), exist_ok=True)
+            os.symlink(os.readlink(path), new + path)
+        elif os.path.exists(path):
+            bind(path, new)
+    for path in cfg["hidden"]:  # e.g. site-packages under the standard library: an empty read-only tmpfs over it
+        if os.path.isdir(path):
+            call("mount", b"tmpfs", (new + path).encode(), b"tmpfs", NOSUID | NODEV | RDONLY, b"size=4k")
+    for dev in ("null", "zero", "random", "urandom"):
+        bind(f"/dev/{dev}", new, writable=True)
+    os.makedirs(new + "/work")
+    call("mount", b"tmpfs", (new + "/work").encode(), b"tmpfs", NOSUID | NODEV, f"size={cfg['work_mb']}m".encode())
+    me = (1 if uid == 0 else 0) if userns else NOBODY  # the model's process's uid, in this user namespace
+    os.chown(new + "/work", me, me)
+    os.symlink("/work", new + "/tmp")
+    os.chdir(new)
+    if libc.syscall({"x86_64": 155, "aarch64": 41}.get(os.uname().machine, -1), b".", b".") != 0:
+        raise OSError(ctypes.get_errno(), "pivot_root")
+    call("umount2", b".", 2)  # MNT_DETACH: the old root is gone from this namespace
+    os.chdir("/")
+    call("mount", None, b"/", None, BIND | REMOUNT | RDONLY | NOSUID | NODEV, None)
+except OSError as e:
+    unavailable(e)
+
+# 3. pid 1 of the new PID namespace: dies with this process; when it exits, the kernel kills every process left in
+# the namespace (also those the model's code started in a new session).
+r, w = os.pipe()
+init = os.fork()
+if init:
+    os.close(w)
+    _, status = os.waitpid(init, 0)
+    reported = os.read(r, 64)
+    status = int(reported) if reported else status
+    if os.WIFSIGNALED(status):
+        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+os.close(r)
+call("prctl", 1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+child = os.fork()
+if child:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:  # reap orphans until the model's process ends
+        pid, status = os.wait()
+        if pid == child:
+            os.write(w, str(status).encode())
+            os._exit(0)
+
+# 4. the model's process: no privilege left, the limits, the audit hook, the code.
+os.close(w)
+for cap in range(64):
+    libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP (past the last capability: EINVAL, ignored)
+libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT_CLEAR_ALL
+for which, value in (("CPU", cfg["cpu"]), ("AS", cfg["memory_mb"] << 20), ("FSIZE", cfg["fsize"]), ("CORE", 0),
+                     ("NPROC", cfg["nproc"]), ("NOFILE", 256)):
+    resource.setrlimit(getattr(resource, "RLIMIT_" + which), (value, value))
+if not userns:
+    os.setgroups([])
+os.setresgid(me, me, me)
+os.setresuid(me, me, me)  # from root to nobody: every capability is cleared (not root outside: see capset)
+header, data = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()
+call("capset", header, data)  # no capability left in any set (header v3, two empty sets)
+call("prctl", 38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no setuid binary or file capability can give them back
+os.chdir("/work")
+del libc, call
+for name in [m for m in sys.modules if m.split(".")[0] in ("ctypes", "_ctypes")]:
+    del sys.modules[name]
+sys.dont_write_bytecode = True
+if cfg["hook"]:
+    _install_hook("/work")
+del _install_hook
+exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
+"""
+)
+
+
+class SandboxUnavailable(UserError):
+    """The kernel refused the namespaces the Python tool needs."""
 
 
 def _limits(timeout: float, memory_mb: int, max_file_bytes: int):
-    """preexec_fn of the child: its own process group (killed whole), CPU, address space and file-size limits."""
+    """preexec_fn of the audit-mode child: its own process group (killed whole), CPU, address space, file size."""
 
     def apply():
         import resource
 
-        os.setsid()
         cpu = max(1, int(timeout + 1))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
         resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
@@ -136,23 +320,68 @@ def _limits(timeout: float, memory_mb: int, max_file_bytes: int):
     return apply
 
 
-def run_python(code: str, timeout: float = 5.0, memory_mb: int = 512, max_chars: int = 1000) -> tuple[str, bool]:
-    """Run `code` in a limited child process (module docstring). Returns (its output: stdout and stderr, cut to
-    `max_chars`, or what stopped it; ok: it exited 0 within its limits)."""
-    workdir = tempfile.mkdtemp(prefix="cleanrlhf_tool_")
-    out_path = os.path.join(workdir, ".output")
+def _read_only_paths() -> tuple[list[str], list[str]]:
+    """What the namespaces mode shows read-only: the standard library (and its extension modules), the shared
+    libraries they link (the system's lib folders, ld.so's cache); and what it hides inside them (site-packages)."""
+    paths = sysconfig.get_paths()
+    stdlib = {os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib")}
+    dynload = {os.path.realpath(os.path.dirname(m.__file__)) for m in (math,) if getattr(m, "__file__", None)}
+    system = ["/usr/lib", "/usr/lib64", "/usr/lib32", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache"]
+    hidden = [os.path.realpath(paths[k]) for k in ("purelib", "platlib")]
+    return sorted(stdlib | dynload) + system, sorted({h for h in hidden if any(h.startswith(s) for s in stdlib)})
+
+
+@functools.cache
+def check_sandbox(sandbox: str) -> None:
+    """Raise SandboxUnavailable (one line) now, at start-up, where `sandbox` cannot run; once per process."""
+    out, ok = run_python("print('ok')", sandbox=sandbox)
+    if not ok or out != "ok":
+        raise UserError(f"--tool-sandbox {sandbox}: the Python tool does not run here: {out.splitlines()[-1:]}")
+
+
+def run_python(
+    code: str,
+    timeout: float = 5.0,
+    memory_mb: int = 512,
+    max_chars: int = 1000,
+    sandbox: str = "namespaces",
+    work_mb: int = 64,
+    nproc: int = 32,
+    _hook: bool = True,
+    _userns: bool = False,
+) -> tuple[str, bool]:
+    """Run `code` in a limited child process (module docstring) under `sandbox` (namespaces | audit). Returns (its
+    output: stdout and stderr, cut to `max_chars`, or what stopped it; ok: it exited 0 within its limits). Raises
+    SandboxUnavailable (one line naming --tool-sandbox) where the kernel refuses the namespaces. `_hook=False` leaves
+    the audit hook out and `_userns=True` takes the user-namespace path as root too (tests: the OS layer alone must
+    hold, on either path)."""
+    if sandbox not in SANDBOXES:
+        raise UserError(f"--tool-sandbox {sandbox}: expected one of {', '.join(SANDBOXES)}")
+    fsize = max(4 * max_chars, 1 << 16)
+    workdir = tempfile.mkdtemp(prefix="cleanrlhf_tool_")  # audit: the child's cwd; namespaces: its root's mount point
+    if sandbox == "namespaces":
+        read_only, hidden = _read_only_paths()
+        cfg = dict(root=workdir, read_only=read_only, hidden=hidden, work_mb=work_mb, nproc=nproc, hook=_hook,
+                   cpu=max(1, int(timeout + 1)), memory_mb=memory_mb, fsize=fsize, userns=_userns, extra=_UNSHARE_EXTRA)  # fmt: skip
+        argv, preexec = [sys.executable, "-I", "-S", "-c", _NS_MAIN, json.dumps(cfg)], None
+    else:
+        argv, preexec = (
+            [sys.executable, "-I", "-S", "-c", _AUDIT_MAIN, str(int(_hook))],
+            _limits(timeout, memory_mb, fsize),
+        )
     ok, note = False, ""
     try:
-        with open(out_path, "wb") as out:
+        with tempfile.TemporaryFile() as out:  # outside the child's view; capped by RLIMIT_FSIZE
             # -I: isolated (no PYTHON* variables, no user site, no script dir on sys.path); -S: no site module
             child = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _GUARD],
+                argv,
                 stdin=subprocess.PIPE,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=workdir,
                 env={},  # nothing of the trainer's environment
-                preexec_fn=_limits(timeout, memory_mb, max(4 * max_chars, 1 << 16)),
+                preexec_fn=preexec,
+                start_new_session=True,  # its own process group: killed whole on timeout
                 close_fds=True,
             )
             t0 = time.monotonic()
@@ -162,11 +391,17 @@ def run_python(code: str, timeout: float = 5.0, memory_mb: int = 512, max_chars:
                 if child.returncode < 0:
                     note = f"[killed by signal {signal.Signals(-child.returncode).name}]"
             except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
+                os.killpg(child.pid, signal.SIGKILL)  # (namespaces: pid 1 dies with it, and the whole namespace)
                 child.wait()
                 note = f"[timed out after {time.monotonic() - t0:.1f} s]"
-        with open(out_path, "rb") as f:
-            text = f.read(max_chars + 1).decode(errors="replace")
+            out.seek(0)
+            text = out.read(max_chars + 1).decode(errors="replace")
+        if child.returncode == _UNAVAILABLE and text.startswith("cleanrlhf-sandbox-unavailable:"):
+            raise SandboxUnavailable(
+                f"the Python tool's sandbox needs Linux namespaces (user or root, mount, pid, net), which this machine "
+                f"refuses ({text.split(':', 1)[1].strip()}): run where they are allowed, or pass --tool-sandbox audit "
+                "for the weaker audit-hook-only mode (docs/agents.md)"
+            )
         if len(text) > max_chars:
             text = text[:max_chars] + "\n[output truncated]"
         return (text + ("\n" if text and note else "") + note).strip(), ok

@@ -56,7 +56,8 @@ def test_python_tool_sees_no_secret_of_the_trainer(monkeypatch):
     assert ok and "secret_value" not in out and "HF_TOKEN" not in out and "WANDB" not in out
 
 
-def test_python_tool_writes_only_in_its_own_directory(tmp_path):
+@pytest.mark.parametrize("sandbox", ["namespaces", "audit"])
+def test_python_tool_writes_only_in_its_own_directory(tmp_path, sandbox):
     target = tmp_path / "outside.txt"
     for code in (
         f"open({str(target)!r}, 'w').write('x')",
@@ -64,21 +65,26 @@ def test_python_tool_writes_only_in_its_own_directory(tmp_path):
         f"import pathlib; pathlib.Path({str(target)!r}).write_text('x')",
         "open('../escape.txt', 'w').write('x')",
     ):
-        out, ok = run_python(code)
-        assert not ok and "sandbox" in out, (code, out)
+        out, ok = run_python(code, sandbox=sandbox)  # (namespaces: the path does not exist in its view, or the hook)
+        assert not ok and ("sandbox" in out or sandbox == "namespaces" and "Error" in out), (code, out)
     assert not target.exists()
     (tmp_path / "keep.txt").write_text("mine")
-    out, ok = run_python(f"import os; os.remove({str(tmp_path / 'keep.txt')!r})")
+    out, ok = run_python(f"import os; os.remove({str(tmp_path / 'keep.txt')!r})", sandbox=sandbox)
     assert not ok and (tmp_path / "keep.txt").read_text() == "mine"
     # inside its directory: allowed, and the directory is private (empty at start, gone after)
-    out, ok = run_python("import os; print(os.listdir('.')); open('a.txt', 'w').write('1'); print(os.getcwd())")
-    assert ok and out.splitlines()[0] == "['.output']", out
-    assert not Path(out.splitlines()[1]).exists()
+    code = "import os; print(os.listdir('.')); open('a.txt', 'w').write('1'); print(os.getcwd())"
+    out, ok = run_python(code, sandbox=sandbox)
+    assert ok and out.splitlines()[0] == "[]", out
+    if sandbox == "audit":  # a host directory, deleted after the call
+        assert not Path(out.splitlines()[1]).exists()
+    else:  # its own tmpfs, seen by nobody else and gone with its mount namespace
+        assert out.splitlines()[1] == "/work" and run_python(code)[0].splitlines()[0] == "[]"
 
 
-def test_python_tool_starts_no_process_and_opens_no_socket():
+@pytest.mark.parametrize("sandbox", ["namespaces", "audit"])
+def test_python_tool_starts_no_process_and_opens_no_socket(sandbox):
     for code in ("import subprocess; subprocess.run(['true'])", "import os; os.system('true')", "import socket"):
-        out, ok = run_python(code)
+        out, ok = run_python(code, sandbox=sandbox)
         assert not ok and "sandbox" in out, (code, out)
 
 

@@ -1,0 +1,274 @@
+"""The Python tool as an OS-level boundary (common/sandbox.py, namespaces mode): each escape found by trying the tool as
+an attacker would, with the standard library only, fails to get out. Every probe runs with the audit hook on (the
+default) and off (the OS layer alone must hold: the hook is Python-level and was switched off from inside before),
+and on both of the sandbox's paths: as root (the model's process becomes nobody) and through a user namespace (the
+path a non-root trainer takes)."""
+
+import os
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from common import sandbox
+from common.sandbox import SandboxUnavailable, run_python
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = [
+    pytest.param(dict(), id="hook+os"),
+    pytest.param(dict(_hook=False), id="os-only"),
+    pytest.param(dict(_hook=False, _userns=True), id="os-only-userns"),
+]
+POSIXSUBPROCESS = next(Path(os.__file__).parent.glob("lib-dynload/_posixsubprocess*.so"), None)
+
+
+@pytest.fixture
+def trainer_with_a_secret():
+    """A process started with a token in its environment (as a trainer started with WANDB_API_KEY set): its pid."""
+    proc = subprocess.Popen(["sleep", "60"], env={**os.environ, "WANDB_API_KEY": "wandb_secret_value"})
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def tool(code, **kw):
+    out, ok = run_python(code, timeout=kw.pop("timeout", 5.0), **kw)
+    return out
+
+
+def test_the_default_mode_is_namespaces_and_ordinary_programs_run():
+    out, ok = run_python(
+        "import os, math, fractions, itertools, decimal, statistics, random, json, re, collections, hashlib, tempfile\n"
+        "print(math.gcd(12, 18), fractions.Fraction(1, 3) + 1, list(itertools.permutations('ab')), os.getcwd())\n"
+        "open('a.txt', 'w').write('x'); print(os.listdir('.'), tempfile.gettempdir(), sorted(os.listdir('/')))"
+    )
+    assert ok, out
+    first, second = out.splitlines()
+    assert first == "6 4/3 [('a', 'b'), ('b', 'a')] /work"
+    assert second.startswith("['a.txt'] /tmp"), second
+    assert "proc" not in second and "home" not in second and "bin" not in second  # only what the tool needs
+    out, ok = run_python("import os; print(os.listdir('.'))")  # a fresh working directory per call
+    assert ok and out == "[]"
+
+
+@pytest.mark.parametrize("kw", LAYERS)
+def test_no_secret_through_proc_and_no_file_of_the_trainer(kw, tmp_path, trainer_with_a_secret):
+    assert b"wandb_secret_value" in Path(f"/proc/{trainer_with_a_secret}/environ").read_bytes()  # there to be read
+    secret = tmp_path / "token.txt"
+    secret.write_text("hf_secret_value")
+    for path in (f"/proc/{trainer_with_a_secret}/environ", f"/proc/{os.getpid()}/environ", "/proc/self/environ", f"/proc/{os.getppid()}/environ", secret,
+                 REPO / "common/__init__.py", Path.home() / ".bashrc", "/etc/passwd"):  # fmt: skip
+        out = tool(f"print(open({str(path)!r}).read())", **kw)
+        assert "secret_value" not in out and ("FileNotFoundError" in out or "Permission" in out), (path, out)
+    out = tool(
+        "import os; print(os.listdir('/'), os.listdir('/proc') if os.path.exists('/proc') else 'no /proc')", **kw
+    )
+    assert "no /proc" in out and "work" in out
+
+
+@pytest.mark.parametrize("kw", LAYERS)
+def test_no_write_outside_by_any_route(kw, tmp_path):
+    """Writes the audit hook alone let through: after os.chdir, through dir_fd, mkfifo, setxattr, into /dev/shm and
+    /proc/<ppid>; and plain absolute paths. Nothing appears or changes outside."""
+    target, project = tmp_path / "outside.txt", REPO / "common/__init__.py"
+    before = project.read_bytes()
+    shm = f"/dev/shm/cleanrlhf_probe_{os.getpid()}"
+    probes = [
+        f"open({str(target)!r}, 'w').write('x')",
+        f"import os; os.chdir({str(REPO)!r}); open('common/__init__.py', 'a').write('import os')",
+        f"import os; os.chdir({str(tmp_path)!r}); open('outside.txt', 'w').write('x')",
+        f"import os; fd = os.open({str(tmp_path)!r}, os.O_RDONLY); os.open('outside.txt', os.O_CREAT | os.O_WRONLY, dir_fd=fd)",
+        f"import os; os.mkfifo({str(target)!r})",
+        f"import os; os.setxattr({str(project)!r}, 'user.x', b'1')",
+        f"open({shm!r}, 'w').write('x')",
+        "import os; open('/proc/' + str(os.getppid()) + '/oom_score_adj', 'w').write('1000')",
+        f"open('/proc/{os.getpid()}/oom_score_adj', 'w').write('1000')",
+        "open('/usr/lib/cleanrlhf_probe', 'w').write('x')",
+        "open('/cleanrlhf_probe', 'w').write('x')",
+    ]  # fmt: skip
+    for code in probes:
+        out = tool(code, **kw)
+        assert "Error" in out or "sandbox" in out, (code, out)
+    assert not target.exists() and project.read_bytes() == before and not os.path.exists(shm)
+    assert not Path("/usr/lib/cleanrlhf_probe").exists() and not Path("/cleanrlhf_probe").exists()
+    assert open(f"/proc/{os.getpid()}/oom_score_adj").read().strip() != "1000"
+
+
+def _sandbox_processes() -> set[int]:
+    """Host pids of the tool's processes (their command line names the sandbox's mount point)."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if b"cleanrlhf_tool_" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.add(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("kw", LAYERS)
+def test_no_process_gets_out_or_outlives_the_call(kw, tmp_path):
+    """A process started through a renamed _posixsubprocess (no audit event), one left behind in a new session, a
+    fork bomb: none writes outside, none is left after the call, the bomb stops at RLIMIT_NPROC."""
+    before = _sandbox_processes()
+    target = tmp_path / "by_shell.txt"
+    if POSIXSUBPROCESS is not None:
+        out = tool(
+            "import importlib.util, os, sys\n"
+            f"spec = importlib.util.spec_from_file_location('pkg._posixsubprocess', {str(POSIXSUBPROCESS)!r})\n"
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+            "r, w = os.pipe()\n"
+            "for exe in ('/bin/sh', '/usr/bin/sh', sys.executable):\n"
+            "    try:\n"
+            f"        m.fork_exec([exe, '-c', 'echo x > {target}'], [exe.encode()], True, (w,), None, None, -1, -1,"
+            " -1, -1, -1, -1, r, w, True, True, -1, None, None, None, -1, None)\n"
+            "        print('started', exe)\n"
+            "    except OSError as e:\n"
+            "        print('refused', exe, e)",
+            **kw,
+        )
+        assert "started" not in out or "refused" in out, out
+    time.sleep(0.5)
+    assert not target.exists()
+    if kw.get("_hook", True) is False:  # os.fork itself is refused by the hook; the OS layer must hold without it
+        out = tool("import os, time\nif os.fork() == 0:\n    os.setsid(); time.sleep(60)\nprint('parent exits')", **kw)
+        assert "parent exits" in out
+        out = tool(
+            "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(60)\n"
+            "            os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('stopped after', n, e.errno)",
+            timeout=10.0,
+            **kw,
+        )
+        assert out.startswith("stopped after") and int(out.split()[2]) <= 32, out
+    time.sleep(0.5)
+    assert _sandbox_processes() <= before  # every process of the call died with its PID namespace
+
+
+@pytest.mark.parametrize("kw", LAYERS)
+def test_the_trainer_cannot_be_signalled_or_limited(kw):
+    me = os.getpid()
+    soft = __import__("resource").getrlimit(__import__("resource").RLIMIT_FSIZE)
+    for code in (
+        f"import os, signal; signal.pidfd_send_signal(os.pidfd_open({me}), signal.SIGKILL)",
+        f"import os, signal; os.kill({me}, signal.SIGKILL)",
+        f"import resource; resource.prlimit({me}, resource.RLIMIT_FSIZE, (0, 0))",
+        "import os, signal; os.kill(os.getppid(), signal.SIGKILL); print('ppid', os.getppid())",
+    ):
+        tool(code, **kw)
+    assert __import__("resource").getrlimit(__import__("resource").RLIMIT_FSIZE) == soft  # (and we are alive)
+
+
+def test_the_hook_cannot_be_switched_off_from_inside():
+    out = tool(
+        "import sys\nm = sys.modules['__main__']\ncleared = 0\n"
+        "for name in dir(m):\n    v = getattr(m, name)\n    if isinstance(v, (set, dict, list)) and name != '__builtins__':\n"
+        "        v.clear(); cleared += 1\n"
+        "print('cleared', cleared)\nimport socket"
+    )
+    assert "cleared" in out and "sandbox: import of socket is not allowed" in out, out
+
+
+@pytest.mark.parametrize("kw", LAYERS[1:])  # with the hook, the socket module cannot even be imported
+def test_no_socket_reaches_a_server_on_the_host(kw):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(3)
+    accepted = []
+    thread = threading.Thread(target=lambda: accepted.append(_accept(server)))
+    thread.start()
+    port = server.getsockname()[1]
+    out = tool(
+        f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')", **kw
+    )
+    thread.join()
+    server.close()
+    assert "connected" not in out and accepted == [None], out
+
+
+def _accept(server):
+    try:
+        return server.accept()
+    except OSError:
+        return None
+
+
+@pytest.mark.parametrize("kw", LAYERS)
+def test_a_disk_filler_fills_only_its_own_size_limited_directory(kw):
+    out = tool(
+        "import os\nn = 0\ntry:\n    while True:\n        with open(f'f{n}', 'wb') as f:\n            f.write(b'x' * 60000)\n"
+        "        n += 1\nexcept OSError as e:\n    print('stopped after', n, e.errno)",
+        work_mb=4,
+        **kw,
+    )
+    assert out.startswith("stopped after") and out.split()[-1] == "28", out  # ENOSPC at ~4 MiB
+    assert 50 <= int(out.split()[2]) <= 80
+
+
+def test_where_namespaces_are_refused_the_tool_names_the_weaker_mode(monkeypatch):
+    monkeypatch.setattr(sandbox, "_UNSHARE_EXTRA", 0x1)  # an invalid unshare flag: the kernel refuses (EINVAL)
+    with pytest.raises(SandboxUnavailable, match="--tool-sandbox audit") as e:
+        run_python("print(1)")
+    assert "\n" not in str(e.value)
+    out, ok = run_python("print(1)", sandbox="audit")  # the weaker mode, asked for
+    assert ok and out == "1"
+
+
+def test_a_killed_call_takes_its_whole_namespace_with_it():
+    before = _sandbox_processes()
+    out, ok = run_python("import os, time\nfor _ in range(3):\n    os.fork()\ntime.sleep(30)", timeout=1.0, _hook=False)
+    assert not ok and "timed out" in out
+    time.sleep(0.5)
+    assert _sandbox_processes() <= before  # SIGKILL to its process group; pid 1's death ended the rest
+
+
+@pytest.mark.parametrize("kw", LAYERS)
+def test_no_privilege_is_left(kw):
+    out = tool(
+        "import os\nfor name, call in (('chroot', lambda: os.chroot('.')), ('setuid', lambda: os.setuid(0)),"
+        " ('chown', lambda: os.chown('/work', 0, 0)), ('sethostname', lambda: __import__('socket').sethostname('x'))):\n"
+        "    try:\n        call(); print(name, 'allowed')\n    except Exception as e:\n        print(name, 'refused')",
+        **kw,
+    )
+    assert "allowed" not in out and out.count("refused") == 4, out
+
+
+def test_the_audit_mode_is_weaker_as_documented(tmp_path, trainer_with_a_secret):
+    """--tool-sandbox audit is what docs/agents.md says: the hook's refusals hold, the escapes above do not."""
+    out, ok = run_python("import socket", sandbox="audit")
+    assert not ok and "sandbox: import of socket" in out
+    out, ok = run_python(
+        f"print(open('/proc/{trainer_with_a_secret}/environ').read())", sandbox="audit", max_chars=10**5
+    )
+    assert ok and "wandb_secret_value" in out  # readable: not a boundary
+    out, ok = run_python(f"import os; os.chdir({str(tmp_path)!r}); open('x.txt', 'w').write('1')", sandbox="audit")
+    assert ok and (tmp_path / "x.txt").exists()  # the chdir route past the hook
+
+
+def test_a_tool_environment_refuses_at_start_up_and_takes_the_flag(monkeypatch, tiny):
+    """From the flags a user has: --env tools with the Python tool checks the sandbox when the environment is built
+    (one line naming --tool-sandbox where namespaces are refused); --tool-sandbox audit reaches the tool."""
+    from transformers import AutoTokenizer
+
+    from common.args import EnvArgs
+    from common.envs import ToolEnv, episodes_from_args
+
+    monkeypatch.setattr(sandbox, "_UNSHARE_EXTRA", 0x1)
+    sandbox.check_sandbox.cache_clear()
+    with pytest.raises(SandboxUnavailable, match="--tool-sandbox audit"):
+        ToolEnv(("calculator", "python"))
+    ToolEnv(("calculator",))  # no Python tool, no check
+    env = ToolEnv(("python",), sandbox="audit")
+    assert env.run_tool({"name": "python", "arguments": {"code": "import os; print(os.getcwd() != '/work')"}}) == (
+        "True",
+        True,
+    )
+    monkeypatch.setattr(sandbox, "_UNSHARE_EXTRA", 0)
+    sandbox.check_sandbox.cache_clear()
+    tok = AutoTokenizer.from_pretrained(tiny)
+    episodes = episodes_from_args(EnvArgs(env="tools", tools="python", tool_sandbox="audit"), tok, None, "cpu")
+    assert episodes.factory().python["sandbox"] == "audit"
+    assert EnvArgs().tool_sandbox == "namespaces"
