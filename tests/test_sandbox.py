@@ -7,6 +7,7 @@ path a non-root trainer takes)."""
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,13 +23,17 @@ LAYERS = [
     pytest.param(dict(_hook=False), id="os-only"),
     pytest.param(dict(_hook=False, _userns=True), id="os-only-userns"),
 ]
-POSIXSUBPROCESS = next(Path(os.__file__).parent.glob("lib-dynload/_posixsubprocess*.so"), None)
+POSIXSUBPROCESS = next(Path(os.__file__).parent.glob("lib-dynload/_posixsubprocess*.so"))
 
 
 @pytest.fixture
 def trainer_with_a_secret():
     """A process started with a token in its environment (as a trainer started with WANDB_API_KEY set): its pid."""
     proc = subprocess.Popen(["sleep", "60"], env={**os.environ, "WANDB_API_KEY": "wandb_secret_value"})
+    for _ in range(200):  # until its exec has happened (its environ is the new one)
+        if b"wandb_secret_value" in Path(f"/proc/{proc.pid}/environ").read_bytes():
+            break
+        time.sleep(0.01)
     yield proc.pid
     proc.kill()
     proc.wait()
@@ -97,6 +102,22 @@ def test_no_write_outside_by_any_route(kw, tmp_path):
     assert open(f"/proc/{os.getpid()}/oom_score_adj").read().strip() != "1000"
 
 
+def _renamed_fork_exec(shell_command):
+    """Tool code that loads the standard library's _posixsubprocess under another name (no audit event: the hook's
+    import rule does not see it) and starts a shell, /usr/bin/sh, or the interpreter itself through it."""
+    return (
+        "import importlib.util, os, sys\n"
+        f"spec = importlib.util.spec_from_file_location('pkg._posixsubprocess', {str(POSIXSUBPROCESS)!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        f"for exe in ('/bin/sh', '/usr/bin/sh', {sys.executable!r}):\n"
+        "    r, w = os.pipe()\n"  # the exec's error comes back on this pipe (as subprocess reads it)
+        f"    pid = m.fork_exec([exe, '-c', {shell_command!r}], [exe.encode()], True, (w,), None, None, -1, -1, -1,"
+        " -1, -1, -1, r, w, True, True, -1, None, None, None, -1, None, True)\n"
+        "    os.close(w); err = os.read(r, 100); os.waitpid(pid, 0)\n"
+        "    print('refused' if err else 'started', exe, err.decode()[:11])"
+    )
+
+
 def _sandbox_processes() -> set[int]:
     """Host pids of the tool's processes (their command line names the sandbox's mount point)."""
     found = set()
@@ -115,22 +136,10 @@ def test_no_process_gets_out_or_outlives_the_call(kw, tmp_path):
     fork bomb: none writes outside, none is left after the call, the bomb stops at RLIMIT_NPROC."""
     before = _sandbox_processes()
     target = tmp_path / "by_shell.txt"
-    if POSIXSUBPROCESS is not None:
-        out = tool(
-            "import importlib.util, os, sys\n"
-            f"spec = importlib.util.spec_from_file_location('pkg._posixsubprocess', {str(POSIXSUBPROCESS)!r})\n"
-            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
-            "r, w = os.pipe()\n"
-            "for exe in ('/bin/sh', '/usr/bin/sh', sys.executable):\n"
-            "    try:\n"
-            f"        m.fork_exec([exe, '-c', 'echo x > {target}'], [exe.encode()], True, (w,), None, None, -1, -1,"
-            " -1, -1, -1, -1, r, w, True, True, -1, None, None, None, -1, None)\n"
-            "        print('started', exe)\n"
-            "    except OSError as e:\n"
-            "        print('refused', exe, e)",
-            **kw,
-        )
-        assert "started" not in out or "refused" in out, out
+    out = tool(_renamed_fork_exec(f"echo x > {target}"), **kw)
+    assert out.count("refused") == out.count("OSError:2:") == 3 and "started" not in out, (
+        out
+    )  # ENOENT: no binary to run in its view
     time.sleep(0.5)
     assert not target.exists()
     if kw.get("_hook", True) is False:  # os.fork itself is refused by the hook; the OS layer must hold without it
@@ -246,6 +255,9 @@ def test_the_audit_mode_is_weaker_as_documented(tmp_path, trainer_with_a_secret)
     assert ok and "wandb_secret_value" in out  # readable: not a boundary
     out, ok = run_python(f"import os; os.chdir({str(tmp_path)!r}); open('x.txt', 'w').write('1')", sandbox="audit")
     assert ok and (tmp_path / "x.txt").exists()  # the chdir route past the hook
+    out, ok = run_python(_renamed_fork_exec(f"echo x > {tmp_path / 'by_shell.txt'}"), sandbox="audit")
+    time.sleep(0.5)
+    assert "started /bin/sh" in out and (tmp_path / "by_shell.txt").exists()  # a process past the hook
 
 
 def test_a_tool_environment_refuses_at_start_up_and_takes_the_flag(monkeypatch, tiny):
@@ -272,3 +284,109 @@ def test_a_tool_environment_refuses_at_start_up_and_takes_the_flag(monkeypatch, 
     episodes = episodes_from_args(EnvArgs(env="tools", tools="python", tool_sandbox="audit"), tok, None, "cpu")
     assert episodes.factory().python["sandbox"] == "audit"
     assert EnvArgs().tool_sandbox == "namespaces"
+
+
+ATTACK_ENV = r'''
+import json, os
+from common.envs import ToolEnv
+
+TRAINER, CWD, PORT = os.getpid(), os.getcwd(), int(os.environ["ATTACK_PORT"])  # what an attacker may guess or learn
+ATTACK = f"""
+import glob, importlib.util, os, resource, signal
+def attempt(name, fn):
+    try:
+        print(name, 'GOT', repr(fn())[:60])
+    except Exception as e:
+        print(name, 'refused', type(e).__name__)
+def load(name):  # a standard extension under another name: the hook's import rule does not see it
+    path = glob.glob(os.path.dirname(os.__file__) + '/lib-dynload/' + name + '*.so')[0]
+    spec = importlib.util.spec_from_file_location('pkg.' + name, path)
+    m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); return m
+def vandal():
+    os.chdir({CWD!r})
+    for root, dirs, files in os.walk('.'):
+        for f in files:
+            if f == 'metrics.jsonl':
+                open(os.path.join(root, f), 'a').write('{{"step": 99, "forged": 1}}')
+    open('project_file.py', 'a').write('import os  # planted')
+def linger():
+    r, w = os.pipe()
+    pid = load('_posixsubprocess').fork_exec(['/bin/sh', '-c', 'sleep 2; touch {CWD}/late.txt'], [b'/bin/sh'], True,
+        (w,), None, None, -1, -1, -1, -1, -1, -1, r, w, True, True, -1, None, None, None, -1, None, True)
+    os.close(w)
+    err = os.read(r, 100)
+    if err:
+        raise OSError(err.decode())  # the exec failed in the child
+    return pid
+def connect():
+    s = load('_socket').socket(); s.settimeout(2); s.connect(('127.0.0.1', {PORT}))
+attempt('environ', lambda: open('/proc/{TRAINER}/environ').read())
+attempt('vandal', vandal)
+attempt('linger', linger)
+attempt('connect', connect)
+attempt('prlimit', lambda: resource.prlimit({TRAINER}, resource.RLIMIT_FSIZE, (0, 0)))
+attempt('kill', lambda: signal.pidfd_send_signal(os.pidfd_open({TRAINER}), signal.SIGKILL))
+"""
+CALL = "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": ATTACK}}) + "</tool_call>"
+
+
+class AttackEnv(ToolEnv):
+    """Whatever the policy writes, its first turn is this call (as a model that learned it would write it)."""
+
+    def __init__(self):
+        super().__init__(("python",), max_chars=2000)
+
+    def step(self, text, ids):
+        if self.turn == 1:
+            self.final = False  # (the tiny model's turn never ends with EOS: go on to read the tool's output)
+            return super().step(CALL, ids)
+        return super().step("done", ids)
+'''
+
+
+@pytest.mark.e2e
+def test_a_grpo_run_whose_model_writes_the_escapes_keeps_its_secrets_files_and_processes(tiny, toy_prompts, tmp_path):
+    """Through a real trainer (the run's pid, environment, working directory, run folder and checkpoints): a tool
+    environment whose model output is the issue's escapes. The run ends 0 with its checkpoints and its own metrics;
+    the secret reaches no file; the project file is unchanged; nothing connects, lingers or writes late."""
+    from conftest import only_run, read_metrics
+
+    (tmp_path / "attack_env.py").write_text(ATTACK_ENV)
+    project = tmp_path / "project_file.py"
+    project.write_text("x = 1\n")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(60)
+    accepted = []
+    thread = threading.Thread(target=lambda: accepted.append(_accept(server)), daemon=True)
+    thread.start()
+    env = {
+        **os.environ,
+        "WANDB_API_KEY": "wandb_secret_value",
+        "TOY_MODEL": tiny,
+        "ATTACK_PORT": str(server.getsockname()[1]),
+    }
+    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    cmd = [sys.executable, str(REPO / "algos/grpo_llm.py"), "--model-name-or-path", tiny, "--train-files", toy_prompts,
+           "--reward-fn", f"{REPO}/tests/toy_reward.py:compute_score", "--env", "attack_env.py:AttackEnv",
+           "--max-turns", 2, "--max-new-tokens", 4, "--max-trajectory-tokens", 600, "--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 2,
+           "--total-steps", 2, "--save-every", 1, "--eval-every", 0, "--output-dir", tmp_path / "runs"]  # fmt: skip
+    proc = subprocess.run(list(map(str, cmd)), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = only_run(tmp_path / "runs")
+    samples = (run / "samples.jsonl").read_text()
+    for probe in ("environ", "vandal", "linger", "connect", "prlimit", "kill"):
+        assert f"{probe} refused" in samples and f"{probe} GOT" not in samples, (probe, samples[:3000])
+    assert "linger refused OSError" in samples  # (the exec's own error: no shell in its view)
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2] and not any("forged" in r for r in rows)
+    assert (run / "checkpoints/step_1").is_dir() and (run / "checkpoints/step_2").is_dir()
+    for path in run.rglob("*"):
+        if path.is_file():
+            assert b"wandb_secret_value" not in path.read_bytes(), path
+    time.sleep(2.5)
+    assert project.read_text() == "x = 1\n" and not (tmp_path / "late.txt").exists()
+    server.close()
+    thread.join()
+    assert accepted == [None]
