@@ -1,15 +1,24 @@
 """The Python tool's calls per second under each --tool-sandbox mode (common/sandbox.py): an ordinary program (math,
-fractions, itertools, printing), a trivial one, and one that imports more of the standard library. Run it alone:
+fractions, itertools, printing), a trivial one, and one that imports more of the standard library; with --base
+COMMIT also that commit's run_python (the tool before a change), in the same run. Run it alone:
 
-    python benchmarks/tool_sandbox.py [--calls 40]
+    python benchmarks/tool_sandbox.py [--calls 40] [--base 5b47430]
 
 Prints a markdown table (docs/agents.md quotes it)."""
 
 import argparse
+import importlib.util
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from functools import partial
+from pathlib import Path
 
-from common.sandbox import run_python
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from common.sandbox import run_python  # noqa: E402
 
 PROGRAMS = {
     "print(1)": "print(1)",
@@ -26,23 +35,32 @@ PROGRAMS = {
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=40)
+    parser.add_argument("--base", default="", help="a commit whose common/sandbox.py is measured too")
     args = parser.parse_args()
-    print("| program | audit: calls/s | namespaces: calls/s | namespaces / audit |")
-    print("|---|---|---|---|")
+    runners = {"audit": partial(run_python, sandbox="audit"), "namespaces": run_python}
+    if args.base:  # that commit's module, loaded under another name (it imports nothing of ours but common.errors)
+        src = subprocess.run(["git", "show", f"{args.base}:common/sandbox.py"], capture_output=True, text=True,
+                             check=True, cwd=REPO).stdout  # fmt: skip
+        path = Path(tempfile.mkdtemp()) / "base_sandbox.py"
+        path.write_text(src)
+        spec = importlib.util.spec_from_file_location("base_sandbox", path)
+        base = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(base)
+        runners = {f"{args.base}": base.run_python, **runners}
+    print("| program | " + " | ".join(f"{k}: calls/s" for k in runners) + " |")
+    print("|---|" + "---|" * len(runners))
     for name, code in PROGRAMS.items():
-        rates = {}
-        for sandbox in ("audit", "namespaces"):
-            run_python(code, sandbox=sandbox)  # warm: the page cache, the first fork
+        rates = []
+        for run in runners.values():
+            run(code)  # warm: the page cache, the first fork
             times = []
             for _ in range(args.calls):
                 t0 = time.perf_counter()
-                out, ok = run_python(code, sandbox=sandbox)
+                out, ok = run(code)
                 times.append(time.perf_counter() - t0)
                 assert ok, out
-            rates[sandbox] = 1 / statistics.median(times)
-        print(
-            f"| `{name}` | {rates['audit']:.1f} | {rates['namespaces']:.1f} | {rates['namespaces'] / rates['audit']:.2f} |"
-        )
+            rates.append(1 / statistics.median(times))
+        print(f"| `{name}` | " + " | ".join(f"{r:.1f}" for r in rates) + " |")
 
 
 if __name__ == "__main__":

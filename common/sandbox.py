@@ -27,6 +27,7 @@ import json
 import math
 import operator
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -339,6 +340,27 @@ def check_sandbox(sandbox: str) -> None:
         raise UserError(f"--tool-sandbox {sandbox}: the Python tool does not run here: {out.splitlines()[-1:]}")
 
 
+def _wait(child: subprocess.Popen, code: bytes, timeout: float) -> None:
+    """Give the child its code and wait for its end, up to `timeout` (subprocess.TimeoutExpired). Popen.wait(timeout)
+    polls with sleeps of up to 50 ms (most of a short call's time); a pidfd is readable the moment the child exits."""
+    try:
+        child.stdin.write(code)  # (the child reads its code first)
+        child.stdin.close()
+    except BrokenPipeError:
+        pass
+    try:
+        fd = os.pidfd_open(child.pid)
+    except (AttributeError, OSError):  # not Linux >= 5.3: the polling wait
+        child.wait(timeout)
+        return
+    try:
+        if not select.select([fd], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired(child.args, timeout)
+    finally:
+        os.close(fd)
+    child.wait()
+
+
 def run_python(
     code: str,
     timeout: float = 5.0,
@@ -386,7 +408,7 @@ def run_python(
             )
             t0 = time.monotonic()
             try:
-                child.communicate(code.encode(), timeout=timeout)
+                _wait(child, code.encode(), timeout)
                 ok = child.returncode == 0
                 if child.returncode < 0:
                     note = f"[killed by signal {signal.Signals(-child.returncode).name}]"

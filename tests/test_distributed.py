@@ -3,11 +3,13 @@ FSDP2 (cpu_2proc_fsdp2.yaml: Accelerate's fully_shard path, switched on for CPU 
 common.distributed.make_accelerator) and DeepSpeed ZeRO-2/3 (cpu_2proc_zero{2,3}.yaml: DeepSpeed's
 CPU accelerator over gloo)."""
 
+import atexit
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -50,13 +52,14 @@ ONLINE_SIZES = {
 }
 
 
-# ppo_llm.py under FSDP2 and ZeRO-3 runs (longer) in the parity tests below, so not here again; dynamic_kl_ppo.py
-# is ppo_llm.py plus a no-grad forward (the same call as the rollout's), so under DDP only (suite time)
+# ppo_llm.py under DDP, FSDP2 and ZeRO-3 runs (longer) in the parity tests below, so not here again, nor GRPO under
+# DDP (its parity test: with evaluation and a checkpoint); dynamic_kl_ppo.py is ppo_llm.py plus a no-grad forward
+# (the same call as the rollout's), so under DDP only; distillation with its teacher sharded (suite time)
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "script,sizes,kind",
     [(s, sizes, k) for s, sizes in ONLINE_SIZES.items() for k in RUN_ALL_SCRIPTS
-     if s == "grpo_llm.py" or k == "DDP" or (s, k) == ("distill_llm.py", "FSDP")],  # the teacher sharded as a reference
+     if s == "grpo_llm.py" and k != "DDP" or (s, k) in (("dynamic_kl_ppo.py", "DDP"), ("distill_llm.py", "FSDP"))],
 )  # fmt: skip
 def test_two_processes(script, sizes, kind, tiny, tiny_peaky, toy_prompts, tmp_path):
     if script == "distill_llm.py":  # a student (tiny_peaky) and a teacher of its tokenizer (tiny)
@@ -178,12 +181,43 @@ def test_batch_not_divisible_by_processes_names_the_flag(tiny, tmp_path):
     assert proc.returncode != 0 and "--batch-size over the number of processes: 3 is not divisible by 2" in proc.stderr
 
 
-def equal_length_prompts(tmp_path):
-    prompts = tmp_path / "same_len.jsonl"
-    with open(prompts, "w") as f:  # prompts of equal token length: identical padding on every process
-        for ch in "abcdefgh":
-            f.write(json.dumps({"prompt": f"say {ch}", "data_source": "toy"}) + "\n")
+_SHARED = Path(tempfile.mkdtemp(prefix="cleanrlhf_parity_"))  # this test process's reference runs (removed at exit)
+atexit.register(shutil.rmtree, _SHARED, True)
+_ONE_PROCESS: dict[tuple, Path] = {}
+
+
+def equal_length_prompts(tmp_path=None):
+    prompts = _SHARED / "same_len.jsonl"  # one path for every parity test: their reference runs are shared
+    if not prompts.exists():
+        with open(prompts, "w") as f:  # prompts of equal token length: identical padding on every process
+            for ch in "abcdefgh":
+                f.write(json.dumps({"prompt": f"say {ch}", "data_source": "toy"}) + "\n")
     return str(prompts)
+
+
+def one_process_run(script, *flags, env=None) -> Path:
+    """One process's run of `script` with `flags`: the reference a parity test compares with, run once per test
+    process for every parity test with the same flags (DDP's and tensor parallelism's)."""
+    from conftest import run_script
+
+    key = (script, *map(str, flags), *sorted((env or {}).items()))
+    if key not in _ONE_PROCESS:
+        out = _SHARED / f"one_{len(_ONE_PROCESS)}"
+        run_script(script, *flags, "--output-dir", out, env=env)
+        _ONE_PROCESS[key] = only_run(out)
+    return _ONE_PROCESS[key]
+
+
+def grpo_one_update_flags(model):
+    """One GRPO update with a (sharded) reference, evaluated before and after, on prompts of equal length, as the
+    parity tests run it."""
+    prompts = equal_length_prompts()
+    return [
+        "--model-name-or-path", model, "--train-files", prompts, "--val-files", prompts, "--num-eval-prompts", 4,
+        "--reward-fn", TOY_REWARD, "--total-steps", 1, "--num-prompts", 2, "--group-size", 2,
+        "--mini-batch-size", 4, "--micro-batch-size", 1, "--max-new-tokens", 6, "--learning-rate", 1e-3,
+        "--kl-coef", 0.05, "--eval-every", 1,
+    ]  # fmt: skip
 
 
 def assert_same_update(a_dir, b_dir, base, rel=1e-4):
@@ -221,49 +255,32 @@ def base_weights(path, value=False):
 @pytest.mark.distributed
 def test_grpo_ddp_update_equals_single_process_update(tiny_peaky, tmp_path):
     """Same global batch, one GRPO update (token-mean over the global minibatch): 2 processes (DDP over
-    gloo) end with the parameters of 1 process."""
-    from conftest import run_script
-
-    flags = [
-        "--model-name-or-path",
-        tiny_peaky,
-        "--train-files",
-        equal_length_prompts(tmp_path),
-        "--reward-fn",
-        TOY_REWARD,
-        "--total-steps",
-        1,
-        "--num-prompts",
-        2,
-        "--group-size",
-        2,
-        "--mini-batch-size",
-        4,
-        "--micro-batch-size",
-        1,
-        "--max-new-tokens",
-        6,
-        "--learning-rate",
-        1e-3,
-        "--eval-every",
-        0,
-    ]
-    env = {"TOY_MODEL": tiny_peaky}
-    run_script("grpo_llm.py", *flags, "--output-dir", tmp_path / "one", env=env)
+    gloo) end with the parameters of 1 process; both evaluate (split over the ranks) to the same accuracy."""
+    flags, env = grpo_one_update_flags(tiny_peaky), {"TOY_MODEL": tiny_peaky}
+    one = one_process_run("grpo_llm.py", *flags, env=env)
     launch("grpo_llm.py", *flags, "--output-dir", tmp_path / "two", env=env)
-    one, two = only_run(tmp_path / "one"), only_run(tmp_path / "two")
+    two = only_run(tmp_path / "two")
     assert_ran(two, "DDP")
-    assert read_metrics(one)[-1]["train/reward"] == pytest.approx(read_metrics(two)[-1]["train/reward"], abs=1e-6)
+    rows1, rows2 = read_metrics(one), read_metrics(two)
+    assert [r["step"] for r in rows2] == [0, 1] and "eval/accuracy" in rows2[-1]
+    for key in ("train/reward", "train/kl", "loss/policy"):
+        assert rows1[-1][key] == pytest.approx(rows2[-1][key], rel=1e-4, abs=1e-6), key
+    assert [r["eval/accuracy"] for r in rows1] == pytest.approx([r["eval/accuracy"] for r in rows2])
     assert_same_update(one / "checkpoints/step_1/policy", two / "checkpoints/step_1/policy", base_weights(tiny_peaky))
 
 
-def ppo_one_update_flags(model, tmp_path):
-    """One PPO update (policy and critic, whitened rewards) on prompts of equal length, as parity tests run it."""
+def ppo_one_update_flags(model, tmp_path=None):
+    """One PPO update (policy and critic, whitened rewards) on prompts of equal length, evaluated before and after,
+    as the parity tests run it."""
     return [
         "--model-name-or-path",
         model,
         "--train-files",
-        equal_length_prompts(tmp_path),
+        equal_length_prompts(),
+        "--val-files",
+        equal_length_prompts(),
+        "--num-eval-prompts",
+        4,
         "--reward-fn",
         TOY_REWARD,
         "--total-steps",
@@ -282,7 +299,7 @@ def ppo_one_update_flags(model, tmp_path):
         "--critic-learning-rate",
         1e-3,
         "--eval-every",
-        0,
+        1,
     ]
 
 
@@ -291,14 +308,13 @@ def test_ppo_ddp_update_equals_single_process_update(tiny_peaky, tmp_path):
     """One PPO update of policy and critic with advantages whitened over the global batch and the
     token-mean over the global minibatch: 2 processes end where 1 process does. With per-rank
     whitening (each rank's own mean and std) this fails."""
-    from conftest import run_script
-
-    flags = ppo_one_update_flags(tiny_peaky, tmp_path)
-    env = {"TOY_MODEL": tiny_peaky}
-    run_script("ppo_llm.py", *flags, "--output-dir", tmp_path / "one", env=env)
+    flags, env = ppo_one_update_flags(tiny_peaky), {"TOY_MODEL": tiny_peaky}
+    one = one_process_run("ppo_llm.py", *flags, env=env)
     launch("ppo_llm.py", *flags, "--output-dir", tmp_path / "two", env=env)
-    one, two = only_run(tmp_path / "one"), only_run(tmp_path / "two")
+    two = only_run(tmp_path / "two")
     assert_ran(two, "DDP")
+    assert [r["step"] for r in read_metrics(two)] == [0, 1] and "eval/accuracy" in read_metrics(two)[-1]
+    assert [r["eval/accuracy"] for r in read_metrics(one)] == [r["eval/accuracy"] for r in read_metrics(two)]
     m1, m2 = read_metrics(one)[-1], read_metrics(two)[-1]
     for key in ("train/reward", "train/kl", "train/value_mean", "loss/policy", "loss/value", "train/entropy"):
         assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
@@ -308,61 +324,56 @@ def test_ppo_ddp_update_equals_single_process_update(tiny_peaky, tmp_path):
     )
 
 
+def ppo_parity_flags(model, prompts):
+    """PPO (policy, critic, reference: --kl-coef) for 2 iterations of 2 epochs x 2 minibatches x 2 micro-batches,
+    as the engine parity tests run it under each engine."""
+    return [
+        "--model-name-or-path", model, "--train-files", prompts, "--reward-fn", TOY_REWARD, "--batch-size", 4,
+        "--mini-batch-size", 2, "--micro-batch-size", 1, "--update-epochs", 2, "--max-new-tokens", 6,
+        "--learning-rate", 1e-3, "--critic-learning-rate", 1e-3, "--eval-every", 0, "--kl-coef", 0.1,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ppo_ddp_run(tiny_peaky, toy_prompts, tmp_path_factory):
+    """The DDP run every engine's parity test compares with (one launch for the module)."""
+    out = tmp_path_factory.mktemp("ppo_ddp")
+    launch("ppo_llm.py", *ppo_parity_flags(tiny_peaky, toy_prompts), "--total-steps", 2, "--output-dir", out,
+           env={"TOY_MODEL": tiny_peaky})  # fmt: skip
+    return only_run(out)
+
+
+def resume_copy(run, step, tmp_path):
+    """A copy of `run` (its folder) without its checkpoints after `step`, to resume from its step-`step` checkpoint
+    (the resume drops its rows after `step` and must write the later checkpoints again): (the copy, the checkpoint)."""
+    copy = tmp_path / "half" / run.name
+    shutil.copytree(run, copy)
+    for later in (copy / "checkpoints").glob("step_*"):
+        if int(later.name.split("_")[1]) > step:
+            shutil.rmtree(later)
+    return copy, copy / f"checkpoints/step_{step}"
+
+
+def assert_resumed(run):
+    """`run` was resumed (args.json records it) and holds the final checkpoint the resume wrote."""
+    assert json.loads((run / "args.json").read_text())["resumes"], run
+    assert (run / "checkpoints/step_2").is_dir()
+
+
 @pytest.mark.distributed
-def test_fsdp2_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
+def test_fsdp2_equals_ddp_and_resumes(ppo_ddp_run, tiny_peaky, toy_prompts, tmp_path):
     """PPO (policy, critic, reference) for 2 iterations under FSDP2 (fully_shard, DTensor parameters and
-    optimizer states) ends with the parameters of the DDP run; and FSDP2 1 iteration + resume + 1
-    equals FSDP2 2 straight (optimizer states gathered to a full checkpoint and re-sharded)."""
-    flags = [
-        "--model-name-or-path",
-        tiny_peaky,
-        "--train-files",
-        toy_prompts,
-        "--reward-fn",
-        TOY_REWARD,
-        "--batch-size",
-        4,
-        "--mini-batch-size",
-        2,
-        "--micro-batch-size",
-        1,
-        "--update-epochs",
-        2,
-        "--max-new-tokens",
-        6,
-        "--learning-rate",
-        1e-3,
-        "--critic-learning-rate",
-        1e-3,
-        "--eval-every",
-        0,
-        "--kl-coef",
-        0.1,
-    ]
+    optimizer states) ends with the parameters of the DDP run; and its step-1 checkpoint resumed for step 2 equals
+    2 straight (optimizer states gathered to a full checkpoint and re-sharded)."""
+    flags = ppo_parity_flags(tiny_peaky, toy_prompts)
     env = {"TOY_MODEL": tiny_peaky}
-    launch("ppo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path / "ddp", env=env)
-    launch(
-        "ppo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path / "fsdp", env=env, config="cpu_2proc_fsdp2"
-    )
-    launch(
-        "ppo_llm.py", *flags, "--total-steps", 1, "--output-dir", tmp_path / "half", env=env, config="cpu_2proc_fsdp2"
-    )
-    half = only_run(tmp_path / "half")
-    launch(
-        "ppo_llm.py",
-        *flags,
-        "--total-steps",
-        2,
-        "--output-dir",
-        tmp_path / "resumed",
-        "--resume",
-        half,
-        env=env,
-        config="cpu_2proc_fsdp2",
-    )
-    ddp, fsdp = (only_run(tmp_path / n) for n in ("ddp", "fsdp"))
-    resumed = half  # a resume continues its own run folder
-    assert_ran(ddp, "DDP"), assert_ran(fsdp, "FSDP"), assert_ran(resumed, "FSDP")
+    launch("ppo_llm.py", *flags, "--total-steps", 2, "--save-every", 1, "--output-dir", tmp_path / "fsdp", env=env,
+           config="cpu_2proc_fsdp2")  # fmt: skip
+    resumed, ckpt = resume_copy(only_run(tmp_path / "fsdp"), 1, tmp_path)
+    launch("ppo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path / "half", "--resume", ckpt, env=env,
+           config="cpu_2proc_fsdp2")  # fmt: skip
+    ddp, fsdp = ppo_ddp_run, only_run(tmp_path / "fsdp")
+    assert_ran(ddp, "DDP"), assert_ran(fsdp, "FSDP"), assert_ran(resumed, "FSDP"), assert_resumed(resumed)
     for name, value in (("policy", False), ("critic", True)):
         base = base_weights(tiny_peaky, value)
         assert_same_update(ddp / f"checkpoints/step_2/{name}", fsdp / f"checkpoints/step_2/{name}", base)
@@ -443,68 +454,25 @@ def test_generation_from_fsdp2_sharded_model(tiny):
 
 
 @pytest.mark.distributed
-def test_deepspeed_equals_ddp_and_resumes(tiny_peaky, toy_prompts, tmp_path):
-    """PPO (policy, critic, ZeRO-3-partitioned reference) for 2 iterations of 2 minibatches x 2
-    micro-batches under ZeRO-2 and ZeRO-3 ends with the parameters and metrics of the DDP run (the
-    engines step at the minibatch boundary, with the scripts' loss scaling); ZeRO-3 1 iteration +
-    resume + 1 equals 2 straight; a DeepSpeed checkpoint resumed under DDP stops with a clear message."""
-    flags = [
-        "--model-name-or-path",
-        tiny_peaky,
-        "--train-files",
-        toy_prompts,
-        "--reward-fn",
-        TOY_REWARD,
-        "--batch-size",
-        4,
-        "--mini-batch-size",
-        2,
-        "--micro-batch-size",
-        1,
-        "--max-new-tokens",
-        6,
-        "--learning-rate",
-        1e-3,
-        "--critic-learning-rate",
-        1e-3,
-        "--eval-every",
-        0,
-        "--kl-coef",
-        0.1,
-    ]
+def test_deepspeed_equals_ddp_and_resumes(ppo_ddp_run, tiny_peaky, toy_prompts, tmp_path):
+    """PPO (policy, critic, ZeRO-3-partitioned reference) under ZeRO-2 and ZeRO-3 ends with the parameters and
+    metrics of the DDP run (the engines step at the minibatch boundary, with the scripts' loss scaling); ZeRO-3's
+    step-1 checkpoint resumed for step 2 equals 2 straight; a DeepSpeed checkpoint resumed under DDP stops with a
+    clear message; a pickle planted in an engine file never runs."""
+    flags = ppo_parity_flags(tiny_peaky, toy_prompts)
     env = {"TOY_MODEL": tiny_peaky}
-    for kind in ("DDP", "ZERO2", "ZERO3"):
+    for kind in ("ZERO2", "ZERO3"):
         save = ["--save-every", 1] if kind == "ZERO3" else []  # its step-1 checkpoint is resumed below
-        launch(
-            "ppo_llm.py",
-            *flags,
-            *save,
-            "--total-steps",
-            2,
-            "--output-dir",
-            tmp_path / kind,
-            env=env,
-            config=CONFIGS[kind],
-        )
-    runs = {kind: only_run(tmp_path / kind) for kind in ("DDP", "ZERO2", "ZERO3")}
-    half = tmp_path / "half" / runs["ZERO3"].name  # a copy of the ZeRO-3 run, resumed from step 1
-    shutil.copytree(runs["ZERO3"], half)
-    ckpt = half / "checkpoints/step_1"
-    launch(
-        "ppo_llm.py",
-        *flags,
-        "--total-steps",
-        2,
-        "--output-dir",
-        tmp_path / "half",
-        "--resume",
-        ckpt,
-        env=env,
-        config=CONFIGS["ZERO3"],
-    )
+        launch("ppo_llm.py", *flags, *save, "--total-steps", 2, "--output-dir", tmp_path / kind, env=env,
+               config=CONFIGS[kind])  # fmt: skip
+    runs = {"DDP": ppo_ddp_run, **{kind: only_run(tmp_path / kind) for kind in ("ZERO2", "ZERO3")}}
+    half, ckpt = resume_copy(runs["ZERO3"], 1, tmp_path)  # a copy of the ZeRO-3 run, resumed from step 1
+    launch("ppo_llm.py", *flags, "--total-steps", 2, "--output-dir", tmp_path / "half", "--resume", ckpt, env=env,
+           config=CONFIGS["ZERO3"])  # fmt: skip
     for kind, run in runs.items():
         assert_ran(run, kind)
     resumed = half  # a resume continues its own run folder
+    assert_resumed(resumed)
     assert (half / "checkpoints/step_1/policy/deepspeed/state").is_dir()  # DeepSpeed's own per-rank files
     no_perf = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
     ddp = no_perf(read_metrics(runs["DDP"]))

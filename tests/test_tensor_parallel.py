@@ -14,8 +14,9 @@ from test_distributed import (
     TOY_REWARD,
     assert_same_update,
     base_weights,
-    equal_length_prompts,
+    grpo_one_update_flags,
     launch,
+    one_process_run,
     ppo_one_update_flags,
 )
 
@@ -96,13 +97,10 @@ def test_grpo_tp2_update_equals_single_process_update(nproc, tiny_peaky, tmp_pat
     policy; with 4, two such TP groups, each on its half of the batch, FSDP2 across them) ends with the
     parameters of 1 process; the greedy evaluation before and after scores the same; the checkpoint is a
     full model folder."""
-    prompts = equal_length_prompts(tmp_path)
-    flags = ["--model-name-or-path", tiny_peaky, "--train-files", prompts, "--total-steps", 1, *GRPO_FLAGS]
-    flags += ["--eval-every", 1, "--val-files", prompts, "--num-eval-prompts", 4]  # (the last --eval-every counts)
-    env = {"TOY_MODEL": tiny_peaky}
-    run_script("grpo_llm.py", *flags, "--output-dir", tmp_path / "one", env=env)
+    flags, env = grpo_one_update_flags(tiny_peaky), {"TOY_MODEL": tiny_peaky}
+    one = one_process_run("grpo_llm.py", *flags, env=env)  # (shared with the DDP parity test)
     launch_tp(nproc, "grpo_llm.py", *flags, "--output-dir", tmp_path / "tp", env=env)
-    one, tp = only_run(tmp_path / "one"), only_run(tmp_path / "tp")
+    tp = only_run(tmp_path / "tp")
     record = json.loads((tp / "args.json").read_text())
     assert record["world_size"] == nproc and record["tp_size"] == 2
     m1, m2 = read_metrics(one)[-1], read_metrics(tp)[-1]
@@ -116,11 +114,10 @@ def test_grpo_tp2_update_equals_single_process_update(nproc, tiny_peaky, tmp_pat
 def test_ppo_tp2_update_equals_single_process_update(nproc, tiny_peaky, tmp_path):
     """One PPO update of the sharded policy and critic (whitened advantages, GAE) under TP=2 (x DP=2 on 4
     processes) equals 1 process's."""
-    flags = ppo_one_update_flags(tiny_peaky, tmp_path)
-    env = {"TOY_MODEL": tiny_peaky}
-    run_script("ppo_llm.py", *flags, "--output-dir", tmp_path / "one", env=env)
+    flags, env = ppo_one_update_flags(tiny_peaky), {"TOY_MODEL": tiny_peaky}
+    one = one_process_run("ppo_llm.py", *flags, env=env)  # (shared with the DDP parity test)
     launch_tp(nproc, "ppo_llm.py", *flags, "--output-dir", tmp_path / "tp", env=env)
-    one, tp = only_run(tmp_path / "one"), only_run(tmp_path / "tp")
+    tp = only_run(tmp_path / "tp")
     m1, m2 = read_metrics(one)[-1], read_metrics(tp)[-1]
     for key in ("train/reward", "train/kl", "train/value_mean", "loss/policy", "loss/value", "train/entropy"):
         assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
@@ -173,12 +170,10 @@ def test_tp2_checkpoint_resumes_in_one_process_with_identical_metrics(nproc, fmt
     assert json.loads((tp / "args.json").read_text())["resumes"][0]["tp_size"] == 1
 
 
-@pytest.mark.parametrize(
-    "script, nproc", [("sft_llm.py", 2), ("rm_llm.py", 2), ("dynamic_kl_ppo.py", 2), ("rm_llm.py", 4)]
-)
+@pytest.mark.parametrize("script, nproc", [("sft_llm.py", 2), ("dynamic_kl_ppo.py", 2), ("rm_llm.py", 4)])
 def test_other_scripts_run_under_tp2(script, nproc, tiny, tiny_peaky, toy_prompts, tmp_path):
     """SFT, the reward model and dynamic-KL PPO train for a step under TP=2 and save full model folders
-    (the reward model, a sequence-classification head, also under TP=2 x DP=2)."""
+    (the reward model, a sequence-classification head, under TP=2 x DP=2)."""
     if script == "dynamic_kl_ppo.py":
         flags = ["--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD]
         flags += ["--batch-size", 4, "--mini-batch-size", 4, "--micro-batch-size", 2, "--max-new-tokens", 6]

@@ -372,7 +372,7 @@ def test_two_processes_sample_what_one_process_samples(peaky_vllm, toy_prompts, 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("processes", [2])  # (one process: the same sharded optimizer code path; suite time)
-@pytest.mark.parametrize("stage", [1, 2], ids=["ZeRO-1", "ZeRO-2"])
+@pytest.mark.parametrize("stage", [2], ids=["ZeRO-2"])  # (ZeRO-1 writes the weights the same way; suite time)
 def test_under_zero_1_and_2_the_engine_samples_every_updated_policy(
     peaky_vllm, toy_prompts, tmp_path, stage, processes
 ):
