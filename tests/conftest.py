@@ -140,20 +140,44 @@ def accelerate_launch(config="cpu_2proc", processes=None) -> list[str]:
 TIERS = ("smoke", "e2e", "distributed", "vllm", "slow")
 
 
+PARITY_FIXTURES = ("ppo_ddp_run",)  # module fixtures of runs several tests compare with (test_distributed.py)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, as .ci/run runs the tiers beyond the fast one): the tests that
-    launch several processes run one after another on one worker (each of them takes both cores; their ports are
-    free ones, accelerate_launch above), so do the vLLM tests (an engine each, and module fixtures holding one) and the
-    real-model tests; everything else is balanced over the workers. Without xdist the marks do nothing."""
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, as .ci/run runs the tiers beyond the fast one), tests that share
+    a run run on one worker, one after another: the vLLM tests (module fixtures holding an engine; an engine each),
+    the real-model tests, the parity tests (test_distributed.one_process_run's reference runs and the module's DDP
+    run) and the users of the GRPO toy teacher. Everything else, multi-process launches included (free ports; one
+    torch thread per process: _one_thread_per_launched_process), is balanced over the workers. Without xdist the
+    marks do nothing."""
     for item in items:
-        for marker, group in (("distributed", "processes"), ("vllm", "vllm"), ("slow", "smollm2")):
+        names = set(getattr(item, "fixturenames", ()))
+        for marker, group in (("vllm", "vllm"), ("slow", "smollm2")):
             if item.get_closest_marker(marker):
                 item.add_marker(pytest.mark.xdist_group(group))
                 break
         else:
-            if "grpo_toy_teacher" in getattr(item, "fixturenames", ()):  # one worker trains it once for them all
+            if item.get_closest_marker("parity") or names & set(PARITY_FIXTURES):
+                item.add_marker(pytest.mark.xdist_group("parity"))
+            elif "grpo_toy_teacher" in names:  # one worker trains it once for them all
                 item.add_marker(pytest.mark.xdist_group("grpo_toy"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread_per_launched_process():
+    """Every script, launcher and tool a test launches runs torch on one thread (OMP_NUM_THREADS=1, set after
+    collection: this process's own torch keeps its threads). The same numbers on any machine and any number of
+    xdist workers (a learning curve depends on the thread count: float sums in another order), and two workers'
+    launches share 2 cores without oversubscribing them (a bf16 learning test: 244 s with 2 threads per process
+    beside the other worker's, 52 s with one)."""
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    yield
+    if old is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = old
 
 
 def _launches_python(cmd) -> bool:

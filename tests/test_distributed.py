@@ -252,6 +252,7 @@ def base_weights(path, value=False):
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.parity  # its one-process reference run is shared (one_process_run)
 @pytest.mark.distributed
 def test_grpo_ddp_update_equals_single_process_update(tiny_peaky, tmp_path):
     """Same global batch, one GRPO update (token-mean over the global minibatch): 2 processes (DDP over
@@ -303,6 +304,7 @@ def ppo_one_update_flags(model, tmp_path=None):
     ]
 
 
+@pytest.mark.parity  # its one-process reference run is shared (one_process_run)
 @pytest.mark.distributed
 def test_ppo_ddp_update_equals_single_process_update(tiny_peaky, tmp_path):
     """One PPO update of policy and critic with advantages whitened over the global batch and the

@@ -91,6 +91,7 @@ GRPO_FLAGS = [
 ]
 
 
+@pytest.mark.parity  # its one-process reference run is shared (one_process_run)
 @pytest.mark.parametrize("nproc", [2])  # TP x DP (4 processes): the resume test below (suite time)
 def test_grpo_tp2_update_equals_single_process_update(nproc, tiny_peaky, tmp_path):
     """One GRPO update (policy and reference sharded over 2 processes, generation from the sharded
@@ -110,6 +111,7 @@ def test_grpo_tp2_update_equals_single_process_update(nproc, tiny_peaky, tmp_pat
     assert_same_update(one / "checkpoints/step_1/policy", tp / "checkpoints/step_1/policy", base_weights(tiny_peaky))
 
 
+@pytest.mark.parity  # its one-process reference run is shared (one_process_run)
 @pytest.mark.parametrize("nproc", [2])  # TP x DP (4 processes): the resume test below (suite time)
 def test_ppo_tp2_update_equals_single_process_update(nproc, tiny_peaky, tmp_path):
     """One PPO update of the sharded policy and critic (whitened advantages, GAE) under TP=2 (x DP=2 on 4
