@@ -105,6 +105,7 @@ def test_the_resume_rule_is_the_one_before_the_groups():
     added |= {"report_to", "service_timeout", "service_retries", "service_concurrency"}  # issue 37
     added |= {"env_timeout"}  # issue 33
     added |= {"checkpoint_format"}  # issue 37
+    added |= {"tool_sandbox"}  # issue 53 (the isolation, not the numbers)
     assert resume_may_change(ppo_llm.Args()) == before | added
     assert "steps" in resume_may_change(Toy()) and "gamma" not in resume_may_change(Toy())
 
