@@ -193,8 +193,9 @@ def test_no_socket_reaches_a_server_on_the_host(kw):
     out = tool(
         f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')", **kw
     )
-    thread.join()
+    server.shutdown(socket.SHUT_RDWR)  # (wakes the accept still waiting)
     server.close()
+    thread.join()
     assert "connected" not in out and accepted == [None], out
 
 
