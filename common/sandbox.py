@@ -321,15 +321,19 @@ def _limits(timeout: float, memory_mb: int, max_file_bytes: int):
     return apply
 
 
+@functools.cache  # (every call needs it; it does not change within a process)
 def _read_only_paths() -> tuple[list[str], list[str]]:
     """What the namespaces mode shows read-only: the standard library (and its extension modules), the shared
     libraries they link (the system's lib folders, ld.so's cache); and what it hides inside them (site-packages)."""
     paths = sysconfig.get_paths()
     stdlib = {os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib")}
-    dynload = {os.path.realpath(os.path.dirname(m.__file__)) for m in (math,) if getattr(m, "__file__", None)}
+    # the extension modules' folder (lib-dynload), where the interpreter keeps it outside the stdlib folder
+    dynload = {os.path.realpath(os.path.dirname(math.__file__))} if getattr(math, "__file__", None) else set()
     system = ["/usr/lib", "/usr/lib64", "/usr/lib32", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache"]
     hidden = [os.path.realpath(paths[k]) for k in ("purelib", "platlib")]
-    return sorted(stdlib | dynload) + system, sorted({h for h in hidden if any(h.startswith(s) for s in stdlib)})
+    return sorted(stdlib | dynload) + system, sorted(
+        {h for h in hidden if any(h.startswith(s + os.sep) for s in stdlib)}
+    )
 
 
 @functools.cache
@@ -337,7 +341,8 @@ def check_sandbox(sandbox: str) -> None:
     """Raise SandboxUnavailable (one line) now, at start-up, where `sandbox` cannot run; once per process."""
     out, ok = run_python("print('ok')", sandbox=sandbox)
     if not ok or out != "ok":
-        raise UserError(f"--tool-sandbox {sandbox}: the Python tool does not run here: {out.splitlines()[-1:]}")
+        last = out.splitlines()[-1] if out else "no output"
+        raise UserError(f"--tool-sandbox {sandbox}: the Python tool does not run here: {last}")
 
 
 def _wait(child: subprocess.Popen, code: bytes, timeout: float) -> None:
