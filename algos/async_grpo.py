@@ -32,30 +32,28 @@ import tyro
 from common import models as M
 from common.args import (
     RESUME_MAY_CHANGE, Check, EnvArgs, GenerationArgs, Group, MismatchArgs, ModelArgs, NonNegFloat, NonNegInt, OptimArgs,
-    PositiveFloat, PositiveInt, PromptArgs, RewardArgs, RunArgs, group,
+    PackingArgs, PositiveFloat, PositiveInt, PromptArgs, RewardArgs, RunArgs, group,
 )
 from common.async_rollout import (
-    BatchLog, BatchStream, GeneratorFailed, GeneratorProcess, end_on_failure, generator_env, make_mailbox, split_threads,
+    BatchLog, BatchStream, GeneratorProcess, async_launch, ending_on_failure, generator_env, generator_setup, make_mailbox,
+    serve_batches,
 )
 from common.cli import cli
 from common.data import Sampler
 from common.distributed import (
-    UpdateGuard, backward, configure_deepspeed, frozen_reference, make_accelerator, micro_batch_budget,
+    UpdateGuard, backward, frozen_reference, make_accelerator, micro_batch_budget,
     unwrap_for_generation,
 )
-from common.envs import episodes_from_args
-from common.errors import UserError, mix_seed, seed_everything
+from common.errors import mix_seed, seed_everything
 from common.eval import evaluate_policy
 from common.health import HealthConfig
 from common.ops import exact_div, global_mean_divisor, kl_estimate, masked_mean, masked_var, rollout_correction
 from common.optim import adamw
 from common.perf import mfu, peak_mem_gb
-from common.rewards import reward_by_data_source, reward_from_args
+from common.rewards import reward_by_data_source
 from common.rollout import forward_by_micro_batch, forward_logprobs, micro_batches, padding_counts, reference_logprobs
 from common.run import Run
-from common.sampling import Rollout, sample
-from common.tasks import load_rl_prompts
-from common.vllm_engine import make_engine
+from common.sampling import Rollout, draw_rows, dynamic_sampling, group_metrics, rl_inputs, sample
 # fmt: on
 
 
@@ -64,9 +62,8 @@ class Args:
     # --- algorithm
     num_prompts: PositiveInt = 8
     """prompts per iteration, over all processes"""
-    group_size: Annotated[
-        int, tyro.conf.arg(aliases=("--num-generations",)), Check(ge=2, note="advantages compare a prompt's samples")
-    ] = 4
+    group_size: Annotated[int, tyro.conf.arg(aliases=("--num-generations",)),
+                          Check(ge=2, note="advantages compare a prompt's samples")] = 4  # fmt: skip
     """G: responses sampled per prompt"""
     mini_batch_size: PositiveInt = 32
     """sequences per optimizer step, over all processes"""
@@ -106,13 +103,11 @@ class Args:
     mask_truncated: bool = False
     """exclude responses cut at max_new_tokens from the loss (DAPO overlong filtering)"""
     max_off_policy_steps: NonNegInt = 1
-    """K: the batch of step n is sampled by the policy after update n-1-K (0: synchronous, as grpo_llm.py); the
-    generator waits rather than sample further ahead"""
+    """K: the batch of step n is sampled by the policy after update n-1-K, never further ahead (0: synchronous)"""
     generator_threads: int = -1
     """the generator process's torch threads (-1: every core when K = 0, else half; the trainer gets the rest)"""
     generator_timeout: PositiveFloat = 900.0
-    """seconds without a batch (or the generator's load of the weights it needs) before the run ends, counted once
-    the generator is set up (its start may take max(this, 900 s))"""
+    """seconds without a batch (or its load of the weights it needs) before the run ends; its start: max(this, 900)"""
     weight_sync: Annotated[Literal["shm", "broadcast"], RESUME_MAY_CHANGE] = "shm"
     """how pushed weights reach the generator: shared CPU memory, or a broadcast (NCCL GPU to GPU, gloo on CPU)"""
     generator_device: Annotated[str, RESUME_MAY_CHANGE] = ""
@@ -123,10 +118,7 @@ class Args:
     # --- memory: how a minibatch is cut into forward/backward passes (the same loss)
     micro_batch_size: PositiveInt = 8
     """sequences per forward/backward on one process"""
-    micro_batch_tokens: int = -1
-    """micro-batches packed by length: rows sorted longest first, packed while rows x padded length <= this many
-    tokens, each run at its own longest prompt and response (less padding, same loss); -1: the budget of
-    --micro-batch-size rows at the batch's full length (same memory bound); 0: --micro-batch-size rows, unpacked"""
+    packing: Group[PackingArgs] = group(PackingArgs)  # --micro-batch-tokens: micro-batches packed by length
 
     # --- the flags every script shares (common/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
     run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=100)
@@ -145,12 +137,11 @@ class Args:
 # ALGO LOGIC: advantages, reward shaping and loss aggregation
 # Copied from grpo_llm.py: every definition in this section
 def compute_advantages(scores, group_size, baseline, scale_rewards, eps=1e-6):
-    """scores: (N*G,) with a prompt's G samples adjacent -> advantages (N*G,).
-    group-mean: score - group mean (GRPO); rloo: score - mean of the other G-1 (Ahmadian et al. 2024).
-    Then divided by the group's unbiased std + eps (group), the global batch's std over all processes
-    (batch; groups never straddle ranks, so the group statistics need no communication), or nothing
-    (none, Dr. GRPO). A group of equal scores gives exactly 0, never NaN. eps = 1e-6 as in the GRPO
-    reference code (TRL uses 1e-4)."""
+    """scores: (N*G,) with a prompt's G samples adjacent -> advantages (N*G,). group-mean: score - group mean
+    (GRPO); rloo: score - mean of the other G-1 (Ahmadian et al. 2024). Then divided by the group's unbiased std + eps
+    (group), the global batch's std over all processes (batch; groups never straddle ranks, so the group statistics
+    need no communication), or nothing (none, Dr. GRPO). A group of equal scores gives exactly 0, never NaN.
+    eps = 1e-6 as in the GRPO reference code (TRL uses 1e-4)."""
     s = scores.view(-1, group_size)  # (N, G)
     if baseline == "group-mean":
         adv = s - s.mean(dim=1, keepdim=True)
@@ -185,18 +176,6 @@ def aggregate(token_loss, mask, loss_agg, n_tokens, n_seqs, max_new_tokens):
     if loss_agg == "seq-mean-token-sum-norm":
         return masked.sum() / (n_seqs * max_new_tokens)
     raise ValueError(f"unknown --loss-agg {loss_agg!r}")
-
-
-def take_informative_groups(parts: list[Rollout], G, n_groups, pad_id):
-    """Dynamic sampling: from sampled batches `parts` (a prompt's G samples adjacent), one batch of `n_groups`
-    groups, those whose rewards differ first, then (if too few) groups of equal rewards to keep the batch size
-    fixed. Returns (batch, number of equal-reward groups used to fill)."""
-    groups = [(k, j) for k, p in enumerate(parts) for j in range(len(p.rows) // G)]
-    differ = lambda k, j: bool(parts[k].scores.view(-1, G)[j].std() > 0)
-    informative = [g for g in groups if differ(*g)][:n_groups]
-    filled = [g for g in groups if not differ(*g)][: n_groups - len(informative)]
-    picks = [parts[k].take(list(range(j * G, (j + 1) * G))) for k, j in informative + filled]  # a group each
-    return Rollout.cat(picks, pad_id), len(filled)
 
 
 # ALGO LOGIC: the policy losses (--loss-type): f(logprobs, old_logprobs, advantages, mask, *its hyperparameters)
@@ -248,88 +227,47 @@ def sapo_loss(logprobs, old_logprobs, advantages, mask, tau_pos, tau_neg):
 
 # ALGO LOGIC: the generator process: each step's batch, sampled and scored by the policy K updates before it
 def generate_batches(put, args: Args, rank: int, W: int, first_step: int, first_version: int, sampler_state, mailbox):
-    """Runs in a process of its own (common.async_rollout.GeneratorProcess) with its own copy of the policy and
-    engine: for step = first_step, first_step + 1, ... it loads the weights of version step - 1 - K (the policy
-    after that many updates; none older than `first_version`, the run's or the resumed checkpoint's), samples and
-    scores this rank's share of the step's prompts as grpo_llm.py does, and put()s the batch tagged with its
-    version. It draws the prompts (its Sampler, from `sampler_state`), so each batch carries the sampler's state
-    after it: the trainer's checkpoint then resumes the draw after the last batch it holds."""
-    accelerator = make_accelerator(args.model)  # a process of its own: the trainer's --mixed-precision, no group
-    device, G, K = accelerator.device, args.group_size, args.max_off_policy_steps
-    local_num_prompts = args.num_prompts // W
-    seed_everything(args.run.seed)
-    max_len = args.data.max_prompt_length + args.env.budget(args.gen.max_new_tokens)  # --env: --max-trajectory-tokens
-    tok = M.prompt_tokenizer(args.model, args.data, max_len, "--max-prompt-length + --max-new-tokens")
-    reward = reward_from_args(args.rewards, args.model, args.gen.max_new_tokens, accelerator)  # rules, models, mixes
-    train_rows, _ = load_rl_prompts(args.data, tok, reward, quiet := lambda *a, **k: None)  # the trainer said it all
-    episodes = episodes_from_args(args.env, tok, reward, device, quiet)  # --env: turns; else None
-    index = {id(x): i for i, x in enumerate(train_rows)}  # a row's prompt id (batches.jsonl, checkpoints)
-    sampler = Sampler(len(train_rows), args.run.seed)
-    sampler.load_state_dict(sampler_state)
-    policy = M.load_causal_lm(args.model.model_name_or_path, tok, **M.train_kwargs(args.model)).to(device)
-    engine = make_engine(args.gen, args.model, tok, policy, accelerator, max_len, args.run.seed + rank)
-    version = None
-    put(None)  # set up: the trainer's --generator-timeout clock starts now
+    """Runs in a process of its own (common.async_rollout.GeneratorProcess) with its own copy of main's setup: the
+    batch of each step from `first_step`, sampled and scored as grpo_llm.py does (this rank's share of its prompts)
+    by the weights of version step - 1 - K (the policy after that many updates; none older than `first_version`)."""
+    accelerator, tok, reward, train_rows, episodes, sampler, policy, engine = generator_setup(args.model, args.data,
+        args.rewards, args.gen, args.env, args.run.seed, rank, sampler_state)  # fmt: skip
+    G, K = args.group_size, args.max_off_policy_steps
 
     def sample_groups(step, round_) -> Rollout:
         """One global draw of prompts; this rank's share, each repeated G times, sampled and scored."""
-        r = rank
-        ids = sampler.take(args.num_prompts)[r * local_num_prompts : (r + 1) * local_num_prompts]  # this rank's
-        rows = [train_rows[i] for i in ids for _ in range(G)]  # (N*G,) a prompt's samples adjacent
-        uid0 = (round_ * args.num_prompts + r * local_num_prompts) * G
-        seeds = [mix_seed(args.run.seed, step, uid0 + j) for j in range(len(rows))]  # each row's own seed
+        rows, seeds = draw_rows(sampler, train_rows, args.num_prompts, rank, W, args.run.seed, step, G, round_)
         with unwrap_for_generation(accelerator, policy) as gen_model:  # one turn, or --env's trajectories
-            return sample(gen_model, tok, rows, reward, episodes, device, seeds, engine, **args.gen.sampling())
+            return sample(gen_model, tok, rows, reward, episodes, policy.device, seeds, engine, **args.gen.sampling())
 
-    for step in range(first_step, args.run.total_steps + 1):
-        t_wait = time.time()  # the weights this step is sampled with: version step - 1 - K (waits for the trainer)
-        version = mailbox.load_into(policy, max(first_version, step - 1 - K), step, version, args.generator_timeout)
-        t_gen = time.time()
-        batch, rounds, n_filled = sample_groups(step, 0), 0, 0
-        if args.dynamic_sampling:  # DAPO: keep groups whose rewards differ (one trainer process: checked in main)
-            parts = [batch]
-            while rounds < args.max_resample_rounds:
-                if sum(int((p.scores.view(-1, G).std(1) > 0).sum()) for p in parts) >= local_num_prompts:
-                    break
-                rounds += 1
-                parts.append(sample_groups(step, rounds))
-            batch, n_filled = take_informative_groups(parts, G, local_num_prompts, tok.pad_token_id)
-        put(dict(rollout=batch, prompt_ids=[index[id(x)] for x in batch.rows], step=step, version=version,
-                 rounds=rounds, n_filled=n_filled, sampler=sampler.state_dict(), wait_s=t_gen - t_wait,
-                 gen_s=time.time() - t_gen, reward_errors=reward.errors))  # fmt: skip
+    def sample_batch(step):  # -> (Rollout, rounds, n_filled); DAPO's dynamic sampling: one trainer process
+        if not args.dynamic_sampling:
+            return sample_groups(step, 0), 0, 0
+        return dynamic_sampling(partial(sample_groups, step), G, args.num_prompts, args.max_resample_rounds, tok.pad_token_id)  # fmt: skip
+
+    serve_batches(put, sample_batch, lambda step: max(first_version, step - 1 - K), mailbox, policy, sampler,
+                  train_rows, reward, first_step, args.run.total_steps, args.generator_timeout)  # fmt: skip
 
 
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
     accelerator = make_accelerator(args.model)  # as launched: DDP (a generator per process); --mixed-precision
     device, W, G, K = accelerator.device, accelerator.num_processes, args.group_size, args.max_off_policy_steps
-    if str(accelerator.distributed_type).split(".")[-1] not in ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU"):
-        raise UserError(f"async_grpo.py runs one process or DDP, not {accelerator.distributed_type}: a push takes "
-                        "the policy's whole weights from each trainer process (docs/async.md)")  # fmt: skip
-    if args.dynamic_sampling and W > 1:
-        raise UserError("--dynamic-sampling with several processes: each generator would resample on its own")
-    trainer_threads, generator_threads = split_threads(K, args.generator_threads)
-    torch.set_num_threads(trainer_threads)
+    generator_threads = async_launch(accelerator, args.dynamic_sampling, K, args.generator_threads)  # checks; threads
     exact_div(args.num_prompts, W, "--num-prompts over the number of processes")
     local_mini_batch_size = exact_div(args.mini_batch_size, W, "--mini-batch-size over the number of processes")
     exact_div(args.num_prompts * G, args.mini_batch_size, "--num-prompts x --group-size over --mini-batch-size")
     exact_div(local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size")
-    micro_batch_tokens = micro_batch_budget(accelerator, args.micro_batch_tokens)  # DeepSpeed: row micro-batches
-    # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
-    accumulation = local_mini_batch_size // args.micro_batch_size
-    configure_deepspeed(accelerator, args.micro_batch_size, accumulation, args.optim.max_grad_norm)
+    micro_batch_tokens = micro_batch_budget(accelerator, args.packing.micro_batch_tokens)  # DeepSpeed: rows
     seed_everything(args.run.seed)
     run = Run(accelerator, args, Path(__file__).stem)  # --resume: resolved and checked before anything loads
     T_max = args.gen.max_new_tokens  # the response length limit
-    max_len = args.data.max_prompt_length + args.env.budget(T_max)  # --env: --max-trajectory-tokens
-    tok = M.prompt_tokenizer(args.model, args.data, max_len, "--max-prompt-length + --max-new-tokens")
-    reward = reward_from_args(args.rewards, args.model, args.gen.max_new_tokens, accelerator)  # rules, models, mixes
-    # --train-files / --val-files, else the built-in --task; every data_source checked against the rewards
-    train_rows, val_rows = load_rl_prompts(args.data, tok, reward, accelerator.print)
+    # the tokenizer, --reward's scorers, the prompts (--train-files / --val-files, else --task), --env's episodes
+    max_len, tok, reward, train_rows, val_rows, episodes = rl_inputs(args.model, args.data, args.rewards, args.gen,
+        args.env, accelerator)  # fmt: skip
     sampler = Sampler(len(train_rows), args.run.seed)  # the draw up to the last batch trained on (the generator's)
 
-    # ALGO LOGIC: GRPO's models and optimizer: the policy and, when --kl-coef > 0, a frozen reference;
-    # no critic (the group's other samples are the baseline)
+    # ALGO LOGIC: the policy and, when --kl-coef > 0, a frozen reference; no critic (the group is the baseline)
     policy = M.load_causal_lm(args.model.model_name_or_path, tok, **M.train_kwargs(args.model))
     # kl_coef 0: no reference at all; with LoRA: the policy with its adapter disabled
     ref_policy = frozen_reference(accelerator, args.model, tok) if args.kl_coef > 0 and not args.model.lora_r else None
@@ -341,10 +279,8 @@ def main(args: Args):
         "cispo": partial(cispo_loss, eps_high=args.cispo_eps_high),
         "sapo": partial(sapo_loss, tau_pos=args.sapo_tau[0], tau_neg=args.sapo_tau[1]),
     }[args.loss_type]
-    # pi_old with one optimizer step per batch (mu = 1, one minibatch) is the policy the update's forward runs:
-    # its own log-probs, detached (ratio 1, as TRL does), no extra forward; else recomputed before the update.
-    # The shortcut fills old_logprobs micro-batch by micro-batch during the update (zeros before it): a loss whose
-    # rule reads them before (a batch-level token selection, KL-Cov's) sets `my_loss.reads_pi_old = True`
+    # pi_old with one optimizer step per batch (mu = 1, one minibatch): the update forward's own log-probs, detached
+    # (as TRL), filled during the update; a loss that reads them before it sets `my_loss.reads_pi_old = True`
     one_step = args.update_epochs == 1 and args.mini_batch_size == args.num_prompts * G
     one_step = one_step and not getattr(policy_loss.func, "reads_pi_old", False)
     # K > 0: pi_old is the trainer's policy before the update (recomputed) and --tis-cap weights each token by
@@ -359,47 +295,34 @@ def main(args: Args):
     policy, opt, sched = accelerator.prepare(policy, opt, sched)
     engine = None  # --rollout-engine: the generator's; validation runs here, on the hf engine
     batches = BatchStream(accelerator, K, args.run.total_steps, train_rows)  # the next K in checkpoints
-    evaluate = lambda: evaluate_policy(
-        accelerator, policy, tok, reward, val_rows, args.gen.max_new_tokens, args.micro_batch_size, engine
-    )
+    evaluate = lambda: evaluate_policy(accelerator, policy, tok, reward, val_rows, T_max, args.micro_batch_size, engine)
     ref_logprobs_of = reference_logprobs(accelerator, ref_policy, policy, args.gen.temperature)  # (B, T) fn
     # what a checkpoint holds, by name (restored here when resuming); evaluation before the first step
-    run.begin(
-        tok,
-        models={"policy": policy},
-        optimizers={"opt": ("policy", opt)},
-        state=dict(sched=sched, sampler=sampler, guard=guard, batches=batches),
-        evaluate=evaluate if val_rows else None,
-    )
+    run.begin(tok, models={"policy": policy}, optimizers={"opt": ("policy", opt)},
+              state=dict(sched=sched, sampler=sampler, guard=guard, batches=batches),
+              evaluate=evaluate if val_rows else None)  # fmt: skip
 
     # ALGO LOGIC: the generator process, its weights (version n: the policy after n updates) by --weight-sync
     policy_module = accelerator.unwrap_model(policy)  # (DDP's module) whose weights are pushed
-    mailbox = make_mailbox(args.weight_sync, policy_module, run.start_step, run.start_step + len(batches.ready),
-                           GeneratorProcess.context(), args.generator_timeout)  # fmt: skip
+    ready = run.start_step + len(batches.ready)  # the last step of the batches a resumed run holds
+    mailbox = make_mailbox(args.weight_sync, policy_module, run.start_step, ready, args.generator_timeout)
     generator = GeneratorProcess(generate_batches, dict(args=args, rank=accelerator.process_index, W=W,
-                                 first_version=run.start_step, mailbox=mailbox), max_ahead=K + 1,
-                                 threads=generator_threads, timeout=args.generator_timeout,
-                                 env=generator_env(device, args.generator_device, args.weight_sync))  # fmt: skip
+        first_version=run.start_step, mailbox=mailbox), max_ahead=K + 1, threads=generator_threads,
+        timeout=args.generator_timeout, env=generator_env(device, args.generator_device, args.weight_sync))  # fmt: skip
     batches.start(generator, run.start_step + 1, sampler.state_dict())
     batch_log, push_s = BatchLog(accelerator, run.dir, run.start_step), 0.0
 
     for step in run.steps():  # after each: checkpoints (periodic, final, on a signal), --max-wall-minutes
         # ------------------------------------------------------------------ 1. the batch of this step, sampled ahead
         t_step = time.time()
-        try:  # push version step - 1 (it samples the batch of step + K), then take this step's batch
-            if run.start_step < step - 1 and step + K <= args.run.total_steps:
+        with ending_on_failure(accelerator, run, batches, generator, step):  # any rank's: checkpoint, one line, exit
+            if run.start_step < step - 1 and step + K <= args.run.total_steps:  # push version step - 1 (for step + K)
                 push_s = mailbox.push(policy_module, step - 1, step - 1 + K, args.generator_timeout, generator.alive)
             t_wait = time.time()
-            batch, failed = batches.next(step), None
-        except GeneratorFailed as e:
-            batch, failed = None, e
-        if accelerator.reduce(torch.tensor([float(failed is not None)], device=device), "max").item():
-            end_on_failure(accelerator, run, batches, generator, step, failed)  # every rank: a checkpoint, one line
-        wait_s, gen_s, rounds, n_filled = time.time() - t_wait, batch["gen_s"], batch["rounds"], batch["n_filled"]
-        staleness = step - 1 - batch["version"]  # updates between the sampling policy and the one trained now
-        batch_log.add(step, batch["version"], staleness, batch["prompt_ids"])  # batches.jsonl, staleness.json
+            batch = batches.next(step)  # this step's batch (waits for the generator)
+        rollout, gen_s, rounds, n_filled = batch["rollout"], batch["gen_s"], batch["rounds"], batch["n_filled"]
+        wait_s, staleness = time.time() - t_wait, batch_log.add(step, batch)  # step - 1 - its version (batches.jsonl)
         sampler.load_state_dict(batch["sampler"])  # the prompts drawn up to this batch: consumed
-        rollout = batch["rollout"]  # the Rollout the generator sampled for this step
         # B = N*G rows: scores (B,), mask (B, T), query_mask (B, P); query_responses, attn (B, P+T); lengths (B,)
         rows, scores, mask, query_mask = rollout.rows, rollout.scores, rollout.mask, rollout.query_mask
         P, T = rollout.queries.shape[1], rollout.responses.shape[1]
@@ -410,9 +333,8 @@ def main(args: Args):
         advantages = compute_advantages(scores, G, args.baseline, args.scale_rewards)  # (B,)
         loss_mask = mask * (~rollout.truncated).float()[:, None] if args.mask_truncated else mask  # (B, T)
         # micro-batches of the no-grad forwards: --micro-batch-size rows, or by --micro-batch-tokens
-        all_micros = micro_batches(
-            list(range(len(rows))), query_mask, mask, args.micro_batch_size, micro_batch_tokens, accelerator
-        )
+        all_micros = micro_batches(list(range(len(rows))), query_mask, mask, args.micro_batch_size, micro_batch_tokens,
+                                   accelerator)  # fmt: skip
         with torch.no_grad(), accelerator.autocast():  # one region: bf16 weight copies cast once, not per micro-batch
             by_micro = lambda fn: forward_by_micro_batch(fn, all_micros, query_responses, attn, P, T) * mask  # (B, T)
             if pi_old_from_update:
@@ -472,30 +394,35 @@ def main(args: Args):
         if run.logging(step):  # --log-every, and every evaluation step and the last
             n_minibatches = args.update_epochs * len(rows) // local_mini_batch_size
             mean = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
-            all_scores, step_s = accelerator.gather(scores), time.time() - t_step
-            solved = accelerator.gather(rollout.solved).view(-1, G)  # (all prompts, G) exact-match
+            step_s = time.time() - t_step
             padded, real = padding_counts(all_micros, query_mask, mask)  # tokens of the batch's forward passes
             n_fwd = 1 + (not pi_old_from_update) + (args.kl_coef > 0)  # generation, pi_old, reference
             metrics = {
-                "train/reward": all_scores.mean().item(),
-                "train/reward_std": all_scores.std().item(),
-                "train/zero_std_groups": (all_scores.view(-1, G).std(1) == 0).float().mean().item(),
-                "train/solve_all": (solved.min(1).values == 1).float().mean().item(),
-                "train/solve_none": (solved.max(1).values == 0).float().mean().item(),
-                **{"train/kl": mean_kl, "train/kl_coef": args.kl_coef, **mismatch},
+                **group_metrics(accelerator, scores, rollout.solved, G),  # reward, reward_std, zero_std_groups, ...
+                "train/kl": mean_kl,
+                "train/kl_coef": args.kl_coef,
+                **mismatch,
                 **{f"train/{k}": mean(v) for k, v in stats.items() if k not in ("pg", "kl")},  # entropy, clip_frac, ...
                 "train/lr": sched.get_last_lr()[0],
-                **{"train/resample_rounds": rounds, "train/filled_zero_std_groups": n_filled},
-                **{"train/episodes": step * args.num_prompts * G, "train/skipped_steps": guard.skipped},
-                **{"loss/policy": mean(stats["pg"]), "loss/kl": mean(stats["kl"])},
+                "train/resample_rounds": rounds,
+                "train/filled_zero_std_groups": n_filled,
+                "train/episodes": step * args.num_prompts * G,
+                "train/skipped_steps": guard.skipped,
+                "loss/policy": mean(stats["pg"]),
+                "loss/kl": mean(stats["kl"]),
                 "loss/total": mean(stats["pg"]) + args.kl_coef * mean(stats["kl"]),
-                **{"perf/step_s": step_s, "perf/gen_s": gen_s, "perf/train_s": train_s},
+                "perf/step_s": step_s,
+                "perf/gen_s": gen_s,
+                "perf/train_s": train_s,
                 "perf/tokens_per_s": accelerator.gather(lengths).sum().item() / step_s,
-                **{"perf/samples_per_s": len(rows) * W / step_s, "async/push_s": push_s},
-                **{"async/staleness": staleness, "async/staleness_max": max(batch_log.counts)},
+                "perf/samples_per_s": len(rows) * W / step_s,
+                "async/push_s": push_s,
+                "async/staleness": staleness,
+                "async/staleness_max": max(batch_log.counts),
                 "async/trainer_idle_frac": accelerator.reduce(torch.tensor(wait_s / step_s, device=device)).item() / W,
                 "async/generator_idle_frac": batch["wait_s"] / max(batch["wait_s"] + gen_s, 1e-9),
-                **{"perf/peak_mem_gb": peak_mem_gb(device), "perf/padding_frac": 1 - real / max(padded, 1)},
+                "perf/peak_mem_gb": peak_mem_gb(device),
+                "perf/padding_frac": 1 - real / max(padded, 1),
                 "perf/mfu": mfu(policy, n_fwd * real, args.update_epochs * real, step_s, accelerator),
             }
             metrics.update(rollout.metrics(accelerator))  # response_len, truncated, reward/<term>, env/*, env/tool_*
@@ -504,11 +431,7 @@ def main(args: Args):
                 metrics.update({f"train/seq_ratio_{k}": getattr(s, k)().item() for k in ("mean", "min", "max")})
             metrics.update(reward_by_data_source(rows, scores))  # reward/<source> when the batch mixes sources
             metrics.update({"reward/errors": batch["reward_errors"]} if batch["reward_errors"] else {})
-            samples = [
-                {"prompt": x.text, "response": t, "reward": float(s), "advantage": float(a), "split": "train"}
-                for x, t, s, a in zip(rows, rollout.texts, scores, advantages)
-            ]
-            run.log(step, metrics, samples)  # + evaluation when due, health warnings, --save-best
+            run.log(step, metrics, rollout.samples(scores, advantage=advantages))  # + evaluation when due, --save-best
 
     generator.stop()
     del mailbox, generator  # their semaphores, freed before exit

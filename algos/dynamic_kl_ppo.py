@@ -48,8 +48,8 @@ import tyro
 
 from common import models as M
 from common.args import (
-    Check, EnvArgs, GenerationArgs, Group, MismatchArgs, ModelArgs, NonNegFloat, NonNegInt, OptimArgs, PositiveFloat, PositiveInt,
-    PromptArgs, RewardArgs, RunArgs, UnitFloat, group,
+    Check, EnvArgs, GenerationArgs, Group, MismatchArgs, ModelArgs, NonNegFloat, NonNegInt, OptimArgs, PackingArgs,
+    PositiveFloat, PositiveInt, PromptArgs, RewardArgs, RunArgs, UnitFloat, group,
 )
 from common.cli import cli
 from common.data import Sampler
@@ -57,7 +57,6 @@ from common.distributed import (
     UpdateGuard, backward, configure_deepspeed, frozen_reference, make_accelerator, micro_batch_budget,
     unwrap_for_generation,
 )
-from common.envs import episodes_from_args
 from common.errors import mix_seed, seed_everything
 from common.eval import evaluate_policy
 from common.health import HealthConfig
@@ -66,13 +65,11 @@ from common.ops import (
 )
 from common.optim import adamw
 from common.perf import mfu, peak_mem_gb
-from common.rewards import reward_from_args
 from common.rollout import (
     forward_by_micro_batch, forward_logprobs, forward_values, micro_batches, padding_counts, reference_logprobs,
 )
 from common.run import Run
-from common.sampling import sample
-from common.tasks import load_rl_prompts
+from common.sampling import rl_inputs, sample
 from common.vllm_engine import make_engine
 # fmt: on
 
@@ -138,10 +135,7 @@ class Args:
     # --- memory: how a minibatch is cut into forward/backward passes (the same loss)
     micro_batch_size: PositiveInt = 8
     """rollouts per forward/backward on one process (gradient accumulation up to the minibatch)"""
-    micro_batch_tokens: int = -1
-    """micro-batches packed by length: rows sorted longest first, packed while rows x padded length <= this many
-    tokens, each run at its own longest prompt and response (less padding, same loss); -1: the budget of
-    --micro-batch-size rows at the batch's full length (same memory bound); 0: --micro-batch-size rows, unpacked"""
+    packing: Group[PackingArgs] = group(PackingArgs)  # --micro-batch-tokens: micro-batches packed by length
 
     # --- the flags every script shares (common/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
     run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=100)
@@ -224,18 +218,15 @@ def main(args: Args):
     local_mini_batch_size = exact_div(args.mini_batch_size, W, "--mini-batch-size over the number of processes")
     exact_div(args.batch_size, args.mini_batch_size, "--batch-size over --mini-batch-size")
     exact_div(local_mini_batch_size, args.micro_batch_size, "--mini-batch-size per process over --micro-batch-size")
-    micro_batch_tokens = micro_batch_budget(accelerator, args.micro_batch_tokens)  # DeepSpeed: row micro-batches
+    micro_batch_tokens = micro_batch_budget(accelerator, args.packing.micro_batch_tokens)  # DeepSpeed: rows
     # DeepSpeed only: micro-batch size, micro-batches per optimizer step, clipping
     accumulation = local_mini_batch_size // args.micro_batch_size
     configure_deepspeed(accelerator, args.micro_batch_size, accumulation, args.optim.max_grad_norm)
     seed_everything(args.run.seed)
     run = Run(accelerator, args, Path(__file__).stem)  # --resume: resolved and checked before anything loads
-    max_len = args.data.max_prompt_length + args.env.budget(args.gen.max_new_tokens)  # --env: --max-trajectory-tokens
-    tok = M.prompt_tokenizer(args.model, args.data, max_len, "--max-prompt-length + --max-new-tokens")
-    reward = reward_from_args(args.rewards, args.model, args.gen.max_new_tokens, accelerator)  # rules, models, mixes
-    # --train-files / --val-files, else the built-in --task; every data_source checked against the rewards
-    train_rows, val_rows = load_rl_prompts(args.data, tok, reward, accelerator.print)
-    episodes = episodes_from_args(args.env, tok, reward, device, accelerator.print)  # --env: turns; else None
+    # the tokenizer, --reward's scorers, the prompts (--train-files / --val-files, else --task), --env's episodes
+    max_len, tok, reward, train_rows, val_rows, episodes = rl_inputs(args.model, args.data, args.rewards, args.gen,
+        args.env, accelerator)  # fmt: skip
     sampler = Sampler(len(train_rows), args.run.seed)
 
     # ALGO LOGIC: PPO's models and optimizers: the policy, a critic (value model), a frozen reference
@@ -428,11 +419,7 @@ def main(args: Args):
             metrics["perf/mfu"] += mfu(critic, real, args.update_epochs * real, step_s, accelerator)  # CRITIC
             metrics.update(rollout.metrics(accelerator))  # response_len, truncated, reward/<term>, env/*, env/tool_*
             metrics.update({"reward/errors": reward.errors} if reward.errors else {})
-            samples = [
-                {"prompt": x.text, "response": t, "reward": float(s), "kl": float(k), "split": "train"}
-                for x, t, s, k in zip(rows, rollout.texts, scores, masked_mean(kl, mask, dim=1))
-            ]
-            run.log(step, metrics, samples)  # + evaluation when due, health warnings, --save-best
+            run.log(step, metrics, rollout.samples(scores, kl=masked_mean(kl, mask, dim=1)))  # + evaluation
 
     return run.end()
 

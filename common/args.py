@@ -353,6 +353,16 @@ def _env_spec(flag: str, v) -> None:
 
 
 @dataclass
+class PackingArgs:
+    """micro-batches packed by length: the RL scripts' forward/backward passes (common.rollout.micro_batches)"""
+
+    micro_batch_tokens: int = -1
+    """micro-batches packed by length: rows sorted longest first, packed while rows x padded length <= this many
+    tokens, each run at its own longest prompt and response (less padding, same loss); -1: the budget of
+    --micro-batch-size rows at the batch's full length (same memory bound); 0: --micro-batch-size rows, unpacked"""
+
+
+@dataclass
 class EnvArgs:
     """environments: multi-turn rollouts with tools or feedback (docs/agents.md)"""
 

@@ -24,6 +24,7 @@ with one line (`GeneratorFailed`), never a hang."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import json
 import os
@@ -36,6 +37,13 @@ import traceback
 from pathlib import Path
 
 import torch
+
+from common import models as M
+from common.data import Sampler
+from common.distributed import make_accelerator
+from common.errors import UserError, seed_everything
+from common.sampling import Rollout, rl_inputs
+from common.vllm_engine import make_engine
 
 # variables that would make the generator join the trainer's process group (torchrun / accelerate launch set them)
 _PROCESS_GROUP_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -232,8 +240,9 @@ class BroadcastMailbox:
         return version
 
 
-def make_mailbox(route: str, model, version: int, loaded_for: int, ctx, timeout: float):
-    """--weight-sync: "shm" (WeightMailbox) or "broadcast" (BroadcastMailbox)."""
+def make_mailbox(route: str, model, version: int, loaded_for: int, timeout: float, ctx=None):
+    """--weight-sync: "shm" (WeightMailbox) or "broadcast" (BroadcastMailbox); ctx: GeneratorProcess.context()'s."""
+    ctx = ctx or GeneratorProcess.context()
     if route == "broadcast":
         return BroadcastMailbox(model, version, loaded_for, ctx, timeout)
     return WeightMailbox(model, version, loaded_for, ctx)
@@ -373,6 +382,53 @@ class GeneratorProcess:
         self.queue, self.kwargs = None, {}
 
 
+def generator_setup(model, data, rewards, gen, env, seed: int, rank: int, sampler_state: dict):
+    """A generator process's own copy of what the trainer's main() sets up from the same flag groups (the script's
+    ModelArgs, PromptArgs, RewardArgs, GenerationArgs, EnvArgs): -> (accelerator (one process, no group), tok,
+    reward, train_rows, episodes (--env; else None), sampler (the trainer's prompt draw, from `sampler_state`),
+    policy (the starting weights, on its device: the mailbox loads each version into it), engine (--rollout-engine,
+    seeded seed + rank))."""
+    accelerator = make_accelerator(model)  # the trainer's --mixed-precision
+    seed_everything(seed)
+    quiet = lambda *a, **k: None  # the trainer said it all
+    max_len, tok, reward, train_rows, _, episodes = rl_inputs(model, data, rewards, gen, env, accelerator, quiet)
+    sampler = Sampler(len(train_rows), seed)
+    sampler.load_state_dict(sampler_state)
+    policy = M.load_causal_lm(model.model_name_or_path, tok, **M.train_kwargs(model)).to(accelerator.device)
+    engine = make_engine(gen, model, tok, policy, accelerator, max_len, seed + rank)
+    return accelerator, tok, reward, train_rows, episodes, sampler, policy, engine
+
+
+def serve_batches(
+    put,
+    sample_batch,
+    version_of,
+    mailbox,
+    policy,
+    sampler,
+    train_rows,
+    reward,
+    first_step: int,
+    total_steps: int,
+    timeout: float,
+) -> None:
+    """A generator process's loop after its setup (put(None): the trainer's --generator-timeout clock starts): for
+    each step from `first_step`, load the weights of version version_of(step) into `policy` (waiting for the
+    trainer's push), sample_batch(step) -> (Rollout, resampling rounds, groups filled), and put() the batch with its
+    step, version, prompt ids (train_rows' indices), the prompt sampler's state after it, the seconds it waited for
+    the weights and sampled, and `reward`'s error count."""
+    index, version = {id(x): i for i, x in enumerate(train_rows)}, None
+    put(None)
+    for step in range(first_step, total_steps + 1):
+        t_wait = time.time()
+        version = mailbox.load_into(policy, version_of(step), step, version, timeout)
+        t_gen = time.time()
+        rollout, rounds, n_filled = sample_batch(step)
+        put(dict(rollout=rollout, prompt_ids=[index[id(x)] for x in rollout.rows], step=step, version=version,
+                 rounds=rounds, n_filled=n_filled, sampler=sampler.state_dict(), wait_s=t_gen - t_wait,
+                 gen_s=time.time() - t_gen, reward_errors=reward.errors))  # fmt: skip
+
+
 def split_threads(max_off_policy_steps: int, generator_threads: int) -> tuple[int, int]:
     """(trainer threads, generator threads). -1: synchronous (K = 0: one side waits while the other works) each side
     uses every core; asynchronous, half each (the two sides run at once: more threads than cores slows both)."""
@@ -437,8 +493,6 @@ def saved_rollout(rollout) -> dict:
 def loaded_batch(batch: dict, train_rows) -> dict:
     """A batch from a checkpoint, its Rollout rebuilt. Checkpoints written before the Rollout (2026-12-05) hold its
     fields flat in the batch (and no `is_eos`, which nothing after sampling reads: taken as "not truncated")."""
-    from common.sampling import Rollout
-
     b = dict(batch)
     if "rollout" not in b:
         flat = ("texts", "queries", "query_mask", "responses", "mask", "logprobs", "truncated", "scores", "solved")
@@ -462,8 +516,11 @@ class BatchLog:
             for r in kept:
                 self.counts[r["staleness"]] = self.counts.get(r["staleness"], 0) + 1
 
-    def add(self, step: int, version: int, staleness: int, prompt_ids: list[int]) -> None:
-        """Every process calls it (the prompt ids are gathered)."""
+    def add(self, step: int, batch: dict) -> int:
+        """Logs step `step`'s batch (its version, prompt ids) and returns its staleness, step - 1 - version: the
+        updates between the policy that sampled it and the one it trains. Every process calls it (ids gathered)."""
+        version, prompt_ids = batch["version"], batch["prompt_ids"]
+        staleness = step - 1 - version
         self.counts[staleness] = self.counts.get(staleness, 0) + 1
         ids = sorted(set(prompt_ids))  # a prompt's G samples: one id
         if self.acc.num_processes > 1:
@@ -477,6 +534,34 @@ class BatchLog:
                 )
             hist = {str(k): v for k, v in sorted(self.counts.items())}
             (self.path.parent / "staleness.json").write_text(json.dumps(hist) + "\n")
+        return staleness
+
+
+def async_launch(accelerator, dynamic_sampling: bool, max_off_policy_steps: int, generator_threads: int) -> int:
+    """async_grpo.py's checks and threads: it runs in one process or under DDP (a push takes each trainer process's
+    whole weights), dynamic sampling in one process only (each generator would resample on its own). Sets this
+    process's torch threads and returns the generator's (split_threads)."""
+    if str(accelerator.distributed_type).split(".")[-1] not in ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU"):
+        raise UserError(f"async_grpo.py runs one process or DDP, not {accelerator.distributed_type}: a push takes "
+                        "the policy's whole weights from each trainer process (docs/async.md)")  # fmt: skip
+    if dynamic_sampling and accelerator.num_processes > 1:
+        raise UserError("--dynamic-sampling with several processes: each generator would resample on its own")
+    trainer_threads, generator_threads = split_threads(max_off_policy_steps, generator_threads)
+    torch.set_num_threads(trainer_threads)
+    return generator_threads
+
+
+@contextlib.contextmanager
+def ending_on_failure(accelerator, run, batches: BatchStream, generator: GeneratorProcess, step: int):
+    """Around a step's push and its batch's intake: a GeneratorFailed on any process (every process asks, so all
+    leave together) ends the run by end_on_failure: a checkpoint, one line, exit 1."""
+    failed = None
+    try:
+        yield
+    except GeneratorFailed as e:
+        failed = e
+    if accelerator.reduce(torch.tensor([float(failed is not None)], device=accelerator.device), "max").item():
+        end_on_failure(accelerator, run, batches, generator, step, failed)
 
 
 def end_on_failure(accelerator, run, batches: BatchStream, generator: GeneratorProcess, step: int, failed) -> None:

@@ -17,9 +17,12 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 import torch.nn.functional as F
 
-from common.envs import tool_metrics
-from common.rewards import Reward, ScoreAsTheyFinish
+from common import models as M
+from common.envs import episodes_from_args, tool_metrics
+from common.errors import mix_seed
+from common.rewards import Reward, ScoreAsTheyFinish, reward_from_args
 from common.rollout import PromptCache, generate, sequence_attention_mask, tokenize_queries
+from common.tasks import load_rl_prompts
 
 
 @dataclass
@@ -81,6 +84,12 @@ class Rollout:
             logged={k: torch.cat([p.logged[k] for p in parts]) for k in parts[0].logged if k in keys},
         )
 
+    def samples(self, scores, **columns) -> list[dict]:
+        """samples.jsonl's rows for run.log: prompt, response, reward (`scores` (B,)), each of `columns` ((B,): the
+        advantage, the KL, ...) and split "train"."""
+        return [{"prompt": x.text, "response": t, "reward": float(s), **{k: float(v[i]) for k, v in columns.items()},
+                 "split": "train"} for i, (x, t, s) in enumerate(zip(self.rows, self.texts, scores))]  # fmt: skip
+
     def metrics(self, accelerator) -> dict:
         """The keys every RL script logs about its samples, means over all processes' rows: train/response_len,
         train/truncated, the logged terms (reward/<term>, env/<count>) and, with --env tools, env/tool_* rates."""
@@ -88,6 +97,75 @@ class Rollout:
         out = {"train/response_len": mean(self.lengths), "train/truncated": mean(self.truncated)}
         out |= {k: accelerator.gather(v).mean().item() for k, v in self.logged.items()}
         return out | tool_metrics(out)
+
+
+def rl_inputs(model, data, rewards, gen, env, accelerator, say=None):
+    """What an RL script samples from, built from its flag groups (ModelArgs, PromptArgs, RewardArgs, GenerationArgs,
+    EnvArgs) -> (max_len, tok, reward, train_rows, val_rows, episodes): max_len, a sequence's longest (the prompt's
+    --max-prompt-length + --max-new-tokens; --env: + --max-trajectory-tokens); the prompt tokenizer; --reward's
+    rules, models and mixes; the prompts (--train-files / --val-files, else the built-in --task; every data_source
+    checked against the rewards); --env's Episodes, else None. `say`: where their notes go (accelerator.print)."""
+    say = say or accelerator.print
+    max_len = data.max_prompt_length + env.budget(gen.max_new_tokens)
+    tok = M.prompt_tokenizer(model, data, max_len, "--max-prompt-length + --max-new-tokens")
+    reward = reward_from_args(rewards, model, gen.max_new_tokens, accelerator)
+    train_rows, val_rows = load_rl_prompts(data, tok, reward, say)
+    episodes = episodes_from_args(env, tok, reward, accelerator.device, say)
+    return max_len, tok, reward, train_rows, val_rows, episodes
+
+
+def draw_rows(sampler, train_rows, n: int, rank: int, W: int, seed: int, step: int, repeat: int = 1, round_: int = 0):
+    """One global draw of `n` prompts (every process draws the same ids, so there is one sampler state), this
+    process's n/W of them each repeated `repeat` times (a prompt's samples adjacent), and each row's own seed,
+    mix_seed(seed, step, uid), uid the row's place in the step's global draws (`round_`: a resampling round, after
+    the earlier rounds' rows). -> (rows (n/W * repeat,), seeds)"""
+    local = n // W
+    ids = sampler.take(n)[rank * local : (rank + 1) * local]  # this process's share
+    rows = [train_rows[i] for i in ids for _ in range(repeat)]
+    uid0 = (round_ * n + rank * local) * repeat
+    return rows, [mix_seed(seed, step, uid0 + j) for j in range(len(rows))]
+
+
+def take_informative_groups(parts: list[Rollout], G: int, n_groups: int, pad_id: int) -> tuple[Rollout, int]:
+    """Dynamic sampling: from sampled batches `parts` (a prompt's G samples adjacent), one batch of `n_groups`
+    groups, those whose rewards differ first, then (if too few) groups of equal rewards to keep the batch size
+    fixed. Returns (batch, number of equal-reward groups used to fill)."""
+    groups = [(k, j) for k, p in enumerate(parts) for j in range(len(p.rows) // G)]
+    differ = lambda k, j: bool(parts[k].scores.view(-1, G)[j].std() > 0)
+    informative = [g for g in groups if differ(*g)][:n_groups]
+    filled = [g for g in groups if not differ(*g)][: n_groups - len(informative)]
+    picks = [parts[k].take(list(range(j * G, (j + 1) * G))) for k, j in informative + filled]  # a group each
+    return Rollout.cat(picks, pad_id), len(filled)
+
+
+def dynamic_sampling(sample_round, G: int, n_groups: int, max_rounds: int, pad_id: int, most_missing=lambda n: n):
+    """DAPO's dynamic sampling (Yu et al. 2025): sample_round(0), sample_round(1), ... (each a Rollout of groups, a
+    prompt's G samples adjacent) until `n_groups` groups hold rewards that differ, at most `max_rounds` extra rounds;
+    most_missing(n): the largest shortfall over the processes, so that all of them run the same rounds. Then
+    take_informative_groups. -> (Rollout of n_groups groups, extra rounds, equal-reward groups used to fill)"""
+    parts, rounds = [sample_round(0)], 0
+    while rounds < max_rounds:
+        have = sum(int((p.scores.view(-1, G).std(1) > 0).sum()) for p in parts)
+        if most_missing(n_groups - have) <= 0:
+            break
+        rounds += 1
+        parts.append(sample_round(rounds))
+    rollout, n_filled = take_informative_groups(parts, G, n_groups, pad_id)
+    return rollout, rounds, n_filled
+
+
+def group_metrics(accelerator, scores, solved, G: int) -> dict:
+    """A group-sampling script's reward keys over all processes' rows (scores, solved: (B,), a prompt's G adjacent):
+    train/reward, train/reward_std, train/zero_std_groups (groups whose rewards are all equal: no signal) and
+    train/solve_all, train/solve_none (groups every / no sample of which solved exactly)."""
+    scores, solved = accelerator.gather(scores), accelerator.gather(solved).view(-1, G)  # (all B,), (all prompts, G)
+    return {
+        "train/reward": scores.mean().item(),
+        "train/reward_std": scores.std().item(),
+        "train/zero_std_groups": (scores.view(-1, G).std(1) == 0).float().mean().item(),
+        "train/solve_all": (solved.min(1).values == 1).float().mean().item(),
+        "train/solve_none": (solved.max(1).values == 0).float().mean().item(),
+    }
 
 
 def sample_and_score(model, tok, queries, query_mask, rows, reward: Reward, device, **sampling):

@@ -67,29 +67,6 @@ def test_clip_higher_and_overlong_penalty():
     assert G.overlong_penalty(torch.tensor([16]), 16, 0, 1.0).tolist() == [0.0]
 
 
-def test_take_informative_groups_fills_fixed_size():
-    from common.sampling import Rollout
-
-    def part(scores, width):
-        n, z = len(scores), torch.zeros(len(scores), dtype=torch.bool)
-        return Rollout(
-            rows=list(range(n)), texts=[str(s) for s in scores], queries=torch.ones(n, width, dtype=torch.long),
-            query_mask=torch.ones(n, width), responses=torch.ones(n, width + 1, dtype=torch.long),
-            mask=torch.ones(n, width + 1), logprobs=torch.full((n, width + 1), -1.0), is_eos=~z, truncated=z,
-            scores=torch.tensor(scores), solved=torch.tensor(scores), logged={"reward/rule": torch.tensor(scores)},
-        )  # fmt: skip
-
-    a = part([1.0, 1.0, 1.0, 1.0], 2)  # both groups equal
-    b = part([0.0, 2.0, 2.0, 2.0], 3)  # group 0 informative
-    out, filled = G.take_informative_groups([a, b], 2, 2, pad_id=0)
-    assert filled == 1 and out.scores.tolist() == [0.0, 2.0, 1.0, 1.0] and out.texts == ["0.0", "2.0", "1.0", "1.0"]
-    assert out.logged["reward/rule"].tolist() == out.solved.tolist() == [0.0, 2.0, 1.0, 1.0]
-    assert out.queries.shape == (4, 3) and out.query_mask[2:, 0].eq(0).all()  # left-padded
-    assert out.responses.shape == (4, 4) and out.mask[2:, -1].eq(0).all()  # right-padded
-    assert out.logprobs[2:, -1].eq(0).all() and out.logprobs[:2].eq(-1).all()
-    assert out.query_responses.shape == (4, 7) and out.attention_mask[2:].tolist() == [[0, 1, 1, 1, 1, 1, 1]] * 2
-
-
 def _tiny_flags(model, prompts, out, *extra):
     return [
         "--model-name-or-path",

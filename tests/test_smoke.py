@@ -28,27 +28,40 @@ def smoke_flags(path) -> str:
     )
 
 
+@pytest.fixture(scope="module")
+def smoke_runs(request, tiny, tiny_peaky, toy_prompts, tmp_path_factory):
+    """The smoke runs of the scripts this session selected, two at a time (each process runs torch on one thread:
+    conftest's _one_thread_per_launched_process, so two keep both cores busy; one at a time, the suite waited ~60 s
+    more): script -> (CompletedProcess, its output folder, its flags), or the exception its launch raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fixtures = dict(tiny=tiny, tiny_peaky=tiny_peaky, toy_prompts=toy_prompts, toy_reward=TOY_REWARD)
+    wanted = [
+        i.callspec.params["script"] for i in request.session.items if i.originalname == "test_script_runs_two_steps"
+    ]
+
+    def launch(script):
+        flags = smoke_flags(REPO / "algos" / script).format(**fixtures).split()
+        out = tmp_path_factory.mktemp(script.removesuffix(".py"))
+        try:
+            proc = run_script(script, *flags, "--total-steps", 2, "--eval-every", 2, "--learning-rate", 1e-3,
+                              "--output-dir", out, env={"TOY_MODEL": tiny_peaky})  # the toy reward's tokenizer  # fmt: skip
+        except Exception as e:  # noqa: BLE001  # raised in that script's own test
+            return e
+        return proc, out, flags
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(wanted, pool.map(launch, wanted)))
+
+
 @pytest.mark.smoke
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_script_runs_two_steps(script, tiny, tiny_peaky, toy_prompts, tmp_path):
+def test_script_runs_two_steps(script, smoke_runs):
     """Discovered: every algos/*.py (a new copy included) runs its SMOKE flags for 2 steps."""
-    fixtures = dict(tiny=tiny, tiny_peaky=tiny_peaky, toy_prompts=toy_prompts, toy_reward=TOY_REWARD)
-    flags = smoke_flags(REPO / "algos" / script).format(**fixtures).split()
+    if isinstance(smoke_runs[script], Exception):
+        raise smoke_runs[script]
+    proc, tmp_path, flags = smoke_runs[script]
     base_model = flags[flags.index("--model-name-or-path") + 1]
-    env = {"TOY_MODEL": tiny_peaky}  # the toy reward's tokenizer
-    proc = run_script(
-        script,
-        *flags,
-        "--total-steps",
-        2,
-        "--eval-every",
-        2,
-        "--learning-rate",
-        1e-3,
-        "--output-dir",
-        tmp_path,
-        env=env,
-    )
     run = only_run(tmp_path)
     # a quiet start: no library noise before (or among) our lines (bitsandbytes' kernel warning, DeepSpeed's
     # accelerator line, transformers' progress bars)
