@@ -189,28 +189,60 @@ def _launches_python(cmd) -> bool:
     return first.startswith("python") or first in ("accelerate", "torchrun") or str(words[0]) == sys.executable
 
 
+_UNTIERED = []  # the running test's id while it carries no tier marker (for run_script's zygote launches)
+
+
 @pytest.fixture(autouse=True)
 def _fast_tier_guard(request, monkeypatch):
     """An unmarked test may not launch a Python process (a script, a tool, a launcher): mark it (TIERS)."""
     if any(request.node.get_closest_marker(m) for m in TIERS):
+        yield
         return
     real_init = subprocess.Popen.__init__
 
+    def refuse(args):
+        pytest.fail(
+            f"{request.node.nodeid} launches {' '.join(map(str, args))[:120]!r} but carries no tier marker: "
+            "mark it e2e (or distributed, vllm, slow), or test in-process"
+        )
+
     def guarded(self, args, *a, **kw):
         if _launches_python(args):
-            pytest.fail(
-                f"{request.node.nodeid} launches {' '.join(map(str, args))[:120]!r} but carries no tier marker: "
-                "mark it e2e (or distributed, vllm, slow), or test in-process"
-            )
+            refuse(args)
         return real_init(self, args, *a, **kw)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+    _UNTIERED[:] = [refuse]
+    yield
+    _UNTIERED.clear()
 
 
-def run_script(script: str, *flags, env=None, timeout=600, check=True):
-    """Run algos/<script> as a subprocess (as users do); returns the CompletedProcess."""
+_ZYGOTE = []  # this process's tests/zygote.Zygote, started at the first launch it can serve
+
+
+def run_script(script: str, *flags, env=None, timeout=600, check=True, fresh=False):
+    """Run algos/<script> as a process (as users do: `python algos/<script> flags`); returns the CompletedProcess.
+    A child of the test zygote (tests/zygote.py: the imports done once) where it runs the script as a fresh process
+    would, else (or `fresh`: a start's own output checked) a new interpreter."""
     cmd = [sys.executable, str(REPO / "algos" / script), *map(str, flags)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    env = {**os.environ, **(env or {})}
+    if _UNTIERED:
+        _UNTIERED[0](cmd)
+    if not fresh and os.environ.get("CLEANRLHF_TEST_ZYGOTE", "1") != "0":
+        if not _ZYGOTE:
+            import atexit
+            import tempfile
+
+            from zygote import Zygote
+
+            _ZYGOTE.append(Zygote(Path(tempfile.mkdtemp(prefix="zygote-"))))
+            atexit.register(_ZYGOTE[0].close)
+        if _ZYGOTE[0].serves(cmd, env):
+            proc = _ZYGOTE[0].run(cmd, env, timeout)
+            if check and proc.returncode != 0:
+                raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+            return proc
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc

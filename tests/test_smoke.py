@@ -45,7 +45,7 @@ def smoke_runs(request, tiny, tiny_peaky, toy_prompts, tmp_path_factory):
         out = tmp_path_factory.mktemp(script.removesuffix(".py"))
         try:
             proc = run_script(script, *flags, "--total-steps", 2, "--eval-every", 2, "--learning-rate", 1e-3,
-                              "--output-dir", out, env={"TOY_MODEL": tiny_peaky})  # the toy reward's tokenizer  # fmt: skip
+                              "--output-dir", out, env={"TOY_MODEL": tiny_peaky}, fresh=True)  # a quiet start: checked  # fmt: skip
         except Exception as e:  # noqa: BLE001  # raised in that script's own test
             return e
         return proc, out, flags

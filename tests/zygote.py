@@ -1,0 +1,197 @@
+"""A warm start for the scripts the tests launch (conftest.run_script): one process imports torch, transformers,
+accelerate and common/ once (~5.6 s on this machine's 2 cores), then forks a child per launch that runs
+`python algos/X.py flags` as the interpreter would: the script as __main__ with that argv, the launch's
+environment and working directory, stdin from /dev/null, stdout and stderr into files, its atexit functions and
+non-daemon threads finished, its exit code (or -signal). A CI run launches a script ~150 times: the imports were
+~14 minutes of its CPU.
+
+What a child does not see, and so where run_script starts a fresh process instead (`serves`):
+- an environment variable that differs from the zygote's and may be read at import time (only those in RUN_TIME_VARS
+  may differ: they are read when a script runs);
+- the start-up output of the imports (a library's import-time warning is printed once, by the zygote): the smoke
+  runs, which check that a script starts quietly, always start fresh.
+
+The server runs one thread (fork from a threaded process is unsafe): a select loop that accepts a request, forks,
+answers the child's pid, and reaps children (their exit codes to their requests). It ends with its parent."""
+
+import json
+import os
+import select
+import socket
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# read when a script runs, never when a module is imported: a launch may differ from the zygote in these alone
+RUN_TIME_VARS = {"TOY_MODEL", "WANDB_MODE", "WANDB_API_KEY", "WANDB_TAGS", "MLFLOW_TRACKING_URI", "CLEANRLHF_DEBUG",
+                 "ATTACK_PORT", "OPENAI_API_KEY"}  # fmt: skip
+
+
+def _child(req: dict) -> None:
+    """In the forked child: become `python <argv>` and never return."""
+    code = 1
+    try:
+        os.setpgid(0, 0)  # its own process group, as a fresh launch from the test would not share the zygote's
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                                (2, req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):  # fmt: skip
+            f = os.open(path, flags, 0o644)
+            os.dup2(f, fd)
+            os.close(f)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        sys.argv = req["argv"][1:]
+        sys.path[:] = [str(Path(sys.argv[0]).parent), *_PATH[1:]]  # as `python algos/X.py`: the script's folder first
+        import runpy
+
+        try:
+            runpy.run_path(sys.argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)
+                code = 1
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        import atexit
+        import threading
+
+        threading._shutdown()  # as the interpreter's exit: wait for the non-daemon threads
+        atexit._run_exitfuncs()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001, S110  # a closed stream: nothing left to write
+                pass
+        os._exit(code)
+
+
+_PATH = list(sys.path)  # this process's path before REPO is added: [tests/, the standard library, site-packages]
+
+
+def serve(path: str) -> None:
+    sys.path.insert(0, str(REPO))
+    import accelerate  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    import tyro  # noqa: F401
+
+    import common.async_rollout  # noqa: F401
+    import common.cli  # noqa: F401
+    import common.eval  # noqa: F401
+    import common.run  # noqa: F401
+    import common.sampling  # noqa: F401
+
+    parent = os.getppid()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(16)
+    print("ready", flush=True)
+    waiting = {}  # pid -> the connection its exit code goes to
+    while os.getppid() == parent:
+        ready, _, _ = select.select([server], [], [], 0.2)
+        if ready:
+            conn, _ = server.accept()
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = conn.recv(1 << 16)
+                if not chunk:
+                    break
+                data += chunk
+            pid = os.fork()
+            if pid == 0:
+                server.close()
+                _child(json.loads(data))
+            try:
+                conn.sendall(f"{pid}\n".encode())
+            except OSError:  # the test went away: its child still runs to its end
+                pass
+            waiting[pid] = conn
+        while waiting:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = waiting.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                except OSError:  # the test stopped waiting (its timeout killed the child)
+                    pass
+                conn.close()
+
+
+class Zygote:
+    """The client side, in the test process: start() once, then run() per launch."""
+
+    def __init__(self, workdir: Path):
+        import subprocess
+
+        self.dir = Path(workdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = str(self.dir / "zygote.sock")
+        self.env = dict(os.environ)
+        self.proc = subprocess.Popen([sys.executable, __file__, self.path], stdout=subprocess.PIPE, text=True,
+                                     env=self.env)  # fmt: skip
+        line = self.proc.stdout.readline()
+        if line.strip() != "ready":
+            raise RuntimeError(f"the test zygote did not start: {line!r}")
+        self.n = 0
+
+    def serves(self, argv: list[str], env: dict) -> bool:
+        """True if a child of the zygote runs `argv` with `env` as a fresh process would (see the module's doc)."""
+        if self.proc.poll() is not None or Path(argv[1]).resolve().parent != REPO / "algos":
+            return False
+        differ = {k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k)}
+        return differ <= RUN_TIME_VARS
+
+    def run(self, argv: list[str], env: dict, timeout: float):
+        """`argv` run by a child: a subprocess.CompletedProcess; subprocess.TimeoutExpired after `timeout` s (the
+        child killed, as subprocess.run does)."""
+        import signal
+        import subprocess
+
+        self.n += 1
+        out, err = self.dir / f"{self.n}.out", self.dir / f"{self.n}.err"
+        req = dict(argv=argv, env=env, cwd=os.getcwd(), stdout=str(out), stderr=str(err))
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self.path)
+        conn.sendall(json.dumps(req).encode() + b"\n")
+        reader = conn.makefile("r")
+        pid = int(reader.readline())
+        conn.settimeout(timeout)
+        try:
+            code = int(reader.readline())
+        except (TimeoutError, socket.timeout, ValueError):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            conn.close()
+            raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text()) from None
+        finally:
+            reader.close()
+        conn.close()
+        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+        out.unlink(), err.unlink()
+        return subprocess.CompletedProcess(argv, code, stdout, stderr)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
