@@ -224,10 +224,19 @@ def run_script(script: str, *flags, env=None, timeout=600, check=True, fresh=Fal
     """Run algos/<script> as a process (as users do: `python algos/<script> flags`); returns the CompletedProcess.
     A child of the test zygote (tests/zygote.py: the imports done once) where it runs the script as a fresh process
     would, else (or `fresh`: a start's own output checked) a new interpreter."""
-    cmd = [sys.executable, str(REPO / "algos" / script), *map(str, flags)]
-    env = {**os.environ, **(env or {})}
+    return launch_python([str(REPO / "algos" / script), *map(str, flags)], env, timeout, check, fresh)
+
+
+def run_tool(module: str, *flags, env=None, timeout=600, check=True):
+    """`python -m tools.X flags` from the repository, as run_script runs a script."""
+    return launch_python(["-m", module, *map(str, flags)], env, timeout, check, cwd=REPO)
+
+
+def launch_python(args: list[str], env=None, timeout=600, check=True, fresh=False, cwd=None):
+    cmd, env, cwd = [sys.executable, *args], {**os.environ, **(env or {})}, Path(cwd or os.getcwd())
     if _UNTIERED:
         _UNTIERED[0](cmd)
+    proc = None
     if not fresh and os.environ.get("CLEANRLHF_TEST_ZYGOTE", "1") != "0":
         if not _ZYGOTE:
             import atexit
@@ -237,12 +246,10 @@ def run_script(script: str, *flags, env=None, timeout=600, check=True, fresh=Fal
 
             _ZYGOTE.append(Zygote(Path(tempfile.mkdtemp(prefix="zygote-"))))
             atexit.register(_ZYGOTE[0].close)
-        if _ZYGOTE[0].serves(cmd, env):
-            proc = _ZYGOTE[0].run(cmd, env, timeout)
-            if check and proc.returncode != 0:
-                raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-            return proc
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        if _ZYGOTE[0].serves(cmd, env, cwd):
+            proc = _ZYGOTE[0].run(cmd, env, timeout, cwd)
+    if proc is None:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc

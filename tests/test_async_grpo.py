@@ -314,10 +314,7 @@ def test_a_generator_that_dies_or_hangs_ends_the_run_with_one_line_and_a_checkpo
 
 @pytest.mark.e2e
 def test_flags_it_refuses_are_one_line():
-    proc = subprocess.run(
-        [__import__("sys").executable, str(REPO / "algos/async_grpo.py"), "--max-off-policy-steps", "-1"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = run_script("async_grpo.py", "--max-off-policy-steps", -1, timeout=120, check=False)
     assert proc.returncode == 2 and "--max-off-policy-steps" in proc.stderr and "Traceback" not in proc.stderr
 
 

@@ -244,33 +244,14 @@ def test_yaml_preset_errors_name_the_file(tmp_path):
         ("a: [\n", "not valid YAML"),
     ):
         (tmp_path / "p.yaml").write_text(text)
-        proc = subprocess.run(
-            [sys.executable, str(REPO / "algos/ppo_llm.py"), "--config", str(tmp_path / "p.yaml")],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        proc = run_script("ppo_llm.py", "--config", tmp_path / "p.yaml", timeout=120, check=False)
         assert proc.returncode == 2 and fragment in proc.stderr and "p.yaml" in proc.stderr, proc.stderr[-1000:]
 
 
 @pytest.mark.e2e
 def test_debug_env_shows_the_traceback(tiny, tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "algos/ppo_llm.py"),
-            "--model-name-or-path",
-            tiny,
-            "--kl-target",
-            "0",
-            "--output-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "CLEANRLHF_DEBUG": "1"},
-    )
+    proc = run_script("ppo_llm.py", "--model-name-or-path", tiny, "--kl-target", 0, "--output-dir", tmp_path,
+                      env={"CLEANRLHF_DEBUG": "1"}, timeout=300, check=False)  # fmt: skip
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "UserError" in proc.stderr
 
 

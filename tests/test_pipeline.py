@@ -3,31 +3,18 @@
 like the CLI; export makes a clean model folder."""
 
 import json
-import subprocess
 import sys
 
 import pandas as pd
 import pytest
 
-from conftest import REPO, only_run, read_metrics, run_script
+from conftest import REPO, only_run, read_metrics, run_script, run_tool
 
 TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
 
 
 def tool(module, *flags, env=None, check=True):
-    import os
-
-    proc = subprocess.run(
-        [sys.executable, "-m", module, *map(str, flags)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=600,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{module} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}")
-    return proc
+    return run_tool(module, *flags, env=env, check=check)
 
 
 def assert_is_model(folder):
@@ -261,12 +248,7 @@ def test_yaml_preset_values_parse_like_the_cli(tmp_path):
         ("learning_rat: 1e-5\n", "unknown key 'learning_rat'"),
     ):
         (tmp_path / "bad.yaml").write_text(text)
-        proc = subprocess.run(
-            [sys.executable, str(REPO / "algos/grpo_llm.py"), "--config", str(tmp_path / "bad.yaml")],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-        )
+        proc = run_script("grpo_llm.py", "--config", tmp_path / "bad.yaml", check=False)
         assert proc.returncode != 0 and msg in proc.stderr and "bad.yaml" in proc.stderr, proc.stderr[-1500:]
 
 

@@ -13,7 +13,7 @@ from test_envs import ScriptedEngine, _rows, _score
 from common import models as M
 from common.data import PromptRow, encode_conversation, load_sft, read_table, write_rows
 from common.envs import Episodes, ToolEnv, tool_metrics
-from conftest import REPO, only_run, read_metrics, run_script
+from conftest import REPO, only_run, read_metrics, run_script, run_tool
 
 sys.path.insert(0, str(REPO / "algos"))
 import sft_llm as S  # noqa: E402
@@ -254,7 +254,6 @@ def test_policy_demonstrations_sample_k_per_prompt_with_a_forced_prefix(tiny, to
 def test_the_tool_chain_runs_from_checkpoint_folders(tiny_agent, tool_prompts, tmp_path):
     """Demonstrations -> sft_llm.py -> grpo_llm.py --env tools (and ppo_llm.py --env tools), each stage from the previous
     stage's checkpoint folder, then tools.evaluate --env tools on the result: the commands of docs/agents.md."""
-    import subprocess
 
     demos = tmp_path / "demos.jsonl"
     _gen_demos(prompts=tool_prompts, source="program", out=str(demos), model=tiny_agent)
@@ -278,10 +277,8 @@ def test_the_tool_chain_runs_from_checkpoint_folders(tiny_agent, tool_prompts, t
     assert json.loads((runs["grpo"] / "args.json").read_text())["learning_rate"] == 2e-6  # the preset's, not 5e-6
     final = runs["grpo"] / "checkpoints" / "step_2" / "policy"
     out = tmp_path / "eval.json"
-    cmd = ["-m", "tools.evaluate", "--models", sft_ckpt, final, "--data", *tool_prompts, "--num-prompts", 4,
-           "--max-new-tokens", 16, "--env", "tools", "--tools", "python", "--json-out", out]  # fmt: skip
-    proc = subprocess.run([sys.executable, *map(str, cmd)], cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_tool("tools.evaluate", "--models", sft_ckpt, final, "--data", *tool_prompts, "--num-prompts", 4,
+             "--max-new-tokens", 16, "--env", "tools", "--tools", "python", "--json-out", out)  # fmt: skip
     res = json.loads(out.read_text())
     assert {f"{sft_ckpt} + tools", f"{final} + tools"} <= set(res)
     assert "tool_call_rate" in res[f"{final} + tools"]["all"]

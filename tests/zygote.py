@@ -2,7 +2,7 @@
 accelerate and common/ once (~5.6 s on this machine's 2 cores), then forks a child per launch that runs
 `python algos/X.py flags` as the interpreter would: the script as __main__ with that argv, the launch's
 environment and working directory, stdin from /dev/null, stdout and stderr into files, its atexit functions and
-non-daemon threads finished, its exit code (or -signal). A CI run launches a script ~150 times: the imports were
+non-daemon threads finished, its exit code (or -signal). Tools (`python -m tools.X` from the repository) run the same way. A CI run launches ~150: the imports were
 ~14 minutes of its CPU.
 
 What a child does not see, and so where run_script starts a fresh process instead (`serves`):
@@ -40,12 +40,16 @@ def _child(req: dict) -> None:
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
-        sys.argv = req["argv"][1:]
-        sys.path[:] = [str(Path(sys.argv[0]).parent), *_PATH[1:]]  # as `python algos/X.py`: the script's folder first
         import runpy
 
+        argv = req["argv"]
         try:
-            runpy.run_path(sys.argv[0], run_name="__main__")
+            if argv[1] == "-m":  # `python -m tools.X flags`: the working directory first on the path
+                sys.argv, sys.path[:] = [argv[2], *argv[3:]], [req["cwd"], *_PATH[1:]]
+                runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+            else:  # `python algos/X.py flags`: the script's folder first
+                sys.argv, sys.path[:] = argv[1:], [str(Path(argv[1]).parent), *_PATH[1:]]
+                runpy.run_path(argv[1], run_name="__main__")
             code = 0
         except SystemExit as e:
             if e.code is None or isinstance(e.code, int):
@@ -150,14 +154,17 @@ class Zygote:
             raise RuntimeError(f"the test zygote did not start: {line!r}")
         self.n = 0
 
-    def serves(self, argv: list[str], env: dict) -> bool:
-        """True if a child of the zygote runs `argv` with `env` as a fresh process would (see the module's doc)."""
-        if self.proc.poll() is not None or Path(argv[1]).resolve().parent != REPO / "algos":
+    def serves(self, argv: list[str], env: dict, cwd: Path) -> bool:
+        """True if a child of the zygote runs `argv` with `env` as a fresh process would (see the module's doc): a
+        script of REPO/algos, or `-m tools.X` from REPO."""
+        ours = argv[1:2] == ["-m"] and argv[2].startswith("tools.") and Path(cwd).resolve() == REPO
+        ours = ours or (argv[1] != "-m" and Path(argv[1]).resolve().parent == REPO / "algos")
+        if self.proc.poll() is not None or not ours:
             return False
         differ = {k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k)}
         return differ <= RUN_TIME_VARS
 
-    def run(self, argv: list[str], env: dict, timeout: float):
+    def run(self, argv: list[str], env: dict, timeout: float, cwd: Path):
         """`argv` run by a child: a subprocess.CompletedProcess; subprocess.TimeoutExpired after `timeout` s (the
         child killed, as subprocess.run does)."""
         import signal
@@ -165,7 +172,7 @@ class Zygote:
 
         self.n += 1
         out, err = self.dir / f"{self.n}.out", self.dir / f"{self.n}.err"
-        req = dict(argv=argv, env=env, cwd=os.getcwd(), stdout=str(out), stderr=str(err))
+        req = dict(argv=argv, env=env, cwd=str(cwd), stdout=str(out), stderr=str(err))
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(self.path)
         conn.sendall(json.dumps(req).encode() + b"\n")
