@@ -6,6 +6,7 @@ test per script); the longer runs (learning, resume, pipelines) are marked e2e."
 
 import ast
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,28 @@ def test_a_copied_and_edited_script_passes_the_suite(tiny_peaky, toy_prompts, tm
     assert json.loads((run / "args.json").read_text())["old_logprobs_from"] == "trainer"
     assert 0 <= read_metrics(run)[-1]["train/neg_adv"] <= 1 and "train/clip_frac" in read_metrics(run)[-1]
     assert (run / "code" / "grpo_idea.py").read_text() == edited
+
+
+@pytest.mark.e2e
+def test_the_zygote_runs_a_script_as_a_fresh_process_does(tiny, tmp_path):
+    """tests/zygote.py (run_script's warm start): the same exit code and output as `python algos/X.py` for a help
+    text and a refused flag; a launch whose environment differs in an import-time variable starts fresh; a timeout
+    kills the child and raises as subprocess.run does."""
+    import subprocess
+
+    import conftest
+
+    for flags in (["--help"], ["--model-name-or-path", tiny, "--kl-target", "0", "--output-dir", tmp_path / "x"]):
+        warm, fresh = (run_script("ppo_llm.py", *flags, check=False, fresh=f) for f in (False, True))
+        assert warm.returncode == fresh.returncode and warm.stdout == fresh.stdout, (warm.stderr, fresh.stderr)
+        mine = lambda p: [x for x in p.stderr.splitlines() if x.startswith(("error", "[cleanrlhf]", "usage"))]
+        assert mine(warm) == mine(fresh)
+    z = conftest._ZYGOTE[0]
+    served = z.n
+    assert not z.serves([sys.executable, str(REPO / "algos/ppo_llm.py")], {**z.env, "HF_HUB_OFFLINE": "0"}, REPO)
+    assert z.serves([sys.executable, str(REPO / "algos/ppo_llm.py")], {**z.env, "TOY_MODEL": "x"}, REPO)
+    assert not z.serves([sys.executable, str(tmp_path / "other.py")], z.env, REPO)  # another tree's script
+    flags = ["--model-name-or-path", tiny, "--output-dir", tmp_path / "slow", "--total-steps", 1000]
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_script("ppo_llm.py", *flags, timeout=3)
+    assert z.n == served + 1 and z.proc.poll() is None  # the timed-out child went through the zygote, which lives on
