@@ -18,7 +18,7 @@ import torch
 
 from common.args import flat_args
 from common.errors import UserError
-from common.models import SHARDED_MARK
+from common.models import SHARD_FILES, SHARDED_MARK, shard_damage, shard_files
 
 
 def rng_state() -> dict:
@@ -120,13 +120,15 @@ def save_checkpoint(
             with warnings.catch_warnings():  # one process, no process group: "assuming ... a single process", yes
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.save(shards, checkpoint_id=str(tmp / "sharded"))  # collective: each process writes its files
-        except BaseException:  # the half-written folder goes; the previous checkpoints are untouched
+        except BaseException as e:  # the half-written folder goes; the previous checkpoints are untouched
             if accelerator.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            raise _full_disk(e, run_dir, final) or e
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         try:
+            if sharded:  # every file's size and CRC-32 (all processes' files are written: waited above)
+                (tmp / "sharded" / SHARD_FILES).write_text(json.dumps(shard_files(tmp / "sharded")) + "\n")
             for name, m in models.items():
                 unwrapped = accelerator.unwrap_model(m)
                 if sharded:  # the model's config and tokenizer: common.models makes the folder whole on first load
@@ -162,19 +164,7 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
             # torch.save on a full disk raises RuntimeError ("unexpected pos ..."), safetensors its SafetensorError
             # ("No space left on device (os error 28)"), neither an OSError(ENOSPC): found on a real full tmpfs
-            said = str(e)
-            full = (
-                getattr(e, "errno", None) == errno.ENOSPC
-                or "No space left on device" in said
-                or (isinstance(e, RuntimeError) and ("unexpected pos" in said or _nearly_full(ckpt_root)))
-            )
-            if full:
-                intact = max(list_checkpoints(run_dir), key=step_of, default=None)
-                raise UserError(
-                    f"no space left on {ckpt_root} while writing checkpoint {final.name}; "
-                    f"{intact.name + ' is intact' if intact else 'no earlier checkpoint exists'}"
-                ) from e
-            raise
+            raise _full_disk(e, run_dir, final) or e
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the folder gets the user's usual permissions
         old = None
         if final.exists():  # re-saving the same name (a resume, checkpoints/best): swap, then delete the old one
@@ -211,6 +201,26 @@ class BestKeeper:
 
     def load_state_dict(self, s: dict) -> None:
         self.best = s["best"]
+
+
+def _full_disk(e: BaseException, run_dir: Path, final: Path) -> UserError | None:
+    """The one line for a save that stopped on a full disk (else None). torch.save raises RuntimeError ("unexpected
+    pos ..."), safetensors its SafetensorError ("No space left on device (os error 28)"), torch.distributed.checkpoint
+    a CheckpointException (a BaseException) around either; none an OSError(ENOSPC): found on a real full tmpfs."""
+    said, ckpt_root = str(e), run_dir / "checkpoints"
+    full = (
+        getattr(e, "errno", None) == errno.ENOSPC
+        or "No space left on device" in said
+        or "unexpected pos" in said
+        or (isinstance(e, RuntimeError) and _nearly_full(ckpt_root))
+    )
+    if not full:
+        return None
+    intact = max(list_checkpoints(run_dir), key=step_of, default=None)
+    err = UserError(f"no space left on {ckpt_root} while writing checkpoint {final.name}; "
+                    f"{intact.name + ' is intact' if intact else 'no earlier checkpoint exists'}")  # fmt: skip
+    err.__cause__ = e
+    return err
 
 
 def _nearly_full(folder: Path) -> bool:
@@ -341,12 +351,16 @@ def load_sharded(folder: Path, models: dict, optimizers: dict) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
+    if (problem := shard_damage(folder)) is not None:  # a cut, missing or altered file: named before any read
+        raise UserError(f"{problem}{earlier_intact(folder.parent)}")
     shards = sharded_state(models, optimizers)
     try:
         with warnings.catch_warnings():  # one process, no process group: "assuming ... a single process", yes
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(shards, checkpoint_id=str(folder))
-    except Exception as e:  # a missing or cut shard file, another model's tensors
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # torch's CheckpointException is a BaseException; another model's tensors
         first = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
         raise UserError(
             f"{folder}: could not be loaded ({type(e).__name__}: {first[:200]}){earlier_intact(folder.parent)}"
@@ -390,8 +404,8 @@ def damage(ckpt: Path) -> str | None:
         zipfile.ZipFile(Path(ckpt) / "trainer_state.pt").close()
     except (zipfile.BadZipFile, OSError) as e:
         return f"{Path(ckpt) / 'trainer_state.pt'}: damaged ({e})"
-    if is_sharded(ckpt) and not (Path(ckpt) / "sharded" / ".metadata").is_file():
-        return f"{Path(ckpt) / 'sharded'}: damaged (no .metadata)"
+    if is_sharded(ckpt) and (problem := shard_damage(Path(ckpt) / "sharded")) is not None:
+        return problem
     for f in sorted(Path(ckpt).glob("*/*.safetensors")):
         try:
             with safe_open(str(f), "pt"):

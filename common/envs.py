@@ -18,6 +18,8 @@ Legend: B trajectories, P (left-padded) prompt length, T the longest trajectory 
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -259,6 +261,44 @@ class EpisodeRollout(Generation):
     # first ones, each model turn's text, each observation): an SFT row (common.data.encode_conversation)
 
 
+def messages_problem(x, what: str) -> str | None:
+    """None if `x` is what reset() (a str, or a non-empty list of {role, content} dicts of strings) or a Step's
+    observation (a list of such dicts; empty or None: nothing to add) may be; else what is wrong, in words."""
+    if what == "reset" and isinstance(x, str) and x.strip():
+        return None
+    if what == "observation" and (x is None or (isinstance(x, list) and not x)):
+        return None
+    if not isinstance(x, list) or not x:
+        return f"returned {type(x).__name__} {str(x)[:60]!r}, not a list of {{role, content}} messages"
+    for m in x:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f"returned a message {str(m)[:60]!r}: each must be a dict with string 'role' and 'content'"
+    return None
+
+
+def step_problem(step) -> str | None:
+    """None if `step` is a usable Step (a finite number as its reward, a dict of numbers as its info, messages as
+    its observation); else what is wrong (a gym-style tuple, a tensor or string reward, ...)."""
+    if not isinstance(step, Step):
+        return f"returned {type(step).__name__} {str(step)[:60]!r}, not a Step(observation, reward, done, info)"
+    try:
+        reward = float(step.reward)
+    except (TypeError, ValueError, RuntimeError):
+        return f"returned the reward {str(step.reward)[:60]!r}, not a number"
+    if isinstance(step.reward, (str, bytes)) or not math.isfinite(reward):
+        return f"returned the reward {str(step.reward)[:60]!r}, not a finite number"
+    if not isinstance(step.info, dict):
+        return f"returned info {str(step.info)[:60]!r}, not a dict"
+    for k, v in step.info.items():
+        try:
+            ok = not isinstance(v, (str, bytes)) and math.isfinite(float(v))
+        except (TypeError, ValueError, RuntimeError):
+            ok = False
+        if not ok:
+            return f"returned info[{k!r}] = {str(v)[:40]!r}, not a finite number"
+    return messages_problem(step.observation, "observation")
+
+
 class Episodes:
     """Runs a batch of trajectories with one environment instance each (module docstring).
 
@@ -280,15 +320,26 @@ class Episodes:
         self.kv_cache = True
 
     def _call(self, what: str, fn, *a):
-        """(ok, fn(*a)) under the timeout; a failure is counted, the first one printed."""
+        """(ok, fn(*a)) under the timeout; a failure is counted, the first one printed. A call that changed the
+        working directory (the run's relative paths) is put back and counted as failed."""
+        cwd = os.getcwd()
         try:
-            return True, call_with_timeout(fn, self.timeout, *a)
+            out = call_with_timeout(fn, self.timeout, *a)
         except BaseException as e:  # user code: SystemExit / KeyboardInterrupt inside it are its failure too
-            self.errors += 1
-            if not self._said:
-                self._said = True
-                self.log(f"warning: environment {what} failed: {type(e).__name__}: {e} (counted in env/errors)")
-            return False, None
+            return self._fail(what, f"{type(e).__name__}: {e}"), None
+        finally:
+            moved = os.getcwd() != cwd
+            if moved:
+                os.chdir(cwd)
+        return (self._fail(what, f"changed the working directory (put back to {cwd})"), None) if moved else (True, out)
+
+    def _fail(self, what: str, problem: str) -> bool:
+        """Count a failed environment call (env/errors), print the first; False."""
+        self.errors += 1
+        if not self._said:
+            self._said = True
+            self.log(f"warning: environment {what} failed: {problem} (counted in env/errors)")
+        return False
 
     def glue(self) -> str:
         """What the template writes after an assistant turn's EOS token (e.g. '\\n' after <|im_end|>): rendered once."""
@@ -327,6 +378,8 @@ class Episodes:
                 env.score = lambda text, row=row: self.score(row, text)
                 env.max_turns, env.turn, env.template_tools = self.max_turns, 0, self.template_tools
                 ok, msgs = self._call("reset", env.reset, row)
+                problem = messages_problem(msgs, "reset") if ok else None
+                ok = ok and (problem is None or self._fail("reset", problem))
             msgs = msgs if ok else (row.messages if row.messages is not None else row.text)
             tools = getattr(env, "tools", None) if ok and self.template_tools else None
             text = apply_chat(tok, msgs, tools=tools) if not isinstance(msgs, str) or tok.chat_template else msgs
@@ -377,7 +430,8 @@ class Episodes:
                     not ended or turn == self.max_turns or len(ids[i]) >= self.max_tokens,
                 )
                 ok, step = self._call("step", envs[i].step, text, new)
-                if not ok or not isinstance(step, Step):
+                problem = step_problem(step) if ok else None
+                if not ok or (problem is not None and not self._fail("step", problem)):
                     stats["errors"][i] = 1.0
                     done[i], score[i] = True, 0.0
                     continue

@@ -113,6 +113,43 @@ def _save_once(model, tok, out: Path, extra: dict | None = None) -> None:
 
 # a sharded checkpoint's model folder holds this file (config and tokenizer beside it; weights in ../sharded)
 SHARDED_MARK = "sharded_weights.json"
+SHARD_FILES = "files.json"  # in ../sharded: each file's size and CRC-32, written after the save (checkpoint.py)
+
+
+def shard_files(shards: Path) -> dict:
+    """{file name: {"size", "crc32"}} of every file of a sharded checkpoint's folder (torch.distributed.checkpoint
+    stores no checksum of its own: a flipped byte would load silently)."""
+    import zlib
+
+    out = {}
+    for f in sorted(Path(shards).iterdir()):
+        if f.is_file() and f.name != SHARD_FILES:
+            crc = 0
+            with open(f, "rb") as fh:
+                while chunk := fh.read(1 << 22):
+                    crc = zlib.crc32(chunk, crc)
+            out[f.name] = {"size": f.stat().st_size, "crc32": crc}
+    return out
+
+
+def shard_damage(shards: Path) -> str | None:
+    """What is damaged in a sharded checkpoint's folder (its .metadata missing; a file the save listed missing, cut,
+    grown or with other bytes), naming the file; None when it is whole. Folders saved before the list: .metadata."""
+    shards = Path(shards)
+    if not (shards / ".metadata").is_file():
+        return f"{shards}: damaged (no .metadata)"
+    if not (shards / SHARD_FILES).is_file():
+        return None
+    want, have = json.loads((shards / SHARD_FILES).read_text()), shard_files(shards)
+    for name, w in want.items():
+        h = have.get(name)
+        if h is None:
+            return f"{shards / name}: missing"
+        if h["size"] != w["size"]:
+            return f"{shards / name}: damaged ({h['size']} bytes, {w['size']} written)"
+        if h["crc32"] != w["crc32"]:
+            return f"{shards / name}: damaged (its bytes differ from those written: CRC-32 mismatch)"
+    return None
 
 
 def _from_shards(folder: Path) -> str:
@@ -128,8 +165,9 @@ def _from_shards(folder: Path) -> str:
 
     shards = folder.parent / "sharded"
     meta = shards / ".metadata"
-    if not meta.is_file():
-        raise UserError(f"{folder}: a sharded checkpoint's model, but {shards} has no .metadata (damaged or missing)")
+    if not shards.is_dir() or shard_damage(shards) is not None:
+        problem = shard_damage(shards) if shards.is_dir() else f"{shards}: missing"
+        raise UserError(f"{folder}: a sharded checkpoint's model, but {problem}")
     key = hashlib.sha1(f"{folder.resolve()}:{meta.stat().st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_dir() / "from_sharded" / f"{folder.parent.name}_{folder.name}_{key}"
     if (out / "config.json").exists():
@@ -138,9 +176,15 @@ def _from_shards(folder: Path) -> str:
     config = transformers.AutoConfig.from_pretrained(folder)
     model = getattr(transformers, config.architectures[0])(config)  # the saved class, random weights: all replaced
     state = {name: model.state_dict()}
-    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": yes
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(shards))  # one process: every shard, whatever the number of writers
+    try:
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(shards))  # one process: every shard, whatever the number of writers
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # torch's CheckpointException is a BaseException
+        first = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+        raise UserError(f"{folder}: its shards in {shards} could not be loaded ({first[:200]})") from None
     model.load_state_dict(state[name])
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -674,6 +718,16 @@ def load_value_model(
         "TOKEN_CLS",
         modules_to_save=["score"],
     )
+
+
+def check_reward_model(name_or_path: str, flag: str, trust_remote_code: bool = False) -> None:
+    """A reward model to score with must be one (rm_llm.py's checkpoints/step_N/model, a sequence-classification
+    model from the Hub): a causal LM would load with a random score head and score noise. One line naming `flag`."""
+    path = resolve_model_path(name_or_path)
+    archs = getattr(_config(path, trust_remote_code), "architectures", None) or []
+    if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise UserError(f"{flag} {name_or_path}: not a reward model (its config names {', '.join(archs)}; its score "
+                        "head would be random): give rm_llm.py's checkpoints/step_N/model")  # fmt: skip
 
 
 def load_reward_model(name_or_path: str, tok=None, dtype: str = "auto", trust_remote_code: bool = False, **lora):

@@ -11,7 +11,9 @@ Written on the standard library (urllib): no client package to install, and noth
 
 from __future__ import annotations
 
+import http.client
 import json
+import math
 import re
 import time
 import urllib.error
@@ -36,25 +38,79 @@ class ServiceConfig:
     backoff: float = 0.5  # seconds before the first retry; doubled after each
 
 
-def post_json(url: str, body: dict, cfg: ServiceConfig, headers: dict | None = None) -> dict:
-    """POST `body` as JSON, return the JSON answer; retried as the module docstring says. Raises ServiceError."""
+MAX_ANSWER_BYTES = 16 << 20  # an answer larger than this is malformed (a scores list of 32 rows is a few hundred bytes)
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is refused, never followed: urllib would re-send the request, its Authorization header (the
+    judge's OPENAI_API_KEY) included, to whatever host the answer names."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        raise ServiceError(f"{req.full_url}: answered with a redirect ({code}) to {newurl}; refusing to follow it "
+                           "(a request's credentials never go to another address): give the final URL")  # fmt: skip
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
+def _read_by(resp, deadline: float, url: str) -> bytes:
+    """The whole body of `resp` by `deadline` (time.monotonic()): urlopen's timeout bounds each read, so a service
+    that drips its answer a byte at a time would hold the batch for ever; and at most MAX_ANSWER_BYTES."""
+    sock = getattr(getattr(getattr(resp, "fp", None), "raw", None), "_sock", None)
+    chunks, size = [], 0
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the answer did not arrive whole within the timeout")
+        if sock is not None:
+            sock.settimeout(left)
+        try:
+            chunk = resp.read1(1 << 16)
+        except TimeoutError:  # the socket's timeout: the deadline reached mid-read
+            raise TimeoutError("the answer did not arrive whole within the timeout") from None
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > MAX_ANSWER_BYTES:
+            raise ValueError(f"an answer over {MAX_ANSWER_BYTES >> 20} MB")
+        chunks.append(chunk)
+
+
+def post_json(url: str, body: dict, cfg: ServiceConfig, headers: dict | None = None, check=None):
+    """POST `body` as JSON, return the JSON answer (or check(answer): it raises ValueError on a malformed one);
+    retried as the module docstring says; each try bounded by cfg.timeout in all (connection and whole answer).
+    Raises ServiceError."""
     data = json.dumps(body).encode()
     last = ""
     for attempt in range(cfg.retries + 1):
         if attempt:
             time.sleep(cfg.backoff * 2 ** (attempt - 1))
         req = urllib.request.Request(url, data, {"Content-Type": "application/json", **(headers or {})})
+        deadline = time.monotonic() + cfg.timeout
         try:
-            with urllib.request.urlopen(req, timeout=cfg.timeout) as resp:
-                return json.loads(resp.read())
+            with _OPENER.open(req, timeout=cfg.timeout) as resp:
+                out = json.loads(_read_by(resp, deadline, url))
+            return check(out) if check is not None else out
         except urllib.error.HTTPError as e:
             last = f"HTTP {e.code} {e.reason}"
             if 400 <= e.code < 500 and e.code not in (408, 429):  # the request's own fault: no retry helps
                 detail = e.read()[:300].decode(errors="replace")
                 raise ServiceError(f"{url}: refused the request ({last}: {detail})") from None
-        except (OSError, ValueError) as e:  # no connection, a timeout, a cut or malformed answer
+        except (OSError, ValueError, http.client.HTTPException) as e:  # no connection, a timeout, a cut, malformed
             last = f"{type(e).__name__}: {e}"
-    raise ServiceError(f"{url}: no valid answer after {cfg.retries + 1} tries (last: {last})")
+    raise ServiceError(f"{url}: no valid answer after {cfg.retries + 1} tries (last: {last[:300]})")
+
+
+def _scores_of(out, n: int) -> list[float]:
+    """{"scores": [n finite numbers]} -> the scores; anything else (strings, nulls, dicts, NaN, inf, another count)
+    is a malformed answer: ValueError."""
+    scores = out.get("scores") if isinstance(out, dict) else None
+    if not isinstance(scores, list) or len(scores) != n:
+        raise ValueError(f"answered {str(out)[:200]!r}, not {{'scores': [{n} numbers]}}")
+    bad = [s for s in scores if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s)]
+    if bad:
+        raise ValueError(f"scores must be finite numbers, got {bad[:3]!r}")
+    return [float(s) for s in scores]
 
 
 class RemoteScorer:
@@ -78,11 +134,8 @@ class RemoteScorer:
             "is_eos": [bool(e) for e in is_eos],
         }
         self.requests += 1
-        out = post_json(self.cfg.url, json.loads(json.dumps(body, default=str)), self.cfg)
-        scores = out.get("scores") if isinstance(out, dict) else None
-        if not isinstance(scores, list) or len(scores) != len(rows):
-            raise ServiceError(f"{self.cfg.url}: answered {str(out)[:200]!r}, not {{'scores': [{len(rows)} numbers]}}")
-        return [float(s) for s in scores]
+        body = json.loads(json.dumps(body, default=str))
+        return post_json(self.cfg.url, body, self.cfg, check=lambda out: _scores_of(out, len(rows)))
 
     def __call__(self, rows, responses, is_eos=None, fallback: float | None = None) -> tuple[list[float], int]:
         """Scores of every response, and how many took the fallback (a failed chunk: all its rows)."""
@@ -127,9 +180,9 @@ Reply with one line, "Score: N", N an integer from 0 (wrong) to 10 (fully correc
 class JudgeScorer:
     """`--judge-url` / `--judge-model`: one chat completion per response from an OpenAI-compatible endpoint (`vllm
     serve`, a hosted API; the key from OPENAI_API_KEY when set), the prompt rendered from a template with
-    {prompt}, {response}, {ground_truth} and {data_source}; the score is the first number after "Score:" (else
-    the first number) in the reply, divided by `scale` (10: into [0, 1]). An answer without a number is a failed
-    request (retried, then the error or the fallback)."""
+    {prompt}, {response}, {ground_truth} and {data_source}; the score is the reply's grade (parse_judge_score: on
+    [0, scale]) divided by `scale` (10: into [0, 1]). A reply without a grade is a failed request (retried, then
+    the error or the fallback). The endpoint's redirects are refused: the key never goes to another address."""
 
     def __init__(self, cfg: ServiceConfig, model: str, template: str = DEFAULT_JUDGE_TEMPLATE, scale: float = 10.0):
         import os
@@ -164,7 +217,7 @@ class JudgeScorer:
                 text = out["choices"][0]["message"]["content"]
             except (KeyError, IndexError, TypeError):
                 text = None
-            score = parse_judge_score(text) if isinstance(text, str) else None
+            score = parse_judge_score(text, self.scale) if isinstance(text, str) else None
             if score is not None:
                 return score / self.scale
             last = repr(text if text is not None else out)[:200]
@@ -177,7 +230,16 @@ class JudgeScorer:
         return _gather(self._one, items, [1] * len(items), self.cfg, fallback)
 
 
-def parse_judge_score(text: str) -> float | None:
-    """'Score: 7' -> 7.0; else the first number in the text; None when there is none."""
-    m = re.search(r"score\s*[:=]?\s*(-?\d+(?:\.\d+)?)", text, re.IGNORECASE) or re.search(r"-?\d+(?:\.\d+)?", text)
-    return float(m.group(1) if m.re.groups else m.group(0)) if m else None
+_SCORE = re.compile(r"score\s*(?:\([^)]{0,20}\))?\s*\**\s*(?:[:=]|is)?\s*\**\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
+_LONE = re.compile(r"[*\s]*(-?\d+(?:\.\d+)?)\s*(?:/\s*\d+|out of \d+)?[.*\s]*")
+
+
+def parse_judge_score(text: str, scale: float = 10.0) -> float | None:
+    """The grade in a judge's reply, on [0, scale]: "Score: 7", "**Score:** 7/10", "Score (0-10): 7", "score = 7.5"
+    (a grade outside [0, scale] is clamped to it: "Score: 85" is 10), or a reply that is a number alone ("7",
+    "7/10"); None for anything else ("In 2024 ...", "I cannot tell"): an unparsable reply, retried and counted."""
+    m = _SCORE.search(text)
+    if m:
+        return min(max(float(m.group(1)), 0.0), scale)
+    m = _LONE.fullmatch(text.strip())
+    return min(max(float(m.group(1)), 0.0), scale) if m else None

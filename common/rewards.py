@@ -704,6 +704,8 @@ def reward_from_args(rewards, model, max_new_tokens: int, accelerator) -> Reward
     from common.distributed import prepare_frozen
 
     path, trust = rewards.reward_model, model.trust_remote_code
+    if path:
+        M.check_reward_model(path, "--reward-model", trust)  # a causal LM would score with a random head
     rm_tok = M.load_reward_tokenizer(path, trust) if path else None  # with the prompt format it was trained on
     reward_model = prepare_frozen(accelerator, M.load_reward_model(path, rm_tok, model.dtype)) if path else None
     return Reward(

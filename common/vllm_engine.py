@@ -91,8 +91,18 @@ def weights_fingerprint(state_dict: dict) -> torch.Tensor:
     """(n tensors, 2) float64 on CPU: each tensor's sum and sum of squares, in name order. Equal fingerprints:
     the same weights, for any change an optimizer makes (a step that kept every tensor's sum and sum of squares
     is not one that happens); computed where the weights live, one small copy back."""
-    rows = [torch.stack([t.double().sum(), t.double().square().sum()]) for _, t in sorted(state_dict.items())]
+    rows = [_sum_and_squares(t) for _, t in sorted(state_dict.items())]
     return torch.stack(rows).cpu() if rows else torch.zeros(0, 2, dtype=torch.float64)
+
+
+def _sum_and_squares(t: torch.Tensor, chunk: int = 1 << 22) -> torch.Tensor:
+    """(2,) float64: t's sum and sum of squares, `chunk` elements at a time (a float64 copy of a whole large
+    embedding would take GBs where the weights live: 32 MB a chunk instead)."""
+    out = torch.zeros(2, dtype=torch.float64, device=t.device)
+    for part in t.detach().reshape(-1).split(chunk):
+        d = part.double()
+        out += torch.stack([d.sum(), d.square().sum()])
+    return out
 
 
 class VLLMEngine:

@@ -353,6 +353,63 @@ def test_failing_or_hanging_environments_are_counted_not_fatal(tiny):
     assert any("env bug" in x for x in logs) and any("RewardTimeout" in x for x in logs)
 
 
+class Returns(Environment):
+    """An environment whose reset or step returns `what` (one of the wrong things users' environments return)."""
+
+    def __init__(self, where, what):
+        self.where, self.what = where, what
+
+    def reset(self, row):
+        return self.what if self.where == "reset" else super().reset(row)
+
+    def step(self, text, ids):
+        if self.where == "step":
+            return self.what
+        obs = self.what if self.where == "observation" else [{"role": "user", "content": "go on"}]
+        info = self.what if self.where == "info" else {}
+        return Step(obs, self.what if self.where == "reward" else 1.0, self.where == "done", info)
+
+
+class Moves(Environment):
+    def step(self, text, ids):
+        os.chdir("/")
+        return Step(None, 1.0, True)
+
+
+WRONG = [("reset", None), ("reset", 3), ("reset", []), ("reset", [{"role": "user", "content": 5}]),
+         ("step", None), ("step", "done"), ("step", ([], 1.0, True, {})), ("reward", None), ("reward", "1"),
+         ("reward", torch.ones(2)), ("reward", float("nan")), ("info", [1]), ("info", {"tool_calls": "x"}),
+         ("observation", "just text"), ("observation", [{"role": "user", "content": None}])]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tiny):
+    """(tokenizer, model) of the tiny model, loaded once for the module's many short trajectories."""
+    tok = M.load_tokenizer(tiny)
+    return tok, M.load_causal_lm(tiny, tok)
+
+
+@pytest.mark.parametrize("where, what", WRONG, ids=[f"{w}-{str(x)[:12]}" for w, x in WRONG])
+def test_an_environment_returning_the_wrong_thing_is_a_counted_failure(tiny_loaded, where, what):
+    """Each wrong return (a reset that is not messages, a step that is not a Step, a reward that is not a finite
+    number, info that is not a dict of numbers, an observation that is not messages) ends that trajectory with
+    reward 0, counted in env/errors with the first message printed (naming what was returned); the run goes on."""
+    tok, model = tiny_loaded
+    logs = []
+    eps = Episodes(partial(Returns, where, what), tok, _score, max_turns=2, max_tokens=50, timeout=5, log=logs.append)
+    ro = eps.run(model, _rows(2), seeds=[0, 1], engine=ScriptedEngine(tok, lambda ctx: "42"))
+    assert ro.stats["env/errors"].tolist() == [1, 1] and eps.errors == 2 and ro.scores.tolist() == [0, 0]
+    assert len(logs) == 1 and f"environment {where if where == 'reset' else 'step'} failed: returned" in logs[0], logs
+
+
+def test_an_environment_that_changes_the_working_directory_is_put_back(tiny_loaded):
+    tok, model = tiny_loaded
+    logs, cwd = [], os.getcwd()
+    eps = Episodes(Moves, tok, _score, max_turns=2, max_tokens=50, timeout=5, log=logs.append)
+    ro = eps.run(model, _rows(2), seeds=[0, 1], engine=ScriptedEngine(tok, lambda ctx: "42"))
+    assert os.getcwd() == cwd and ro.stats["env/errors"].tolist() == [1, 1] and "working directory" in logs[0]
+
+
 def test_env_flag_loads_user_classes_and_refuses_bad_specs(tmp_path):
     f = tmp_path / "my_env.py"
     f.write_text(

@@ -490,3 +490,24 @@ def test_models_load_with_the_small_attention_and_save_plain_configs(tiny, tmp_p
         sdpa = forward_logprobs(model, ro.query_responses, attn, q.shape[1])
     assert not torch.equal(ours, sdpa)  # another kernel ran
     assert ((ours - sdpa).abs() * m).sum() / m.sum() < 0.01
+
+
+def test_the_weight_fingerprint_is_computed_in_chunks(monkeypatch):
+    """weights_fingerprint's float64 work runs on chunks of 4M elements, never a float64 copy of a whole tensor
+    (a 49k x 2k embedding would be 0.8 GB more on the device); its values are the naive sums (float64 rounding)."""
+    import numpy as np
+
+    from common.vllm_engine import weights_fingerprint
+
+    big = torch.randn(3 << 21, generator=torch.Generator().manual_seed(0))  # 6.3M elements: two chunks
+    small = torch.randn(7, 3, dtype=torch.bfloat16)
+    seen, real = [], torch.Tensor.double
+    monkeypatch.setattr(
+        torch.Tensor, "double", lambda self, *a, **k: (seen.append(self.numel()), real(self, *a, **k))[1]
+    )
+    fp = weights_fingerprint({"a.weight": big, "b.weight": small})
+    monkeypatch.undo()
+    assert max(seen) == 1 << 22 and fp.dtype == torch.float64 and fp.shape == (2, 2)
+    for row, t in zip(fp, (big, small)):
+        x = t.float().numpy().astype(np.float64)
+        assert row.tolist() == pytest.approx([x.sum(), (x * x).sum()], rel=1e-12)

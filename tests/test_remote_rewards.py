@@ -142,6 +142,38 @@ def test_serve_rm_scores_as_the_reward_model_in_process(tiny, tmp_path):
         server.server_close()
 
 
+def test_serve_rm_refuses_a_causal_lm_a_busy_port_and_an_oversized_request(tiny, tmp_path):
+    """tools.serve_rm (and --reward-model) on a folder that is not a reward model: one line (a causal LM would load
+    with a random score head and serve noise); a port in use: one line naming it; a body over MAX_REQUEST_BYTES:
+    413 without reading it, and the server goes on serving."""
+    import urllib.error
+    import urllib.request
+
+    from common import models as M
+    from tools import serve_rm
+
+    with pytest.raises(UserError, match="not a reward model .*ForCausalLM"):
+        serve_rm.make_server(tiny)
+    rm_dir = tmp_path / "rm"
+    M.load_reward_model(tiny).save_pretrained(rm_dir)
+    M.load_tokenizer(tiny).save_pretrained(rm_dir)
+    server = serve_rm.make_server(str(rm_dir))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        with pytest.raises(UserError, match=f"--port {port}: cannot listen there"):
+            serve_rm.make_server(str(rm_dir), port=port)
+        big = urllib.request.Request(f"http://127.0.0.1:{port}/score", b"{}",
+                                     {"Content-Length": str(serve_rm.MAX_REQUEST_BYTES + 1)})  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError, match="413"):
+            urllib.request.urlopen(big, timeout=10)
+        scores, failed = RemoteScorer(ServiceConfig(f"http://127.0.0.1:{port}/score"))(ROWS[:2], RESPONSES[:2])
+        assert len(scores) == 2 and failed == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_the_judge_renders_its_template_and_parses_the_grade(tmp_path):
     def grade(body, n):  # an OpenAI-compatible chat completion: the grade is the response's length mod 11
         content = body["messages"][0]["content"]
@@ -162,8 +194,109 @@ def test_the_judge_renders_its_template_and_parses_the_grade(tmp_path):
         assert judge(ROWS[3:4], RESPONSES[3:4], fallback=0.0) == ([0.0], 1)
     finally:
         stub.close()
-    assert parse_judge_score("Score: 7/10") == 7 and parse_judge_score("it is 8") == 8
-    assert parse_judge_score("none") is None
+    assert parse_judge_score("Score: 7/10") == 7 and parse_judge_score("none") is None
+
+
+@pytest.mark.parametrize(
+    "reply, grade",
+    [("Score: 7", 7), ("**Score:** 7/10", 7), ("Score (0-10): 7", 7), ("score = 7.5", 7.5), ("The score is 6", 6),
+     ("Final score: 9 out of 10", 9), ("7", 7), ("8/10.", 8), ("Score: 85", 10), ("Score: 1000000", 10),
+     ("Score: -3", 0), ("In 2024 the answer was", None), ("it is 8", None), ("I cannot tell", None)],
+)  # fmt: skip
+def test_the_judge_grade_is_parsed_in_the_common_formats_and_kept_in_range(reply, grade):
+    """The grade after "Score" (a "(0-10)" range, markdown, "=", "is" allowed between), or a reply that is a number
+    alone; clamped to [0, scale]; a number elsewhere in a sentence is not a grade (a year would be 202.4)."""
+    assert parse_judge_score(reply) == grade
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [{"scores": ["high", 1.0]}, {"scores": [None, 1.0]}, {"scores": [{"s": 1}, 1.0]}, {"scores": [float("nan"), 1.0]},
+     {"scores": [float("inf"), 1.0]}, {"scores": [True, 1.0]}, b'{"scores": [1.0, ', b"<html>busy</html>"],
+    ids=["string", "null", "dict", "nan", "inf", "bool", "cut", "html"],
+)  # fmt: skip
+def test_a_malformed_or_non_finite_answer_is_a_failed_request(answer):
+    """Scores that are not finite numbers, or an answer cut mid-way: retried like a failed request, then one line
+    naming the URL, or the fallback (counted), never a traceback and never a NaN reward."""
+    data = answer if isinstance(answer, bytes) else json.dumps(answer).encode()  # json.dumps writes NaN, Infinity
+    stub = Stub(lambda body, n: (200, data))
+    try:
+        cfg = ServiceConfig(stub.url, retries=1, backoff=0.01)
+        with pytest.raises(
+            ServiceError, match=r"/score: no valid answer after 2 tries \(last: (ValueError|JSONDecodeError)"
+        ):
+            RemoteScorer(cfg)(ROWS[:2], RESPONSES[:2])
+        assert len(stub.bodies) == 2  # retried once
+        reward = Reward("remote:1.0", remote=RemoteScorer(cfg), fallback=-1.0)
+        scores, _, _ = reward(ROWS[:2], RESPONSES[:2], torch.full((2,), 5))
+        assert scores.tolist() == [-1.0, -1.0] and reward.errors == 2
+    finally:
+        stub.close()
+
+
+def test_an_answer_dripped_a_byte_at_a_time_is_bounded_by_the_timeout_in_all():
+    """urlopen's timeout bounds each read; a service sending a byte every 0.1 s would never time out. The whole
+    answer must arrive within --reward-timeout (here 1 s): the try ends after ~1 s, then the next."""
+
+    class Drip(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            data = json.dumps({"scores": [1.0, 1.0]}).encode() + b" " * 200
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            try:
+                for i in range(len(data)):
+                    self.wfile.write(data[i : i + 1])
+                    self.wfile.flush()
+                    time.sleep(0.1)
+            except OSError:  # the client gave up
+                pass
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Drip)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        t = time.time()
+        cfg = ServiceConfig(f"http://127.0.0.1:{server.server_address[1]}/score", timeout=1.0, retries=1, backoff=0.01)
+        with pytest.raises(ServiceError, match="did not arrive whole within the timeout"):
+            RemoteScorer(cfg)(ROWS[:2], RESPONSES[:2])
+        assert time.time() - t < 5  # two tries of ~1 s, not 2 x 27 s of drips
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_redirect_is_refused_and_the_key_never_reaches_its_target(monkeypatch):
+    """A judge endpoint answering 307 to another address: refused in one line naming the target; the target never
+    sees the request (urllib would have re-sent it with its Authorization header)."""
+    target = Stub(lambda body, n: (200, {"choices": [{"message": {"content": "Score: 7"}}]}))
+
+    class Redirect(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(307)
+            self.send_header("Location", target.url.replace("/score", "/v1/chat/completions"))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+    try:
+        judge = JudgeScorer(ServiceConfig(f"http://127.0.0.1:{server.server_address[1]}/v1", retries=1), "m")
+        with pytest.raises(ServiceError, match="answered with a redirect \\(307\\) to http://127.0.0.1:.*refusing"):
+            judge(ROWS[:1], RESPONSES[:1])
+        assert target.bodies == []
+    finally:
+        server.shutdown()
+        server.server_close()
+        target.close()
 
 
 @pytest.mark.e2e

@@ -399,3 +399,50 @@ def test_a_sharded_checkpoint_restores_weights_and_optimizer_and_loads_as_a_mode
     with pytest.raises(RuntimeError, match="killed mid-save"):
         C.save_checkpoint(acc, tmp_path, 2, {"policy": model}, {}, tokenizer=tok, sharded=True)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
+
+
+def test_a_damaged_shard_is_one_line_naming_it_and_the_intact_step_before(tiny, tmp_path, monkeypatch):
+    """A sharded checkpoint whose shard file is cut, deleted or has a flipped byte, or lost its .metadata
+    (torch.distributed.checkpoint keeps no checksum: the save records each file's size and CRC-32): restoring it,
+    converting its policy folder (export, --model-name-or-path) and `damage` (what --resume auto skips) name the
+    file; the restore also names the newest intact earlier step. A full disk during the sharded save is one line."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    from common import models as M
+
+    monkeypatch.setenv("CLEANRLHF_CACHE", str(tmp_path / "cache"))
+    acc, tok = Accelerator(cpu=True), M.load_tokenizer(tiny)
+    model = M.load_causal_lm(tiny, tok)
+    saved = tmp_path / "saved"
+    for step in (1, 2):
+        C.save_checkpoint(acc, saved, step, {"policy": model}, {}, tokenizer=tok, sharded=True)
+    assert C.damage(saved / "checkpoints" / "step_2") is None
+    assert json.loads((saved / "checkpoints" / "step_2" / "sharded" / "files.json").read_text())
+    for how in ("cut", "deleted", "flipped", "no-metadata"):
+        run = tmp_path / how
+        shutil.copytree(saved, run)
+        shards = run / "checkpoints" / "step_2" / "sharded"
+        victim = shards / ".metadata" if how == "no-metadata" else sorted(shards.glob("*.distcp"))[0]
+        data = bytearray(victim.read_bytes())
+        if how == "cut":
+            victim.write_bytes(bytes(data[:-100]))
+        elif how == "flipped":
+            data[len(data) // 2] ^= 0xFF
+            victim.write_bytes(bytes(data))
+        else:
+            victim.unlink()
+        assert victim.name in C.damage(shards.parent), how
+        with pytest.raises(E.UserError, match=f"{victim.name}.*step_1 is intact: --resume"):
+            C.restore_checkpoint(acc, shards.parent, {"policy": M.load_causal_lm(tiny, tok)}, {}, {})
+        with pytest.raises(E.UserError, match=victim.name):
+            M.load_causal_lm(str(shards.parent / "policy"), tok)
+        assert C.damage(run / "checkpoints" / "step_1") is None
+
+    def full(*a, **k):  # what torch.distributed.checkpoint raises around the writer's ENOSPC
+        raise dcp.api.CheckpointException("save", {0: (OSError(28, "No space left on device"), None)})
+
+    monkeypatch.setattr(dcp, "save", full)
+    with pytest.raises(E.UserError, match="no space left on .* while writing checkpoint step_3; step_2 is intact"):
+        C.save_checkpoint(acc, saved, 3, {"policy": model}, {}, tokenizer=tok, sharded=True)

@@ -159,6 +159,8 @@ def test_the_zygote_runs_a_script_as_a_fresh_process_does(tiny, tmp_path):
     served = z.n
     assert not z.serves([sys.executable, str(REPO / "algos/ppo_llm.py")], {**z.env, "HF_HUB_OFFLINE": "0"}, REPO)
     assert z.serves([sys.executable, str(REPO / "algos/ppo_llm.py")], {**z.env, "TOY_MODEL": "x"}, REPO)
+    # pytest names the running test in the environment: a later test's launches are served too
+    assert z.serves([sys.executable, str(REPO / "algos/ppo_llm.py")], {**z.env, "PYTEST_CURRENT_TEST": "b"}, REPO)
     assert not z.serves([sys.executable, str(tmp_path / "other.py")], z.env, REPO)  # another tree's script
     flags = ["--model-name-or-path", tiny, "--output-dir", tmp_path / "slow", "--total-steps", 1000]
     with pytest.raises(subprocess.TimeoutExpired):

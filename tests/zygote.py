@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # read when a script runs, never when a module is imported: a launch may differ from the zygote in these alone
 RUN_TIME_VARS = {"TOY_MODEL", "WANDB_MODE", "WANDB_API_KEY", "WANDB_TAGS", "MLFLOW_TRACKING_URI", "CLEANRLHF_DEBUG",
-                 "ATTACK_PORT", "OPENAI_API_KEY"}  # fmt: skip
+                 "ATTACK_PORT", "OPENAI_API_KEY", "PYTEST_CURRENT_TEST"}  # fmt: skip  # pytest's: the running test
 
 
 def _child(req: dict) -> None:

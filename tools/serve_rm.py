@@ -16,11 +16,15 @@ import json
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Annotated
 
 import tyro
 
-from common.args import PositiveInt
+from common.args import Check, PositiveInt
 from common.data import PromptRow
+from common.errors import UserError
+
+MAX_REQUEST_BYTES = 8 << 20  # a larger body is refused (413): one client's request cannot hold the model for minutes
 
 
 @dataclass
@@ -29,7 +33,7 @@ class Args:
     """the reward model folder (rm_llm.py's checkpoints/step_N/model)"""
     host: str = "127.0.0.1"
     """address to listen on (0.0.0.0: every interface)"""
-    port: int = 8000
+    port: Annotated[int, Check(ge=0, le=65535)] = 8000
     """port to listen on (0: any free port, printed)"""
     batch_size: PositiveInt = 16
     """sequences per forward"""
@@ -44,6 +48,7 @@ def make_server(model_path: str, host: str = "127.0.0.1", port: int = 0, batch_s
     from common import models as M
     from common.rewards import Reward
 
+    M.check_reward_model(model_path, "tools.serve_rm")
     tok = M.load_reward_tokenizer(model_path)  # with the prompt format it was trained with
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rm = M.load_reward_model(model_path, tok, dtype).to(device).eval()
@@ -64,7 +69,11 @@ def make_server(model_path: str, host: str = "127.0.0.1", port: int = 0, batch_s
 
         def do_POST(self):  # noqa: N802
             try:
-                req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                size = int(self.headers.get("Content-Length", 0))
+                if size > MAX_REQUEST_BYTES:
+                    self.close_connection = True
+                    return self._send(413, {"error": f"a request of {size} bytes: at most {MAX_REQUEST_BYTES}"})
+                req = json.loads(self.rfile.read(size))
                 prompts, responses = req["prompts"], req["responses"]
                 if len(prompts) != len(responses):
                     raise ValueError(f"{len(prompts)} prompts, {len(responses)} responses")
@@ -72,14 +81,19 @@ def make_server(model_path: str, host: str = "127.0.0.1", port: int = 0, batch_s
             except (ValueError, KeyError, TypeError) as e:
                 return self._send(400, {"error": f"bad request: {e}"})
             rows = [PromptRow(p if isinstance(p, str) else "", "", None, messages=p) for p in prompts]
-            with lock, torch.no_grad():
-                scores = reward._model(rows, responses, is_eos, device)
+            scores, n = [], batch_size
+            for i in range(0, len(rows), n):  # the lock per forward: other clients' batches interleave with ours
+                with lock, torch.no_grad():
+                    scores += reward._model(rows[i : i + n], responses[i : i + n], is_eos[i : i + n], device).tolist()
             self._send(200, {"scores": [float(s) for s in scores]})
 
         def log_message(self, *a):  # quiet: one line per request would drown the trainer's logs
             pass
 
-    return ThreadingHTTPServer((host, port), Handler)
+    try:
+        return ThreadingHTTPServer((host, port), Handler)
+    except (OSError, OverflowError) as e:  # busy, not ours to bind, no such address
+        raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
 
 
 def main(args: Args) -> None:
