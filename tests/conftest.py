@@ -246,7 +246,13 @@ def launch_python(args: list[str], env=None, timeout=600, check=True, fresh=Fals
 
             _ZYGOTE.append(Zygote(Path(tempfile.mkdtemp(prefix="zygote-"))))
             atexit.register(_ZYGOTE[0].close)
-        if _ZYGOTE[0].serves(cmd, env, cwd):
+        served = _ZYGOTE[0].serves(cmd, env, cwd)
+        if os.environ.get("CLEANRLHF_ZYGOTE_LOG"):  # which launches the zygote served, which started fresh and why
+            z = _ZYGOTE[0]
+            differ = sorted(k for k in set(env) | set(z.env) if env.get(k) != z.env.get(k))
+            with open(os.environ["CLEANRLHF_ZYGOTE_LOG"], "a") as f:
+                f.write(f"{'served' if served else 'fresh'} {Path(args[0]).name} {differ}\n")
+        if served:
             proc = _ZYGOTE[0].run(cmd, env, timeout, cwd)
     if proc is None:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)

@@ -6,8 +6,7 @@ non-daemon threads finished, its exit code (or -signal). Tools (`python -m tools
 ~14 minutes of its CPU.
 
 What a child does not see, and so where run_script starts a fresh process instead (`serves`):
-- an environment variable that differs from the zygote's and may be read at import time (only those in RUN_TIME_VARS
-  may differ: they are read when a script runs);
+- an environment variable that differs from the zygote's and may be read at import time (IMPORT_TIME_PREFIXES);
 - the start-up output of the imports (a library's import-time warning is printed once, by the zygote): the smoke
   runs, which check that a script starts quietly, always start fresh.
 
@@ -22,9 +21,13 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# read when a script runs, never when a module is imported: a launch may differ from the zygote in these alone
-RUN_TIME_VARS = {"TOY_MODEL", "WANDB_MODE", "WANDB_API_KEY", "WANDB_TAGS", "MLFLOW_TRACKING_URI", "CLEANRLHF_DEBUG",
-                 "ATTACK_PORT", "OPENAI_API_KEY", "PYTEST_CURRENT_TEST"}  # fmt: skip  # pytest's: the running test
+# Variables the zygote's imports (torch, transformers, accelerate, huggingface_hub, tokenizers, numpy, common/) may
+# read: a launch whose environment differs from the zygote's in one of these starts fresh. Any other difference
+# (TOY_MODEL, the running test's name, what an in-process test set: DS_ACCELERATOR, VLLM_*) is read only once a
+# script runs, after the child has taken the launch's environment.
+IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA",
+                        "NCCL", "PYTHON", "LD_", "TOKENIZERS", "XDG_", "HOME", "TMPDIR", "SAFETENSORS", "DATASETS",
+                        "NUMEXPR", "OPENBLAS", "CLEANRLHF_CACHE")  # fmt: skip
 
 
 def _child(req: dict) -> None:
@@ -162,7 +165,7 @@ class Zygote:
         if self.proc.poll() is not None or not ours:
             return False
         differ = {k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k)}
-        return differ <= RUN_TIME_VARS
+        return not any(k.startswith(IMPORT_TIME_PREFIXES) for k in differ)
 
     def run(self, argv: list[str], env: dict, timeout: float, cwd: Path):
         """`argv` run by a child: a subprocess.CompletedProcess; subprocess.TimeoutExpired after `timeout` s (the
