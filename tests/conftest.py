@@ -217,7 +217,9 @@ def _fast_tier_guard(request, monkeypatch):
     _UNTIERED.clear()
 
 
-_ZYGOTE = []  # this process's tests/zygote.Zygote, started at the first launch it can serve
+# this process's tests/zygote.Zygote per import-time environment (an in-process vLLM import sets LD_PRELOAD and
+# more: the launches after it get a zygote started with them), started at the first launch that needs it
+_ZYGOTE = {}
 
 
 def run_script(script: str, *flags, env=None, timeout=600, check=True, fresh=False):
@@ -238,22 +240,22 @@ def launch_python(args: list[str], env=None, timeout=600, check=True, fresh=Fals
         _UNTIERED[0](cmd)
     proc = None
     if not fresh and os.environ.get("CLEANRLHF_TEST_ZYGOTE", "1") != "0":
-        if not _ZYGOTE:
+        from zygote import Zygote, import_env
+
+        key = import_env(env)
+        if key not in _ZYGOTE and len(_ZYGOTE) < 3:  # at most 3 warm processes (~0.5 GB each) per test process
             import atexit
             import tempfile
 
-            from zygote import Zygote
-
-            _ZYGOTE.append(Zygote(Path(tempfile.mkdtemp(prefix="zygote-"))))
-            atexit.register(_ZYGOTE[0].close)
-        served = _ZYGOTE[0].serves(cmd, env, cwd)
-        if os.environ.get("CLEANRLHF_ZYGOTE_LOG"):  # which launches the zygote served, which started fresh and why
-            z = _ZYGOTE[0]
-            differ = sorted(k for k in set(env) | set(z.env) if env.get(k) != z.env.get(k))
+            _ZYGOTE[key] = Zygote(Path(tempfile.mkdtemp(prefix="zygote-")), env)
+            atexit.register(_ZYGOTE[key].close)
+        z = _ZYGOTE.get(key)
+        served = z is not None and z.serves(cmd, env, cwd)
+        if os.environ.get("CLEANRLHF_ZYGOTE_LOG"):  # which launches a zygote served, which started fresh
             with open(os.environ["CLEANRLHF_ZYGOTE_LOG"], "a") as f:
-                f.write(f"{'served' if served else 'fresh'} {Path(args[0]).name} {differ}\n")
+                f.write(f"{'served' if served else 'fresh'} {Path(args[0]).name} zygotes={len(_ZYGOTE)}\n")
         if served:
-            proc = _ZYGOTE[0].run(cmd, env, timeout, cwd)
+            proc = z.run(cmd, env, timeout, cwd)
     if proc is None:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
     if check and proc.returncode != 0:

@@ -6,6 +6,7 @@ test per script); the longer runs (learning, resume, pipelines) are marked e2e."
 
 import ast
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -155,7 +156,9 @@ def test_the_zygote_runs_a_script_as_a_fresh_process_does(tiny, tmp_path):
         assert warm.returncode == fresh.returncode and warm.stdout == fresh.stdout, (warm.stderr, fresh.stderr)
         mine = lambda p: [x for x in p.stderr.splitlines() if x.startswith(("error", "[cleanrlhf]", "usage"))]
         assert mine(warm) == mine(fresh)
-    z = conftest._ZYGOTE[0]
+    from zygote import import_env
+
+    z = conftest._ZYGOTE[import_env({**os.environ})]
     served = z.n
     assert not z.serves([sys.executable, str(REPO / "algos/ppo_llm.py")], {**z.env, "HF_HUB_OFFLINE": "0"}, REPO)
     assert z.serves([sys.executable, str(REPO / "algos/ppo_llm.py")], {**z.env, "TOY_MODEL": "x"}, REPO)

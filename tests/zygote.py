@@ -140,16 +140,21 @@ def serve(path: str) -> None:
                 conn.close()
 
 
-class Zygote:
-    """The client side, in the test process: start() once, then run() per launch."""
+def import_env(env: dict) -> tuple:
+    """The part of an environment the zygote's imports may read: launches that agree on it share a zygote."""
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)))
 
-    def __init__(self, workdir: Path):
+
+class Zygote:
+    """The client side, in the test process: one per import-time environment (`import_env`), run() per launch."""
+
+    def __init__(self, workdir: Path, env: dict | None = None):
         import subprocess
 
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = str(self.dir / "zygote.sock")
-        self.env = dict(os.environ)
+        self.env = dict(env if env is not None else os.environ)
         self.proc = subprocess.Popen([sys.executable, __file__, self.path], stdout=subprocess.PIPE, text=True,
                                      env=self.env)  # fmt: skip
         line = self.proc.stdout.readline()
