@@ -345,13 +345,24 @@ def sharded_state(models: dict, optimizers: dict) -> dict:
     return out
 
 
+def _shard_damage_once(folder: Path) -> str | None:
+    """shard_damage (it reads every file: a CRC-32 each), computed by rank 0 alone and told to the others."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out = [shard_damage(folder) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(out, src=0)
+        return out[0]
+    return shard_damage(folder)
+
+
 def load_sharded(folder: Path, models: dict, optimizers: dict) -> None:
     """The mirror of a sharded save, after accelerator.prepare: torch.distributed.checkpoint reads each process's
     part of every tensor, whatever the number of processes that wrote them (resharding)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    if (problem := shard_damage(folder)) is not None:  # a cut, missing or altered file: named before any read
+    if (problem := _shard_damage_once(folder)) is not None:  # a cut, missing or altered file: named before any read
         raise UserError(f"{problem}{earlier_intact(folder.parent)}")
     shards = sharded_state(models, optimizers)
     try:
