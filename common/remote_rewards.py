@@ -53,7 +53,7 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
 _OPENER = urllib.request.build_opener(_NoRedirects)
 
 
-def _read_by(resp, deadline: float, url: str) -> bytes:
+def _read_by(resp, deadline: float) -> bytes:
     """The whole body of `resp` by `deadline` (time.monotonic()): urlopen's timeout bounds each read, so a service
     that drips its answer a byte at a time would hold the batch for ever; and at most MAX_ANSWER_BYTES."""
     sock = getattr(getattr(getattr(resp, "fp", None), "raw", None), "_sock", None)
@@ -89,7 +89,7 @@ def post_json(url: str, body: dict, cfg: ServiceConfig, headers: dict | None = N
         deadline = time.monotonic() + cfg.timeout
         try:
             with _OPENER.open(req, timeout=cfg.timeout) as resp:
-                out = json.loads(_read_by(resp, deadline, url))
+                out = json.loads(_read_by(resp, deadline))
             return check(out) if check is not None else out
         except urllib.error.HTTPError as e:
             last = f"HTTP {e.code} {e.reason}"
