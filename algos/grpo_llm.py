@@ -55,7 +55,7 @@ from common.ops import exact_div, global_mean_divisor, kl_estimate, masked_mean,
 from common.optim import adamw
 from common.perf import mfu, peak_mem_gb
 from common.rewards import reward_by_data_source
-from common.rollout import forward_by_micro_batch, forward_logprobs, micro_batches, padding_counts, reference_logprobs
+from common.rollout import can_share_prompts, forward_by_micro_batch, forward_logprobs, micro_batches, padding_counts, reference_logprobs
 from common.run import Run
 from common.sampling import Rollout, draw_rows, dynamic_sampling, group_metrics, rl_inputs, sample
 from common.vllm_engine import make_engine
@@ -113,6 +113,8 @@ class Args:
     # --- memory: how a minibatch is cut into forward/backward passes (the same loss)
     micro_batch_size: PositiveInt = 8
     """sequences per forward/backward on one process"""
+    share_prompts: bool = True
+    """each group's prompt once per micro-batch, forward and backward: the same loss (common.rollout.can_share_prompts)"""
     packing: Group[PackingArgs] = group(PackingArgs)  # --micro-batch-tokens: micro-batches packed by length
 
     # --- the flags every script shares (common/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
@@ -263,7 +265,9 @@ def main(args: Args):
     # --rollout-engine vllm: the colocated engine; hf: None
     engine = make_engine(args.gen, args.model, tok, policy, accelerator, max_len, args.run.seed)
     evaluate = lambda: evaluate_policy(accelerator, policy, tok, reward, val_rows, T_max, args.micro_batch_size, engine)
-    ref_logprobs_of = reference_logprobs(accelerator, ref_policy, policy, args.gen.temperature)  # (B, T) fn
+    group = G if args.share_prompts and can_share_prompts(policy) else 1  # G: a group's rows together, its prompt once
+    fwd = partial(forward_logprobs, policy, temperature=args.gen.temperature, share_prompts=group > 1)  # (B, T) fn
+    ref_logprobs_of = reference_logprobs(accelerator, ref_policy, policy, args.gen.temperature, group > 1)  # (B, T) fn
     # what a checkpoint holds, by name (restored here when resuming); evaluation before the first step
     run.begin(tok, models={"policy": policy}, optimizers={"opt": ("policy", opt)},
               state=dict(sched=sched, sampler=sampler, guard=guard), evaluate=evaluate if val_rows else None)  # fmt: skip
@@ -296,13 +300,13 @@ def main(args: Args):
         loss_mask = mask * (~rollout.truncated).float()[:, None] if args.mask_truncated else mask  # (B, T)
         # micro-batches of the no-grad forwards: --micro-batch-size rows, or by --micro-batch-tokens
         all_micros = micro_batches(list(range(len(rows))), query_mask, mask, args.micro_batch_size, micro_batch_tokens,
-                                   accelerator)  # fmt: skip
+                                   accelerator, group)  # fmt: skip
         with torch.no_grad(), accelerator.autocast():  # one region: bf16 weight copies cast once, not per micro-batch
             by_micro = lambda fn: forward_by_micro_batch(fn, all_micros, query_responses, attn, P, T) * mask  # (B, T)
             if pi_old_from_update:
                 old_logprobs = torch.zeros_like(mask)  # (B, T) filled by the update's forward below
             else:
-                old_logprobs = by_micro(lambda qr, am, p: forward_logprobs(policy, qr, am, p, args.gen.temperature))
+                old_logprobs = by_micro(fwd)  # (B, T)
             ref_logprobs = by_micro(ref_logprobs_of) if args.kl_coef > 0 else None  # (B, T)
         # sampler vs pi_old: --tis-* weights (B, T) of each token's loss, mismatch/* (after the update if pi_old is its)
         fix = lambda: rollout_correction(old_logprobs, rollout.logprobs, mask, **args.mismatch.correction())
@@ -318,13 +322,12 @@ def main(args: Args):
                 # token totals over the global minibatch / W: DDP/FSDP average the W ranks' gradients, so
                 # token-mean is over all ranks' tokens (each rank holds len(mb) sequences: n_seqs needs no reduce)
                 n_tokens, n_seqs = global_mean_divisor(loss_mask[mb].sum()), len(mb)
-                micros = micro_batches(mb, query_mask, mask, args.micro_batch_size, micro_batch_tokens, accelerator)
+                micros = micro_batches(mb, query_mask, mask, args.micro_batch_size, micro_batch_tokens, accelerator, group)  # fmt: skip
                 for k, m in enumerate(micros):
                     # this micro-batch's rows at its own lengths: its longest prompt (m.p) and response (t)
                     micro, t, cut = m.ids, m.t, slice(P - m.p, P + m.t)
                     m_mask = mask[micro, :t]  # (b, t)
-                    new_logprobs, entropy = forward_logprobs(policy, query_responses[micro, cut], attn[micro, cut], m.p,
-                                                             args.gen.temperature, with_entropy=True)  # (b, t) each  # fmt: skip
+                    new_logprobs, entropy = fwd(query_responses[micro, cut], attn[micro, cut], m.p, with_entropy=True)
                     if pi_old_from_update:  # the one optimizer step: pi_old = pi_theta now
                         old_logprobs[micro, :t] = new_logprobs.detach() * m_mask
                     old_t = old_logprobs[micro, :t]  # (b, t)

@@ -18,6 +18,7 @@ the steps after the first (warm-up). MFU is against the measured matmul peak of 
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -39,14 +40,19 @@ ROWS = {
     "vllm-fp32": ["--rollout-engine", "vllm", "--mixed-precision", "no"],
     "adamw_8bit": ["--optim", "adamw_8bit"],  # the default with bitsandbytes' 8-bit AdamW (memory)
     "lowmem": ["--optim", "adamw_8bit", "--gradient-checkpointing"],  # both (issue 37's memory goals)
+    # issue 52's levers, each taken away from the default: a group's prompt once, the LM head in chunks
+    "no-share": ["--no-share-prompts"],  # GRPO: every row runs its prompt
+    "full-head": [],  # the (B, T, V) logits (CLEANRLHF_LM_HEAD=full, below)
+    "neither": ["--no-share-prompts"],  # GRPO: both levers off
 }
+ENV = {"full-head": {"CLEANRLHF_LM_HEAD": "full"}, "neither": {"CLEANRLHF_LM_HEAD": "full"}}
 CONFIG = {  # the issue's config: 32 rollouts of <= 64 tokens, beta 0.04, 1 epoch, 1 minibatch
     "grpo": ["--num-prompts", 8, "--group-size", 4, "--mini-batch-size", 32, "--kl-coef", 0.04, "--update-epochs", 1],
     "ppo": ["--batch-size", 32, "--mini-batch-size", 32, "--kl-coef", 0.04, "--update-epochs", 1],
 }
 
 
-def run_row(algo, repo, extra, steps, out):
+def run_row(algo, repo, extra, steps, out, env=None):
     flags = [
         "--total-steps",
         steps,
@@ -63,7 +69,10 @@ def run_row(algo, repo, extra, steps, out):
     ]
     t0 = time.time()
     proc = subprocess.run(
-        [sys.executable, str(Path(repo) / "algos" / f"{algo}_llm.py"), *map(str, flags)], capture_output=True, text=True
+        [sys.executable, str(Path(repo) / "algos" / f"{algo}_llm.py"), *map(str, flags)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
     )
     if proc.returncode != 0:
         raise SystemExit(f"{algo} {extra} failed:\n{proc.stderr[-3000:]}")
@@ -98,7 +107,7 @@ def steps_table(a):
             print("| baseline | (no --baseline-repo) |" + " |" * 9)
             continue
         with tempfile.TemporaryDirectory() as out:
-            r = run_row(a.algo, repo, ROWS[name], a.steps, out)
+            r = run_row(a.algo, repo, ROWS[name], a.steps, out, ENV.get(name))
         first = first or r["step"]
         print(
             f"| {name} | {r['step']:.1f} | {r['step'] / first:.2f} | {r['gen']:.1f} | {r['update']:.1f} | "

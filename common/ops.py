@@ -104,6 +104,82 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         return grad, None, None, None
 
 
+def head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    index: torch.Tensor,
+    temperature: float = 1.0,
+    entropy_grad: bool = False,
+    chunk: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logprobs_and_entropy` of the logits `hidden @ weight.T` without ever holding them: the LM head applied
+    a chunk of positions at a time, and recomputed in backward (Liger's fused linear cross-entropy's idea).
+    hidden: (B, T, H) the last hidden states (after the final norm); weight: (V, H) the head's; index: (B, T)
+    -> log-probs (B, T), entropy (B, T), float32. Under autocast the projection runs in its dtype and the
+    softmax in float32, as `model(...).logits` then `logprobs_and_entropy` do. The entropy is a detached
+    statistic unless `entropy_grad`. Memory: (chunk, V) float32 temporaries instead of the (B, T, V) logits
+    and their float32 copies that autograd keeps (SmolLM2, 32 rows x 64 tokens: 0.4 GB per forward).
+    Naive: `logprobs_and_entropy(hidden @ weight.T, index, temperature=t)`."""
+    B, T, H = hidden.shape
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    chunk = chunk or max(1, 2**24 // weight.shape[0])  # (chunk, V) float32 temporaries of 64 MB
+    with torch.autocast(device, enabled=False):
+        lp, ent = _ChunkedHead.apply(hidden.reshape(B * T, H), weight, index.reshape(-1), temperature, chunk, dtype)
+    return lp.view(B, T), (ent if entropy_grad else ent.detach()).view(B, T)
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """log softmax(z)[index] and the entropy of softmax(z), z = (h @ w.T) / temperature, per chunk of positions.
+    Backward recomputes each chunk's z: d logp / dz = onehot - p, d H / dz = -p (z - E_p[z]) (as
+    `_VocabParallelLogProbs`); then dh = dz @ w, dw = dz.T @ h, the matmuls in `dtype` as autograd runs the
+    head's under autocast. h: (N, H), w: (V, H), index: (N,). Saves h, w, and two floats per position."""
+
+    @staticmethod
+    def logits(h, w, temperature, dtype):  # (n, V) float32, as `logits.float() / temperature` of the model's
+        z = (h.to(dtype) @ w.T).float()
+        return z / temperature if temperature != 1.0 else z
+
+    @staticmethod
+    def forward(ctx, h, w, index, temperature, chunk, dtype):
+        wd = w.to(dtype)
+        out = torch.empty(4, h.shape[0], device=h.device)  # log-prob, entropy, log-partition, E_p[z]
+        for s in range(0, h.shape[0], chunk):
+            z = _ChunkedHead.logits(h[s : s + chunk], wd, temperature, dtype)  # (n, V)
+            lse = torch.logsumexp(z, -1)
+            ez = (torch.exp(z - lse[:, None]) * z).sum(-1)
+            out[:, s : s + chunk] = torch.stack(
+                [z.gather(-1, index[s : s + chunk, None])[:, 0] - lse, lse - ez, lse, ez]
+            )
+        ctx.save_for_backward(h, w, index, out[2], out[3])
+        ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
+        ctx.set_materialize_grads(False)  # a detached entropy's gradient stays None (no wasted (n, V) work)
+        return out[0], out[1]
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        h, w, index, lse, ez = ctx.saved_tensors
+        dtype, wd = ctx.dtype, w.to(ctx.dtype)
+        dh = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
+        for s in range(0, h.shape[0], ctx.chunk):
+            e = slice(s, s + ctx.chunk)
+            z = _ChunkedHead.logits(h[e], wd, ctx.temperature, dtype)  # (n, V), as in the forward
+            p = torch.exp(z - lse[e, None])
+            dz = torch.zeros_like(z)
+            if g_logp is not None:
+                dz -= p * g_logp[e, None]
+                dz.scatter_add_(-1, index[e, None], g_logp[e, None])
+            if g_ent is not None:
+                dz -= g_ent[e, None] * p * (z - ez[e, None])
+            dz = (dz / ctx.temperature if ctx.temperature != 1.0 else dz).to(dtype)
+            if dh is not None:
+                dh[e] = (dz @ wd).to(h.dtype)
+            if dw is not None:
+                dw += (dz.T @ h[e].to(dtype)).float()
+        return dh, None if dw is None else dw.to(w.dtype), None, None, None, None
+
+
 def entropy_from_logits(logits: torch.Tensor, chunk: int = 4, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) per position: (B, T, V) -> (B, T), in float32, chunked as above.
     Naive: `-(p * log p).sum(-1)` with `p = softmax(logits.float() / temperature)`."""

@@ -6,13 +6,17 @@ Legend: B sequences, P (left-padded) prompt length, T response length, V vocabul
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from common.attention import exact_over_a_cache
-from common.ops import logprobs_and_entropy, selective_log_softmax
+from common.ops import head_logprobs, logprobs_and_entropy, selective_log_softmax
 from common.parallel import sharded_logits, tensor_parallel_active
 
 
@@ -335,7 +339,7 @@ class MicroBatch:
 
 
 def micro_batches(
-    ids: list[int], query_mask, response_mask, size: int, max_tokens: int = 0, accelerator=None
+    ids: list[int], query_mask, response_mask, size: int, max_tokens: int = 0, accelerator=None, group: int = 1
 ) -> list[MicroBatch]:
     """Split a minibatch's rows into micro-batches for forward/backward.
 
@@ -348,20 +352,28 @@ def micro_batches(
     unchanged: every aggregation divides by minibatch totals, and cut positions are padding (masked;
     causal attention, so real tokens never saw them). With several processes, every process gets as
     many micro-batches (the largest are split): FSDP2 and ZeRO-3 gather weights in each forward, so
-    their forward counts must agree. query_mask: (B, P), response_mask: (B, T)."""
+    their forward counts must agree. query_mask: (B, P), response_mask: (B, T).
+    group > 1 (GRPO's rows i*G .. i*G+G-1 share a prompt, run once: `forward_logprobs(share_prompts=True)`): a
+    group's rows are kept together, and a packed micro-batch costs its groups x its longest prompt + rows x its
+    longest response."""
     P, T = query_mask.shape[1], response_mask.shape[1]
     if max_tokens == 0:
+        ids = sorted(ids, key=lambda i: i // group)  # a group's rows side by side (a stable sort: 1 keeps the order)
         return [MicroBatch(ids[k : k + size], P, T) for k in range(0, len(ids), size)]
     budget = size * (P + T) if max_tokens < 0 else max_tokens
     p_len = query_mask.sum(1).long().tolist()
     # a response's length: through its last real token (multi-turn rows hold observation tokens of mask 0 before it)
     last = torch.where(response_mask.any(1), T - response_mask.flip(1).float().argmax(1), 1)
     t_len = last.long().tolist()
-    order = sorted(ids, key=lambda i: (p_len[i] + t_len[i], i), reverse=True)
+    longest = {}  # a group's longest row (prompt + response)
+    for i in ids:
+        longest[i // group] = max(longest.get(i // group, 0), p_len[i] + t_len[i])
+    order = sorted(ids, key=lambda i: (longest[i // group], i // group, t_len[i], i), reverse=True)
     groups, cur, p, t = [], [], 0, 0
     for i in order:
         p2, t2 = max(p, p_len[i]), max(t, t_len[i])
-        if cur and (len(cur) + 1) * (p2 + t2) > budget:
+        n_prompts = len({j // group for j in cur} | {i // group}) if group > 1 else len(cur) + 1
+        if cur and n_prompts * p2 + (len(cur) + 1) * t2 > budget:
             groups.append(cur)
             cur, p2, t2 = [], p_len[i], t_len[i]
         cur.append(i)
@@ -412,6 +424,73 @@ def sequence_attention_mask(query_mask: torch.Tensor, T: int) -> torch.Tensor:
     return torch.cat([query_mask, query_mask.new_ones(query_mask.shape[0], T)], 1)
 
 
+# The LM head applied in chunks (common.ops.head_logprobs) where the model's logits are exactly `lm_head(hidden)`:
+# these families' causal LMs (no soft-capping or logit scale), a plain nn.Linear head whose weight is whole here.
+# Elsewhere (FSDP, ZeRO-3 or tensor-parallel shards, a LoRA-adapted head, other families) the full logits.
+CHUNKED_HEAD_MODELS = {"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo2", "phi3", "smollm3"}
+_HEAD_SWAP = threading.Lock()
+_LOCAL = threading.local()  # this thread's forwards take the hidden states (another thread's, on the same model, not)
+
+
+def chunkable_head(model):
+    """The LM head (nn.Linear) of `model` (DDP- or PEFT-wrapped) when its log-probs can be taken in chunks from the
+    hidden states, else None. CLEANRLHF_LM_HEAD=full turns it off (benchmarks' baseline)."""
+    from torch.distributed.tensor import DTensor
+
+    if os.environ.get("CLEANRLHF_LM_HEAD") == "full" or tensor_parallel_active():
+        return None
+    while type(model).__name__ in ("DistributedDataParallel", "DeepSpeedEngine"):
+        model = model.module
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    head = getattr(model, "lm_head", None)
+    if (
+        getattr(getattr(model, "config", None), "model_type", None) not in CHUNKED_HEAD_MODELS
+        or type(head) is not nn.Linear
+    ):
+        return None
+    if head.bias is not None or isinstance(head.weight, DTensor) or hasattr(head.weight, "ds_id"):  # FSDP2, ZeRO-3
+        return None
+    return head
+
+
+@contextlib.contextmanager
+def head_returns_hidden(head):
+    """Inside, `head` returns its input in this thread: the model's `.logits` are the last hidden states (B, L, H),
+    and the caller applies the head (`head_logprobs`). Going through the model's own forward keeps DDP's gradient
+    hooks and PEFT's adapters; the head's forward is an instance attribute only while some thread is inside."""
+    if head is None:
+        yield
+        return
+    with _HEAD_SWAP:
+        if "forward" not in head.__dict__:
+            head.forward = lambda x, f=type(head).forward: x if getattr(_LOCAL, "hidden", False) else f(head, x)
+            head._hidden_users = 0
+        head._hidden_users += 1
+    _LOCAL.hidden = True
+    try:
+        yield
+    finally:
+        _LOCAL.hidden = False
+        with _HEAD_SWAP:
+            head._hidden_users -= 1
+            if head._hidden_users == 0:
+                del head.forward, head._hidden_users
+
+
+def can_share_prompts(model) -> bool:
+    """Whether `forward_logprobs(..., share_prompts=True)` may run a micro-batch as two forwards (its distinct prompts,
+    then the responses over their KV cache): not under gradient checkpointing (its forward keeps no cache), nor
+    under FSDP, ZeRO-3 or tensor parallelism, whose forwards gather shards (the two-forward path is tested under
+    DDP and one process)."""
+    inner = model
+    while type(inner).__name__ in ("DistributedDataParallel", "DeepSpeedEngine"):
+        inner = inner.module
+    if getattr(inner, "is_gradient_checkpointing", False) or tensor_parallel_active():
+        return False
+    fsdp = any(type(m).__name__.startswith(("FSDP", "FullyShardedDataParallel")) for m in (model, inner))
+    return not fsdp and not any(hasattr(p, "ds_id") for p in inner.parameters())
+
+
 def forward_logprobs(
     model,
     query_responses: torch.Tensor,
@@ -421,6 +500,7 @@ def forward_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     prompt_cache=None,
+    share_prompts: bool = False,
 ):
     """Log-probs of the response tokens under `model`, logits divided by the sampling temperature.
 
@@ -428,35 +508,61 @@ def forward_logprobs(
     The entropy is a detached statistic unless `entropy_grad` (an entropy bonus in the loss): its
     (B, T, V) float32 softmax graph would otherwise be kept, and with a zero coefficient backpropagated.
     prompt_cache: (the prompts' KV cache, their last logits (B, V)) of the same weights (`PromptCache.select`):
-    only the response positions run."""
+    only the response positions run.
+    share_prompts (GRPO's groups; the caller checks `can_share_prompts`, the same on every rank, since each
+    forward under DDP syncs buffers): each distinct prompt of the batch runs once, with gradients, and the
+    responses attend to its keys and values (indexed per row, so backward sums the rows' gradients into it once).
+    The same loss and gradients as the full forward (float32 to ~1e-6, tests/test_performance.py); two forwards.
+    The head runs in chunks from the hidden states where it can (`chunkable_head`): no (B, T, V) logits."""
     T = query_responses.shape[1] - P
     positions = position_ids_from_mask(attention_mask)
-    with sharded_logits():  # under --tp-size each rank keeps its vocabulary block of the logits (common.parallel)
+    responses = query_responses[:, P:]  # (B, T)
+    head = chunkable_head(model)
+    first = None  # logits of the first response token, when they come from the prompt cache: (B, 1, V)
+    with sharded_logits(), head_returns_hidden(head):  # --tp-size: each rank keeps its vocabulary block
+
+        def over_cache(cache):  # the response positions over a prompt KV cache: (B, T, V or H)
+            kw = dict(attention_mask=attention_mask, position_ids=positions[:, P:], past_key_values=cache)
+            return model(input_ids=responses, **kw, use_cache=False).logits
+
         if prompt_cache is not None:
-            cache, last = prompt_cache
-            logits = model(
-                input_ids=query_responses[:, P:],
-                attention_mask=attention_mask,
-                position_ids=positions[:, P:],
-                past_key_values=cache,
-                use_cache=False,
-            ).logits  # (B, T, V)
-            logits = torch.cat([last[:, None].to(logits.dtype), logits[:, :-1]], 1)  # (B, T, V)
+            cache, first = prompt_cache[0], prompt_cache[1][:, None]
+            out = over_cache(cache)[:, :-1]  # (B, T-1, V or H)
+        elif share_prompts:
+            distinct, inverse = torch.unique(
+                torch.cat([query_responses[:, :P], attention_mask[:, :P]], 1), dim=0, return_inverse=True
+            )  # (U, 2P), (B,)
+            ids, mask = distinct[:, :P], distinct[:, P:]
+            prompts = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=position_ids_from_mask(mask),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            cache = prompts.past_key_values
+            cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...), differentiable: backward sums into each prompt
+            out = torch.cat([prompts.logits[inverse], over_cache(cache)[:, :-1]], 1)  # (B, T, V or H)
         else:
             # logits_to_keep: project only the last T+1 positions onto the vocabulary (not the prompt's)
-            logits = model(
+            out = model(
                 input_ids=query_responses,
                 attention_mask=attention_mask,
                 logits_to_keep=T + 1,
                 position_ids=positions,
                 use_cache=False,
-            ).logits
-            logits = logits[:, :-1]  # (B, T, V): the logits that predicted each response token
-        # the temperature divides inside the helpers, after their float32 cast (bf16 logits / T would round again)
-        if with_entropy:  # both in one pass over the (B, T, V) logits
-            index = query_responses[:, P:]
-            return logprobs_and_entropy(logits, index, temperature=temperature, entropy_grad=entropy_grad)
-        return selective_log_softmax(logits, query_responses[:, P:], temperature=temperature)  # (B, T)
+            ).logits[:, :-1]  # (B, T, V or H): what predicted each response token
+    # the temperature divides inside the helpers, after their float32 cast (bf16 logits / T would round again)
+    if head is not None:  # out: hidden states
+        lp, ent = head_logprobs(out, head.weight, responses[:, T - out.shape[1] :], temperature, entropy_grad)
+        if first is not None:  # the first token's log-prob from the cache's logits
+            lp0, ent0 = logprobs_and_entropy(first, responses[:, :1], temperature=temperature)
+            lp, ent = torch.cat([lp0, lp], 1), torch.cat([ent0, ent], 1)
+        return (lp, ent) if with_entropy else lp  # (B, T) each
+    out = torch.cat([first.to(out.dtype), out], 1) if first is not None else out  # (B, T, V)
+    if with_entropy:  # both in one pass over the (B, T, V) logits
+        return logprobs_and_entropy(out, responses, temperature=temperature, entropy_grad=entropy_grad)
+    return selective_log_softmax(out, responses, temperature=temperature)  # (B, T)
 
 
 def select_rows(parts: list[dict], picks: list[tuple[int, list[int]]], pad_id: int) -> dict:
@@ -484,7 +590,7 @@ def select_rows(parts: list[dict], picks: list[tuple[int, list[int]]], pad_id: i
     return out
 
 
-def reference_logprobs(accelerator, ref_policy, policy, temperature: float = 1.0):
+def reference_logprobs(accelerator, ref_policy, policy, temperature: float = 1.0, share_prompts: bool = False):
     """The reference's log-prob function `fn(query_responses, attention_mask, P) -> (B, T)` (as `forward_logprobs`):
     `ref_policy`, a frozen copy that is not prepared, so run inside accelerator.autocast() (--mixed-precision); or,
     when None (LoRA), `policy` with its adapter disabled (the base weights)."""
@@ -492,9 +598,13 @@ def reference_logprobs(accelerator, ref_policy, policy, temperature: float = 1.0
     def fn(query_responses, attention_mask, P):
         if ref_policy is not None:
             with accelerator.autocast():
-                return forward_logprobs(ref_policy, query_responses, attention_mask, P, temperature)
+                return forward_logprobs(
+                    ref_policy, query_responses, attention_mask, P, temperature, share_prompts=share_prompts
+                )
         with accelerator.unwrap_model(policy).disable_adapter():
-            return forward_logprobs(policy, query_responses, attention_mask, P, temperature)
+            return forward_logprobs(
+                policy, query_responses, attention_mask, P, temperature, share_prompts=share_prompts
+            )
 
     return fn
 
