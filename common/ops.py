@@ -123,7 +123,7 @@ def head_logprobs(
     B, T, H = hidden.shape
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-    chunk = chunk or max(1, 2**24 // weight.shape[0])  # (chunk, V) float32 temporaries of 64 MB
+    chunk = chunk or max(1, 2**23 // weight.shape[0])  # (chunk, V) float32 temporaries of 32 MB
     with torch.autocast(device, enabled=False):
         lp, ent = _ChunkedHead.apply(hidden.reshape(B * T, H), weight, index.reshape(-1), temperature, chunk, dtype)
     return lp.view(B, T), (ent if entropy_grad else ent.detach()).view(B, T)
@@ -147,36 +147,44 @@ class _ChunkedHead(torch.autograd.Function):
         for s in range(0, h.shape[0], chunk):
             z = _ChunkedHead.logits(h[s : s + chunk], wd, temperature, dtype)  # (n, V)
             lse = torch.logsumexp(z, -1)
-            ez = (torch.exp(z - lse[:, None]) * z).sum(-1)
-            out[:, s : s + chunk] = torch.stack(
-                [z.gather(-1, index[s : s + chunk, None])[:, 0] - lse, lse - ez, lse, ez]
-            )
+            picked = z.gather(-1, index[s : s + chunk, None])[:, 0]
+            ez = torch.exp(z - lse[:, None]).mul_(z).sum(-1)  # E_p[z]: in place, one (n, V) temporary
+            out[:, s : s + chunk] = torch.stack([picked - lse, lse - ez, lse, ez])
         ctx.save_for_backward(h, w, index, out[2], out[3])
         ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
+        ctx.wd = wd  # the weight in the compute dtype, cast once (as autocast caches it for the full head)
         ctx.set_materialize_grads(False)  # a detached entropy's gradient stays None (no wasted (n, V) work)
         return out[0], out[1]
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         h, w, index, lse, ez = ctx.saved_tensors
-        dtype, wd = ctx.dtype, w.to(ctx.dtype)
+        dtype, wd = ctx.dtype, ctx.wd
+        N, V = h.shape[0], w.shape[0]
         dh = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
         dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
-        for s in range(0, h.shape[0], ctx.chunk):
-            e = slice(s, s + ctx.chunk)
-            z = _ChunkedHead.logits(h[e], wd, ctx.temperature, dtype)  # (n, V), as in the forward
-            p = torch.exp(z - lse[e, None])
-            dz = torch.zeros_like(z)
-            if g_logp is not None:
-                dz -= p * g_logp[e, None]
-                dz.scatter_add_(-1, index[e, None], g_logp[e, None])
-            if g_ent is not None:
-                dz -= g_ent[e, None] * p * (z - ez[e, None])
-            dz = (dz / ctx.temperature if ctx.temperature != 1.0 else dz).to(dtype)
+        # dz is gathered over a span of up to 2^26 entries (128 MB in bf16) before the two matmuls: the (V, H) weight
+        # gradient is then cast and summed once per span, not once per chunk (as costly as the chunk's matmul on CPU)
+        span = max(ctx.chunk, 2**26 // V)
+        for s0 in range(0, N, span):
+            n = min(span, N - s0)
+            dz_span = torch.empty(n, V, dtype=dtype, device=h.device)
+            for s in range(s0, s0 + n, ctx.chunk):
+                e = slice(s, min(s + ctx.chunk, s0 + n))
+                z = _ChunkedHead.logits(h[e], wd, ctx.temperature, dtype)  # (n, V), as in the forward
+                dz = torch.exp(z - lse[e, None])  # p, becoming dz in place (the fewest (n, V) temporaries)
+                if g_ent is not None:  # dH/dz = -p (z - E_p[z]), into z
+                    z.sub_(ez[e, None]).mul_(dz).mul_(g_ent[e, None])
+                dz.mul_(-g_logp[e, None] if g_logp is not None else 0.0)  # d logp / dz = onehot - p
+                if g_logp is not None:
+                    dz.scatter_add_(-1, index[e, None], g_logp[e, None])
+                if g_ent is not None:
+                    dz.sub_(z)
+                dz_span[e.start - s0 : e.stop - s0] = dz / ctx.temperature if ctx.temperature != 1.0 else dz
             if dh is not None:
-                dh[e] = (dz @ wd).to(h.dtype)
+                dh[s0 : s0 + n] = (dz_span @ wd).to(h.dtype)
             if dw is not None:
-                dw += (dz.T @ h[e].to(dtype)).float()
+                dw += (dz_span.T @ h[s0 : s0 + n].to(dtype)).float()
         return dh, None if dw is None else dw.to(w.dtype), None, None, None, None
 
 

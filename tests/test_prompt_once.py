@@ -1,0 +1,329 @@
+"""Issue 52's two levers, each against the computation it replaces: the LM head applied in chunks from the hidden
+states (common.ops.head_logprobs) and a group's prompt run once in the forward and backward
+(forward_logprobs(share_prompts=True)): the same values and gradients, on every GRPO loss and aggregation, with
+the KL term, multi-turn masks, LoRA, packed micro-batches, and (distributed tier) DDP with 2 processes."""
+
+import math
+import os
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common import models as M
+from common.ops import head_logprobs, kl_estimate, logprobs_and_entropy
+from common.rollout import (
+    MicroBatch,
+    can_share_prompts,
+    chunkable_head,
+    forward_logprobs,
+    head_returns_hidden,
+    micro_batches,
+    sequence_attention_mask,
+)
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "algos"))
+import grpo_llm as G  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------- the chunked head
+@pytest.mark.parametrize("temperature,entropy_grad,chunk", [(1.0, False, 4), (0.7, True, 5), (1.3, True, 64)])
+def test_chunked_head_equals_the_formula(temperature, entropy_grad, chunk):
+    """Log-probs, entropies and the gradients of hidden states and head weight against numpy's float64 softmax."""
+    g = torch.Generator().manual_seed(0)
+    B, T, H, V = 3, 7, 6, 29
+    h = torch.randn(B, T, H, generator=g, requires_grad=True)
+    w = torch.randn(V, H, generator=g, requires_grad=True)
+    idx = torch.randint(V, (B, T), generator=g)
+    a, b = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)  # the loss's weights
+    lp, ent = head_logprobs(h, w, idx, temperature, entropy_grad, chunk=chunk)
+    loss = (a * lp).sum() + ((b * ent).sum() if entropy_grad else 0)
+    loss.backward()
+
+    # numpy, float64: z = h w^T / t; logp = z - lse; H = -sum p log p; d/dz of sum a*logp + b*H
+    hn, wn, ix, an, bn = (x.detach().double().numpy() for x in (h, w, idx, a, b))
+    z = hn @ wn.T / temperature  # (B, T, V)
+    z = z - z.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    p = np.exp(logp)
+    want_lp = np.take_along_axis(logp, ix.astype(int)[..., None], -1)[..., 0]
+    want_ent = -(p * logp).sum(-1)
+    onehot = np.eye(V)[ix.astype(int)]
+    dz = an[..., None] * (onehot - p)
+    if entropy_grad:  # dH/dz_j = -p_j (log p_j + H)
+        dz += bn[..., None] * (-p * (logp + want_ent[..., None]))
+    dz /= temperature
+    want_dh, want_dw = dz @ wn, np.einsum("btv,bth->vh", dz, hn)
+    np.testing.assert_allclose(lp.detach().numpy(), want_lp, atol=2e-5)
+    np.testing.assert_allclose(ent.detach().numpy(), want_ent, atol=2e-5)
+    np.testing.assert_allclose(h.grad.numpy(), want_dh, atol=5e-5, rtol=1e-4)
+    np.testing.assert_allclose(w.grad.numpy(), want_dw, atol=5e-5, rtol=1e-4)
+    assert ent.requires_grad == entropy_grad  # a detached statistic unless it is in the loss
+
+
+def test_chunked_head_under_bf16_autocast_follows_the_full_logits():
+    """Under autocast both take bf16 logits from the same bf16 inputs and the softmax in float32: values within
+    bf16's rounding of the logits, gradients within 2 % of the full path's (both bf16 matmuls)."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(2, 9, 16, generator=g, requires_grad=True)
+    w = (0.3 * torch.randn(50, 16, generator=g)).requires_grad_()
+    idx = torch.randint(50, (2, 9), generator=g)
+    a = torch.randn(2, 9, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, _ = head_logprobs(h, w, idx, 0.9, chunk=4)
+        full, _ = logprobs_and_entropy(F.linear(h, w), idx, temperature=0.9)
+    assert full.dtype == lp.dtype == torch.float32
+    assert (lp - full).abs().max() < 2e-2
+    gh, gw = torch.autograd.grad((a * lp).sum(), [h, w])
+    fh, fw = torch.autograd.grad((a * full).sum(), [h, w])
+    assert (gh - fh).norm() / fh.norm() < 2e-2 and (gw - fw).norm() / fw.norm() < 2e-2
+
+
+# ------------------------------------------------------------------- a group's prompt once, with the chunked head
+def group_batch(tok, G_=3, T=6, seed=0):
+    """Three prompts of different lengths (left padding) x G rows each, random responses whose masks hold a shorter
+    response and multi-turn holes (observation tokens: mask 0 between real ones)."""
+    from common.rollout import tokenize_queries
+
+    g = torch.Generator().manual_seed(seed)
+    texts = [M.apply_chat(tok, "x" * k) for k in (3, 11, 6) for _ in range(G_)]
+    q, qm = tokenize_queries(tok, texts)
+    r = torch.randint(5, len(tok) - 1, (len(texts), T), generator=g)
+    mask = torch.ones(len(texts), T)
+    mask[1, 4:] = 0  # a short response (its pads stay in the forward, masked out of the loss)
+    mask[4, 2:4] = 0  # an observation inside a multi-turn response
+    return torch.cat([q, r], 1), sequence_attention_mask(qm, T), qm, mask, q.shape[1]
+
+
+def loss_and_grads(model, ref, batch, loss_type, loss_agg, micros=None, share=False):
+    """GRPO's loss as grpo_llm.py builds it (its loss functions and aggregation) with a KL term to `ref`, over
+    `micros` (all rows in one by default); returns (loss, {name: gradient})."""
+    qr, am, qm, mask, P = batch
+    T = mask.shape[1]
+    B = len(qr)
+    adv = torch.linspace(-1.0, 1.2, B)[:, None]
+    losses = {
+        "grpo": lambda *x: G.grpo_loss(*x, eps_low=0.2, eps_high=0.28),
+        "gspo": lambda *x: G.gspo_loss(*x, eps_low=3e-4, eps_high=4e-4),
+        "cispo": lambda *x: G.cispo_loss(*x, eps_high=0.2),
+        "sapo": lambda *x: G.sapo_loss(*x, tau_pos=1.0, tau_neg=1.05),
+    }
+    model.zero_grad()
+    micros = micros or [MicroBatch(list(range(B)), P, T)]
+    total = 0.0
+    for m in micros:
+        ids, cut = m.ids, slice(P - m.p, P + m.t)
+        lp, ent = forward_logprobs(model, qr[ids, cut], am[ids, cut], m.p, 0.9, True, share_prompts=share)
+        with torch.no_grad():
+            ref_lp = forward_logprobs(ref, qr[ids, cut], am[ids, cut], m.p, 0.9, share_prompts=share)
+        old = lp.detach() + 0.1 * torch.sin(torch.arange(m.t, dtype=torch.float32))  # off-policy: clipping acts
+        mm = mask[ids, : m.t]
+        token_loss, _ = losses[loss_type](lp, old, adv[ids], mm)
+        agg = lambda x: G.aggregate(x, mm, loss_agg, mask.sum(), B, T)
+        loss = agg(token_loss) + 0.05 * agg(kl_estimate(lp, ref_lp, "k3")) - 0.01 * agg(ent)
+        loss.backward()
+        total += loss.item()
+    return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(a, b, what):
+    (la, ga), (lb, gb) = a, b
+    assert ga.keys() == gb.keys() and ga, what
+    assert la == pytest.approx(lb, rel=1e-5, abs=1e-6), what
+    for k in ga:  # every parameter's gradient, relative to its size
+        err = (ga[k] - gb[k]).abs().max().item() / max(gb[k].abs().max().item(), 1e-8)
+        assert err < 1e-4, (what, k, err)
+
+
+@pytest.fixture(scope="module")
+def policy_and_ref(tiny):
+    tok = M.load_tokenizer(tiny)
+    policy = M.load_causal_lm(tiny, tok).float()
+    ref = M.load_causal_lm(tiny, tok).float()
+    with torch.no_grad():  # a reference that differs from the policy: the KL term has a gradient
+        for p in ref.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    return tok, policy, ref
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "gspo", "cispo", "sapo"])
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_shared_prompts_and_chunked_head_give_the_full_forwards_loss_and_gradients(
+    policy_and_ref, loss_type, loss_agg, monkeypatch
+):
+    tok, policy, ref = policy_and_ref
+    batch = group_batch(tok)
+    assert chunkable_head(policy) is not None and can_share_prompts(policy)
+    monkeypatch.setenv("CLEANRLHF_LM_HEAD", "full")
+    assert chunkable_head(policy) is None
+    full = loss_and_grads(policy, ref, batch, loss_type, loss_agg)  # every row its prompt, the (B, T, V) logits
+    shared_full_head = loss_and_grads(policy, ref, batch, loss_type, loss_agg, share=True)
+    monkeypatch.delenv("CLEANRLHF_LM_HEAD")
+    chunked = loss_and_grads(policy, ref, batch, loss_type, loss_agg)
+    both = loss_and_grads(policy, ref, batch, loss_type, loss_agg, share=True)
+    assert_same(shared_full_head, full, "shared prompts")
+    assert_same(chunked, full, "chunked head")
+    assert_same(both, full, "both")
+
+
+def test_packed_micro_batches_keep_groups_and_give_the_same_gradient(policy_and_ref):
+    """micro_batches(group=G): a group's rows stay in one micro-batch (its prompt runs once), a packed micro-batch
+    costs groups x prompt + rows x response, and the summed gradient is the one full forward's."""
+    tok, policy, ref = policy_and_ref
+    qr, am, qm, mask, P = batch = group_batch(tok)
+    T, B, G_ = mask.shape[1], len(qr), 3
+    full = loss_and_grads(policy, ref, batch, "grpo", "token-mean")
+    p_len = qm.sum(1).tolist()
+    for size, tokens in [(2, 0), (3, -1), (4, 2 * P)]:
+        micros = micro_batches(list(range(B)), qm, mask, size, tokens, group=G_)
+        assert sorted(i for m in micros for i in m.ids) == list(range(B))
+        if tokens:  # packed: whole groups, each micro-batch within its budget (one group at least)
+            budget = size * (P + T) if tokens < 0 else tokens
+            for m in micros:
+                groups = {i // G_ for i in m.ids}
+                assert all(set(range(g * G_, g * G_ + G_)) <= set(m.ids) for g in groups), m.ids
+                assert m.p == max(p_len[i] for i in m.ids)
+                assert len(groups) * m.p + len(m.ids) * m.t <= budget or len(groups) == 1
+        assert_same(loss_and_grads(policy, ref, batch, "grpo", "token-mean", micros, share=True), full, (size, tokens))
+    # group = 1 packs as before: rows by length, longest first (ties: the later row first)
+    rows = micro_batches(list(range(B)), qm, mask, 2, -1)
+    order = [i for m in rows for i in m.ids]
+    t_len = [int(mask[i].nonzero().max()) + 1 for i in range(B)]
+    assert order == sorted(range(B), key=lambda i: (p_len[i] + t_len[i], i), reverse=True)
+
+
+def test_shared_prompts_with_lora_equal_the_full_forward(tiny, monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    tok = M.load_tokenizer(tiny)
+    base = M.load_causal_lm(tiny, tok).float()
+    torch.manual_seed(0)
+    policy = get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    assert chunkable_head(policy) is base.lm_head  # found through PEFT's wrapper
+    batch = group_batch(tok, seed=1)
+    monkeypatch.setenv("CLEANRLHF_LM_HEAD", "full")
+    full = loss_and_grads(policy, base, batch, "grpo", "seq-mean-token-mean")
+    monkeypatch.delenv("CLEANRLHF_LM_HEAD")
+    both = loss_and_grads(policy, base, batch, "grpo", "seq-mean-token-mean", share=True)
+    assert all("lora_" in k for k in both[1])  # only the adapter trains
+    assert_same(both, full, "LoRA")
+
+
+def test_where_the_levers_are_off(tiny):
+    """The chunked head needs a plain head whose logits are lm_head(hidden): a LoRA-adapted head, another family or
+    gradient checkpointing (no KV cache in its forward: no shared prompts) fall back to the full computation."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = M.load_tokenizer(tiny)
+    adapted = get_peft_model(M.load_causal_lm(tiny, tok), LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+    assert chunkable_head(adapted) is None
+    gpt2 = GPT2LMHeadModel(
+        GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40, bos_token_id=0, eos_token_id=0)
+    ).eval()
+    assert chunkable_head(gpt2) is None
+    qr = torch.randint(40, (2, 7))
+    lp = forward_logprobs(gpt2, qr, torch.ones_like(qr), 4)  # the full logits' path
+    want = torch.log_softmax(gpt2(qr).logits[:, 3:-1].float(), -1).gather(-1, qr[:, 4:, None])[..., 0]
+    assert torch.allclose(lp, want, atol=1e-6)
+    checkpointed = M.load_causal_lm(tiny, tok)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert not can_share_prompts(checkpointed) and can_share_prompts(M.load_causal_lm(tiny, tok))
+
+
+def test_the_head_returns_hidden_states_only_in_the_thread_that_asked(tiny):
+    """Another thread's forward on the same model (an async generator sharing it) gets logits while one thread is
+    inside `head_returns_hidden`; after it, the head is the class's again."""
+    tok = M.load_tokenizer(tiny)
+    model = M.load_causal_lm(tiny, tok)
+    head, ids = chunkable_head(model), torch.randint(100, (1, 5))
+    inside, done, widths = threading.Event(), threading.Event(), {}
+
+    def other():
+        inside.wait(10)
+        widths["other"] = model(input_ids=ids).logits.shape[-1]
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with torch.no_grad(), head_returns_hidden(head):
+        widths["inside"] = model(input_ids=ids).logits.shape[-1]
+        inside.set()
+        done.wait(10)
+    t.join()
+    assert widths == {"inside": model.config.hidden_size, "other": len(tok)}
+    assert "forward" not in head.__dict__ and model(input_ids=ids).logits.shape[-1] == len(tok)
+
+
+def test_the_chunked_head_holds_no_full_logits(tiny):
+    """What autograd saves for backward: the full path keeps (B, T, V) float32 logits, the chunked head only the
+    hidden states (B, T, H) and two floats per position (the weight is a parameter either way)."""
+    tok = M.load_tokenizer(tiny)
+    model = M.load_causal_lm(tiny, tok).float()
+    qr = torch.randint(5, 1000, (4, 30))
+    am = torch.ones_like(qr)
+    V = len(tok)
+
+    def saved_logit_bytes():
+        sizes = []
+
+        def pack(x):
+            if x.dim() >= 2 and x.shape[-1] == V and x.numel() > V:
+                sizes.append(x.numel() * x.element_size())
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            forward_logprobs(model, qr, am, 10, with_entropy=True)
+        return sum(sizes)
+
+    chunked = saved_logit_bytes()
+    os.environ["CLEANRLHF_LM_HEAD"] = "full"
+    try:
+        full = saved_logit_bytes()
+    finally:
+        del os.environ["CLEANRLHF_LM_HEAD"]
+    assert chunked == 0 and full >= 4 * 20 * V * 4, (chunked, full)  # at least one float32 copy of the logits
+    assert math.isfinite(full)
+
+
+def levers_off_run(script, flags, out, env=None, launcher=None):
+    """`script` with both levers off: --no-share-prompts and the full logits (CLEANRLHF_LM_HEAD=full)."""
+    from conftest import run_script
+
+    off_env = {**(env or {}), "CLEANRLHF_LM_HEAD": "full"}
+    (launcher or run_script)(script, *flags, "--no-share-prompts", "--output-dir", out, env=off_env)
+
+
+@pytest.mark.e2e
+def test_grpo_with_tools_and_both_levers_makes_the_update_of_neither(tiny_agent, toy_prompts, tmp_path):
+    """A multi-turn GRPO step (--env tools, observation tokens in the responses), KL term, two minibatches and two
+    epochs, float32: the same losses and the same updated weights with the levers on (the default) and off."""
+    from safetensors.torch import load_file
+    from test_distributed import assert_same_update
+
+    from conftest import only_run, read_metrics, run_script
+
+    flags = [
+        "--model-name-or-path", tiny_agent, "--train-files", toy_prompts, "--reward-fn", f"{REPO}/tests/toy_reward.py:compute_score",
+        "--env", "tools", "--tools", "calculator", "--max-turns", 3, "--max-new-tokens", 40, "--max-trajectory-tokens", 160,
+        "--num-prompts", 4, "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 4, "--update-epochs", 2,
+        "--kl-coef", 0.05, "--learning-rate", 1e-4, "--eval-every", 0, "--total-steps", 1, "--mixed-precision", "no",
+        "--save-every", 1,
+    ]  # fmt: skip
+    env = {"TOY_MODEL": tiny_agent}
+    run_script("grpo_llm.py", *flags, "--output-dir", tmp_path / "on", env=env)
+    levers_off_run("grpo_llm.py", flags, tmp_path / "off", env)
+    on, off = only_run(tmp_path / "on"), only_run(tmp_path / "off")
+    (a,), (b,) = read_metrics(on), read_metrics(off)
+    assert a["env/turns"] > 1 and a["env/obs_frac"] > 0  # multi-turn rows, observation tokens masked out
+    assert a["train/response_len"] == b["train/response_len"]  # the same samples
+    for key in ("loss/policy", "loss/kl", "train/entropy", "train/kl", "train/clip_frac"):
+        assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    base = load_file(f"{tiny_agent}/model.safetensors")
+    assert_same_update(on / "checkpoints/step_1/policy", off / "checkpoints/step_1/policy", base)
