@@ -45,12 +45,11 @@ from common.distributed import (
 )
 from common.errors import UserError, mix_seed, seed_everything
 from common.eval import evaluate_policy
-from common.ops import exact_div, global_mean_divisor, selective_log_softmax
-from common.parallel import sharded_logits
+from common.ops import exact_div, global_mean_divisor
 from common.optim import adamw
 from common.perf import peak_mem_gb
 from common.rewards import Reward, reward_from_args
-from common.rollout import generate, tokenize_queries
+from common.rollout import generate, token_logprobs, tokenize_queries
 from common.run import Run
 from common.tasks import default_preference_files, default_task_files
 from common.vllm_engine import make_engine
@@ -145,9 +144,7 @@ def encode_pairs(tok, pairs, max_prompt_length, max_completion_length, device):
 
 def response_logps(model, ids, attn, response_mask):
     """Summed and per-token-mean log-probs of the response tokens: (2B,), (2B,). One forward pass."""
-    with sharded_logits():  # --tp-size: each rank keeps its block of the vocabulary (common.parallel)
-        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]  # (2B, L-1, V)
-        logps = selective_log_softmax(logits, ids[:, 1:]) * response_mask[:, 1:]  # (2B, L-1)
+    logps = token_logprobs(model, ids, attn) * response_mask[:, 1:]  # (2B, L-1); the LM head in chunks
     n = response_mask[:, 1:].sum(1).clamp(min=1)
     return logps.sum(1), logps.sum(1) / n
 

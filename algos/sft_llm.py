@@ -36,11 +36,11 @@ from common.data import Sampler, load_prompts, load_sft
 from common.distributed import UpdateGuard, backward, configure_deepspeed, make_accelerator
 from common.errors import seed_everything
 from common.eval import evaluate_policy
-from common.ops import exact_div, global_mean_divisor, selective_log_softmax
-from common.parallel import sharded_logits
+from common.ops import exact_div, global_mean_divisor
 from common.optim import adamw
 from common.perf import peak_mem_gb
 from common.rewards import Reward
+from common.rollout import token_logprobs
 from common.run import Run
 from common.tasks import default_sft_files, default_task_files
 # fmt: on
@@ -94,9 +94,7 @@ def encode_examples(tok, examples, max_length, device):
 
 def sft_loss_sum(model, ids, attn, loss_mask):
     """Sum of -log p(token) over loss-masked tokens (shifted by one) and their count."""
-    with sharded_logits():  # --tp-size: each rank keeps its block of the vocabulary (common.parallel)
-        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]  # (B, L-1, V)
-        nll = -selective_log_softmax(logits, ids[:, 1:]) * loss_mask[:, 1:]  # (B, L-1)
+    nll = -token_logprobs(model, ids, attn) * loss_mask[:, 1:]  # (B, L-1); the LM head in chunks, no (B, L, V) logits
     return nll.sum(), loss_mask[:, 1:].sum()
 
 

@@ -565,6 +565,18 @@ def forward_logprobs(
     return selective_log_softmax(out, responses, temperature=temperature)  # (B, T)
 
 
+def token_logprobs(model, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """log p(ids[:, i+1] | ids[:, :i+1]) of right-padded sequences (SFT's and DPO's given tokens): (B, L) -> (B, L-1),
+    float32. The LM head in chunks from the hidden states where it can (`chunkable_head`): no (B, L, V) logits,
+    which at SFT's lengths are most of a step's memory (SmolLM2, 8 rows x 1024 tokens: 1.6 GB in float32)."""
+    head = chunkable_head(model)
+    with sharded_logits(), head_returns_hidden(head):  # --tp-size: each rank keeps its block of the vocabulary
+        out = model(input_ids=ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]  # (B, L-1, V or H)
+    if head is not None:
+        return head_logprobs(out, head.weight, ids[:, 1:])[0]
+    return selective_log_softmax(out, ids[:, 1:])
+
+
 def select_rows(parts: list[dict], picks: list[tuple[int, list[int]]], pad_id: int) -> dict:
     """One batch from rows of several sampled batches: `parts` are dicts of (B, ...) tensors and lists (one key
     set), `picks` = [(index into parts, row indices), ...] in the order wanted. Left-padded keys (`queries`,

@@ -237,6 +237,34 @@ def test_where_the_levers_are_off(tiny):
     assert not can_share_prompts(checkpointed) and can_share_prompts(M.load_causal_lm(tiny, tok))
 
 
+def test_sft_and_dpo_log_probs_take_the_chunked_head(tiny, monkeypatch):
+    """token_logprobs (SFT's and DPO's log-probs of given tokens, right padding) with the head in chunks equals the
+    full logits' log-softmax, values and gradients, in float32 and under bf16 autocast."""
+    from common.ops import selective_log_softmax
+    from common.rollout import token_logprobs
+
+    tok = M.load_tokenizer(tiny)
+    model = M.load_causal_lm(tiny, tok).float()
+    ids = torch.randint(5, 1000, (3, 300), generator=torch.Generator().manual_seed(0))  # > one chunk of positions
+    attn = torch.ones_like(ids)
+    attn[1, 200:] = 0
+    w = torch.rand(3, 299)
+
+    def run(full, bf16):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            if full:
+                lp = selective_log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:])
+            else:
+                lp = token_logprobs(model, ids, attn)
+        (w * lp).sum().backward()
+        return lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    for bf16, tol in ((False, 1e-5), (True, 2e-2)):
+        (a, ga), (b, gb) = run(False, bf16), run(True, bf16)
+        assert (a - b).abs().max() < tol * 10 and (ga - gb).norm() / gb.norm() < tol, bf16
+
+
 def test_the_head_returns_hidden_states_only_in_the_thread_that_asked(tiny):
     """Another thread's forward on the same model (an async generator sharing it) gets logits while one thread is
     inside `head_returns_hidden`; after it, the head is the class's again."""
