@@ -302,7 +302,7 @@ def main(args: Args):
         all_micros = micro_batches(list(range(len(rows))), query_mask, mask, args.micro_batch_size, micro_batch_tokens,
                                    accelerator, group)  # fmt: skip
         with torch.no_grad(), accelerator.autocast():  # one region: bf16 weight copies cast once, not per micro-batch
-            by_micro = lambda fn: forward_by_micro_batch(fn, all_micros, query_responses, attn, P, T) * mask  # (B, T)
+            by_micro = lambda fn: forward_by_micro_batch(fn, all_micros, query_responses, attn, P, T, lengths=group > 1) * mask  # (B, T)  # fmt: skip
             if pi_old_from_update:
                 old_logprobs = torch.zeros_like(mask)  # (B, T) filled by the update's forward below
             else:
@@ -327,7 +327,7 @@ def main(args: Args):
                     # this micro-batch's rows at its own lengths: its longest prompt (m.p) and response (t)
                     micro, t, cut = m.ids, m.t, slice(P - m.p, P + m.t)
                     m_mask = mask[micro, :t]  # (b, t)
-                    new_logprobs, entropy = fwd(query_responses[micro, cut], attn[micro, cut], m.p, with_entropy=True)
+                    new_logprobs, entropy = fwd(query_responses[micro, cut], attn[micro, cut], m.p, with_entropy=True, lengths=m.lengths)  # fmt: skip
                     if pi_old_from_update:  # the one optimizer step: pi_old = pi_theta now
                         old_logprobs[micro, :t] = new_logprobs.detach() * m_mask
                     old_t = old_logprobs[micro, :t]  # (b, t)
@@ -358,7 +358,7 @@ def main(args: Args):
             n_minibatches = args.update_epochs * len(rows) // local_mini_batch_size
             mean = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
             step_s = time.time() - t_step
-            padded, real = padding_counts(all_micros, query_mask, mask)  # tokens of the batch's forward passes
+            padded, real = padding_counts(all_micros, query_mask, mask, group)  # tokens the forward passes ran
             n_fwd = 1 + (not pi_old_from_update) + (args.kl_coef > 0)  # generation, pi_old, reference
             metrics = {
                 **group_metrics(accelerator, scores, rollout.solved, G),  # reward, reward_std, zero_std_groups, ...

@@ -22,6 +22,7 @@ from common.rollout import (
     forward_logprobs,
     head_returns_hidden,
     micro_batches,
+    padding_counts,
     sequence_attention_mask,
 )
 from conftest import REPO
@@ -117,9 +118,10 @@ def loss_and_grads(model, ref, batch, loss_type, loss_agg, micros=None, share=Fa
     total = 0.0
     for m in micros:
         ids, cut = m.ids, slice(P - m.p, P + m.t)
-        lp, ent = forward_logprobs(model, qr[ids, cut], am[ids, cut], m.p, 0.9, True, share_prompts=share)
+        kw = dict(share_prompts=share, lengths=m.lengths if share else None)
+        lp, ent = forward_logprobs(model, qr[ids, cut], am[ids, cut], m.p, 0.9, True, **kw)
         with torch.no_grad():
-            ref_lp = forward_logprobs(ref, qr[ids, cut], am[ids, cut], m.p, 0.9, share_prompts=share)
+            ref_lp = forward_logprobs(ref, qr[ids, cut], am[ids, cut], m.p, 0.9, **kw)
         old = lp.detach() + 0.1 * torch.sin(torch.arange(m.t, dtype=torch.float32))  # off-policy: clipping acts
         mm = mask[ids, : m.t]
         token_loss, _ = losses[loss_type](lp, old, adv[ids], mm)
@@ -170,30 +172,64 @@ def test_shared_prompts_and_chunked_head_give_the_full_forwards_loss_and_gradien
     assert_same(both, full, "both")
 
 
-def test_packed_micro_batches_keep_groups_and_give_the_same_gradient(policy_and_ref):
-    """micro_batches(group=G): a group's rows stay in one micro-batch (its prompt runs once), a packed micro-batch
-    costs groups x prompt + rows x response, and the summed gradient is the one full forward's."""
+def test_packed_micro_batches_share_prompts_and_give_the_same_gradient(policy_and_ref):
+    """micro_batches(group=G): each micro-batch within its budget counted as it runs packed (sequences x (prompt + most
+    rows of one prompt x longest response), by hand here), prompts shared where rows of one prompt meet, and the
+    summed gradient is the one full forward's."""
     tok, policy, ref = policy_and_ref
     qr, am, qm, mask, P = batch = group_batch(tok)
     T, B, G_ = mask.shape[1], len(qr), 3
     full = loss_and_grads(policy, ref, batch, "grpo", "token-mean")
     p_len = qm.sum(1).tolist()
-    for size, tokens in [(2, 0), (3, -1), (4, 2 * P)]:
+    t_len = [int(mask[i].nonzero().max()) + 1 for i in range(B)]
+    for size, tokens in [(2, 0), (3, -1), (4, 2 * P), (9, -1)]:
         micros = micro_batches(list(range(B)), qm, mask, size, tokens, group=G_)
         assert sorted(i for m in micros for i in m.ids) == list(range(B))
-        if tokens:  # packed: whole groups, each micro-batch within its budget (one group at least)
-            budget = size * (P + T) if tokens < 0 else tokens
-            for m in micros:
-                groups = {i // G_ for i in m.ids}
-                assert all(set(range(g * G_, g * G_ + G_)) <= set(m.ids) for g in groups), m.ids
-                assert m.p == max(p_len[i] for i in m.ids)
-                assert len(groups) * m.p + len(m.ids) * m.t <= budget or len(groups) == 1
+        want_padded = want_real = 0
+        for m in micros:
+            lens = {}  # each prompt's rows' response lengths: its sequence is the prompt, then them unpadded
+            for i in m.ids:
+                lens.setdefault(i // G_, []).append(t_len[i])
+            assert m.lengths == [t_len[i] for i in m.ids]
+            S, L = len(lens), m.p + max(sum(ts) for ts in lens.values())  # (2048 positions hold every group here)
+            want_padded += S * L
+            want_real += sum(p_len[g * G_] for g in lens) + sum(t_len[i] for i in m.ids)
+            if tokens:
+                budget = size * (P + T) if tokens < 0 else tokens
+                assert S * L <= budget or len(m.ids) == 1, (m, budget)
+                assert m.p == max(p_len[i] for i in m.ids) and m.t == max(t_len[i] for i in m.ids)
+        assert padding_counts(micros, qm, mask, G_) == (want_padded, want_real)
+        if (size, tokens) == (9, -1):  # room for whole groups: the rows of a prompt run together
+            assert any(len(m.ids) > len({i // G_ for i in m.ids}) for m in micros)
         assert_same(loss_and_grads(policy, ref, batch, "grpo", "token-mean", micros, share=True), full, (size, tokens))
     # group = 1 packs as before: rows by length, longest first (ties: the later row first)
     rows = micro_batches(list(range(B)), qm, mask, 2, -1)
     order = [i for m in rows for i in m.ids]
-    t_len = [int(mask[i].nonzero().max()) + 1 for i in range(B)]
     assert order == sorted(range(B), key=lambda i: (p_len[i] + t_len[i], i), reverse=True)
+
+
+def test_packed_sequences_hold_each_prompt_once_and_split_past_the_length_cap():
+    """packed_by_prompt by hand on two prompts (one left-padded) x 2 and 1 responses: ids, positions, the mask and the
+    gather index; with a cap of one response per sequence, a prompt with two rows becomes two sequences."""
+    from common.rollout import packed_by_prompt
+
+    q = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9]])
+    qm = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1]])
+    r = torch.tensor([[11, 12], [21, 22], [31, 32]])
+    ids, pos, mask, index = packed_by_prompt(torch.cat([q, r], 1), sequence_attention_mask(qm, 2), 3)
+    assert ids.tolist() == [[0, 5, 6, 11, 12, 21, 22], [7, 8, 9, 31, 32, 0, 0]]
+    assert pos[0].tolist()[1:] == [0, 1, 2, 3, 2, 3] and pos[1].tolist()[:5] == [0, 1, 2, 3, 4]
+    m = mask[:, 0]
+    assert m[0, 5].tolist() == [False, True, True, False, False, True, False]  # response 2 sees the prompt, itself
+    assert m[0, 4].tolist() == [False, True, True, True, True, False, False]  # response 1's second token
+    assert m[1, 6].tolist() == [False] * 6 + [True] and m[0, 0].tolist()[0]  # padding attends to itself only
+    L = 7
+    assert index.tolist() == [[2, 3], [2, 5], [L + 2, L + 3]]  # the prompt's last position, then the row's own
+    # rows run through their last real token only: the first row's one token, unpadded; past it, a stand-in
+    ids, _, _, index = packed_by_prompt(torch.cat([q, r], 1), sequence_attention_mask(qm, 2), 3, [1, 2, 2])
+    assert ids[0].tolist() == [0, 5, 6, 11, 21, 22] and index[0].tolist() == [2, 2] and index[1].tolist() == [2, 4]
+    ids, _, _, index = packed_by_prompt(torch.cat([q, r], 1), sequence_attention_mask(qm, 2), 3, max_len=5)
+    assert ids.shape == (3, 5) and index[1, 0] == 5 + 2  # the second row of the first prompt: a sequence of its own
 
 
 def test_shared_prompts_with_lora_equal_the_full_forward(tiny, monkeypatch):
@@ -216,8 +252,8 @@ def test_shared_prompts_with_lora_equal_the_full_forward(tiny, monkeypatch):
 
 
 def test_where_the_levers_are_off(tiny):
-    """The chunked head needs a plain head whose logits are lm_head(hidden): a LoRA-adapted head, another family or
-    gradient checkpointing (no KV cache in its forward: no shared prompts) fall back to the full computation."""
+    """The chunked head needs a plain head whose logits are lm_head(hidden), and packing a family whose attention takes
+    a custom mask as given and no sliding window: a LoRA-adapted head, another family fall back to the full path."""
     from peft import LoraConfig, get_peft_model
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -232,9 +268,22 @@ def test_where_the_levers_are_off(tiny):
     lp = forward_logprobs(gpt2, qr, torch.ones_like(qr), 4)  # the full logits' path
     want = torch.log_softmax(gpt2(qr).logits[:, 3:-1].float(), -1).gather(-1, qr[:, 4:, None])[..., 0]
     assert torch.allclose(lp, want, atol=1e-6)
-    checkpointed = M.load_causal_lm(tiny, tok)
-    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert not can_share_prompts(checkpointed) and can_share_prompts(M.load_causal_lm(tiny, tok))
+    assert not can_share_prompts(gpt2) and can_share_prompts(M.load_causal_lm(tiny, tok))
+    windowed = M.load_causal_lm(tiny, tok)
+    windowed.config.model_type, windowed.config.sliding_window = "mistral", 16  # a custom mask would drop the window
+    assert not can_share_prompts(windowed)
+
+
+def test_shared_prompts_under_gradient_checkpointing(policy_and_ref, tiny):
+    """One forward, no KV cache: packing works with checkpointed layers (the same gradients as the rows' forward)."""
+    tok, _, ref = policy_and_ref
+    model = M.load_causal_lm(tiny, tok).float()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    assert can_share_prompts(model) and chunkable_head(model) is not None
+    batch = group_batch(tok, seed=2)
+    plain = loss_and_grads(model, ref, batch, "grpo", "token-mean")
+    assert_same(loss_and_grads(model, ref, batch, "grpo", "token-mean", share=True), plain, "checkpointing")
 
 
 def test_sft_and_dpo_log_probs_take_the_chunked_head(tiny, monkeypatch):
