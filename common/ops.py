@@ -111,6 +111,7 @@ def head_logprobs(
     temperature: float = 1.0,
     entropy_grad: bool = False,
     chunk: int = 0,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`logprobs_and_entropy` of the logits `hidden @ weight.T` without ever holding them: the LM head applied
     a chunk of positions at a time, and recomputed in backward (Liger's fused linear cross-entropy's idea).
@@ -119,10 +120,12 @@ def head_logprobs(
     softmax in float32, as `model(...).logits` then `logprobs_and_entropy` do. The entropy is a detached
     statistic unless `entropy_grad`. Memory: (chunk, V) float32 temporaries instead of the (B, T, V) logits
     and their float32 copies that autograd keeps (SmolLM2, 32 rows x 64 tokens: 0.4 GB per forward).
+    dtype: the projection's compute dtype where the model's forward ran under an autocast this call is not in.
     Naive: `logprobs_and_entropy(hidden @ weight.T, index, temperature=t)`."""
     B, T, H = hidden.shape
     device = hidden.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    if dtype is None:  # the projection's dtype: autocast's here (or the one `dtype` names), else the weight's
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     chunk = chunk or max(1, 2**23 // weight.shape[0])  # (chunk, V) float32 temporaries of 32 MB
     with torch.autocast(device, enabled=False):
         lp, ent = _ChunkedHead.apply(hidden.reshape(B * T, H), weight, index.reshape(-1), temperature, chunk, dtype)

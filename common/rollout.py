@@ -542,6 +542,14 @@ def chunkable_head(model):
     return head
 
 
+def _hidden(x: torch.Tensor) -> torch.Tensor:
+    """The swapped head's forward: its input, and the dtype the head would have run in (the model's forward may run
+    under an autocast the caller is not in: accelerate wraps a prepared model's forward in it)."""
+    device = x.device.type
+    _LOCAL.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    return x
+
+
 @contextlib.contextmanager
 def head_returns_hidden(head):
     """Inside, `head` returns its input in this thread: the model's `.logits` are the last hidden states (B, L, H),
@@ -552,10 +560,12 @@ def head_returns_hidden(head):
         return
     with _HEAD_SWAP:
         if "forward" not in head.__dict__:
-            head.forward = lambda x, f=type(head).forward: x if getattr(_LOCAL, "hidden", False) else f(head, x)
+            head.forward = lambda x, f=type(head).forward: (
+                _hidden(x) if getattr(_LOCAL, "hidden", False) else f(head, x)
+            )
             head._hidden_users = 0
         head._hidden_users += 1
-    _LOCAL.hidden = True
+    _LOCAL.hidden, _LOCAL.dtype = True, None
     try:
         yield
     finally:
@@ -685,7 +695,8 @@ def forward_logprobs(
             ).logits[:, :-1]  # (B, T, V or H): what predicted each response token
     # the temperature divides inside the helpers, after their float32 cast (bf16 logits / T would round again)
     if head is not None:  # out: hidden states
-        lp, ent = head_logprobs(out, head.weight, responses[:, T - out.shape[1] :], temperature, entropy_grad)
+        index = responses[:, T - out.shape[1] :]
+        lp, ent = head_logprobs(out, head.weight, index, temperature, entropy_grad, dtype=_LOCAL.dtype)
         if first is not None:  # the first token's log-prob from the cache's logits
             lp0, ent0 = logprobs_and_entropy(first, responses[:, :1], temperature=temperature)
             lp, ent = torch.cat([lp0, lp], 1), torch.cat([ent0, ent], 1)
@@ -704,7 +715,7 @@ def token_logprobs(model, ids: torch.Tensor, attention_mask: torch.Tensor) -> to
     with sharded_logits(), head_returns_hidden(head):  # --tp-size: each rank keeps its block of the vocabulary
         out = model(input_ids=ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]  # (B, L-1, V or H)
     if head is not None:
-        return head_logprobs(out, head.weight, ids[:, 1:])[0]
+        return head_logprobs(out, head.weight, ids[:, 1:], dtype=_LOCAL.dtype)[0]
     return selective_log_softmax(out, ids[:, 1:])
 
 

@@ -314,6 +314,26 @@ def test_sft_and_dpo_log_probs_take_the_chunked_head(tiny, monkeypatch):
         assert (a - b).abs().max() < tol * 10 and (ga - gb).norm() / gb.norm() < tol, bf16
 
 
+def test_the_chunked_head_runs_in_the_dtype_of_the_models_autocast(tiny, monkeypatch):
+    """accelerate runs a prepared model's forward under autocast (--mixed-precision bf16), while the caller is not in
+    one: the head applied after the forward takes the forward's bf16, as the model's own head would have."""
+    from accelerate import Accelerator
+
+    import common.rollout as R
+
+    tok = M.load_tokenizer(tiny)
+    model = Accelerator(cpu=True, mixed_precision="bf16").prepare(M.load_causal_lm(tiny, tok))
+    seen = []
+    real = R.head_logprobs
+    monkeypatch.setattr(R, "head_logprobs", lambda *a, **kw: seen.append(kw["dtype"]) or real(*a, **kw))
+    qr = torch.randint(5, 1000, (2, 9))
+    assert not torch.is_autocast_enabled("cpu")
+    lp = forward_logprobs(model, qr, torch.ones_like(qr), 4)
+    monkeypatch.setenv("CLEANRLHF_LM_HEAD", "full")
+    full = forward_logprobs(model, qr, torch.ones_like(qr), 4)
+    assert seen == [torch.bfloat16] and (lp - full).abs().max() < 2e-2
+
+
 def test_the_head_returns_hidden_states_only_in_the_thread_that_asked(tiny):
     """Another thread's forward on the same model (an async generator sharing it) gets logits while one thread is
     inside `head_returns_hidden`; after it, the head is the class's again."""
