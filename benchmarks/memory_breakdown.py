@@ -4,6 +4,7 @@ this process from the scripts' own pieces, with the resident set sampled every 2
 
     python benchmarks/memory_breakdown.py --algo grpo                  # both levers (the default)
     python benchmarks/memory_breakdown.py --algo grpo --no-share --full-head
+    python benchmarks/memory_breakdown.py --algo sft --length 1024 [--full-head]   # the LM head at SFT's lengths
 
 Each row: the process's resident set when the phase ends, the highest it reached during the phase, and what the
 phase added that stays (weights, gradients, optimizer state). `saved for backward` is what autograd holds for one
@@ -46,7 +47,8 @@ class Sampler:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--algo", choices=["grpo", "ppo"], default="grpo")
+    p.add_argument("--algo", choices=["grpo", "ppo", "sft"], default="grpo")
+    p.add_argument("--length", type=int, default=1024, help="sft: tokens per row (4 rows, one forward + backward)")
     p.add_argument("--no-share", action="store_true", help="every row runs its prompt")
     p.add_argument("--full-head", action="store_true", help="the (B, T, V) logits (CLEANRLHF_LM_HEAD=full)")
     p.add_argument("--trim", action="store_true", help="glibc's malloc_trim(0) at the end of every phase")
@@ -107,6 +109,21 @@ def main():
     opt_c = adamw(critic, optim, 10)[0] if critic is not None else None
     policy, opt = accelerator.prepare(policy, opt)
 
+    if a.algo == "sft":  # 4 rows x --length tokens, SFT's log-probs of given tokens (common.rollout.token_logprobs)
+        from common.rollout import token_logprobs
+
+        ids = torch.randint(5, len(tok), (4, a.length), generator=torch.Generator().manual_seed(0))
+        for step in (1, 2):
+            with accelerator.autocast():
+                loss = -token_logprobs(policy, ids, torch.ones_like(ids)).mean()
+            loss.backward()
+            phase(f"step {step}: forward + backward of 4 x {a.length} tokens")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            phase(f"step {step}: optimizer step, gradients freed")
+        sampler.stop = True
+        print(f"\npeak over the run: {max(r[2] for r in rows_out):.2f} GB")
+        return
     G = 4 if a.algo == "grpo" else 1
     n_prompts = 32 // G
     prompts = load_prompts(

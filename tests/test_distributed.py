@@ -271,17 +271,18 @@ def test_grpo_ddp_update_equals_single_process_update(tiny_peaky, tmp_path):
 
 
 @pytest.mark.distributed
-def test_grpo_ddp_with_shared_prompts_and_the_chunked_head_makes_the_update_of_neither(tiny_peaky, tmp_path):
-    """Under DDP (2 processes, float32) each micro-batch runs as two forwards (its distinct prompts, then the
-    responses over their cache) and the LM head in chunks from the hidden states (issue 52): the same update as
-    both levers off (--no-share-prompts, CLEANRLHF_LM_HEAD=full), with a group's two rows in one micro-batch."""
+@pytest.mark.parametrize("kind", ["DDP", "FSDP"])
+def test_grpo_with_shared_prompts_and_the_chunked_head_makes_the_update_of_neither(tiny_peaky, tmp_path, kind):
+    """2 processes, float32, a group's two rows in one micro-batch, packed into one sequence (its prompt once) and, under
+    DDP, the LM head in chunks from the hidden states (FSDP2 shards the head: the full logits there) (issue 52): the
+    same update as both levers off (--no-share-prompts, CLEANRLHF_LM_HEAD=full)."""
     flags = [*grpo_one_update_flags(tiny_peaky), "--micro-batch-size", 2, "--mixed-precision", "no", "--eval-every", 0]
     env = {"TOY_MODEL": tiny_peaky}
-    launch("grpo_llm.py", *flags, "--output-dir", tmp_path / "on", env=env)
+    launch("grpo_llm.py", *flags, "--output-dir", tmp_path / "on", env=env, config=CONFIGS[kind])
     launch("grpo_llm.py", *flags, "--no-share-prompts", "--output-dir", tmp_path / "off",
-           env={**env, "CLEANRLHF_LM_HEAD": "full"})  # fmt: skip
+           env={**env, "CLEANRLHF_LM_HEAD": "full"}, config=CONFIGS[kind])  # fmt: skip
     on, off = only_run(tmp_path / "on"), only_run(tmp_path / "off")
-    assert_ran(on, "DDP")
+    assert_ran(on, kind)
     (a,), (b,) = read_metrics(on), read_metrics(off)
     for key in ("train/reward", "train/kl", "loss/policy", "train/entropy"):
         assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
