@@ -539,7 +539,8 @@ def chunkable_head(model):
         return None
     if head.bias is not None or isinstance(head.weight, DTensor) or hasattr(head.weight, "ds_id"):  # FSDP2, ZeRO-3
         return None
-    return head
+    hooked = head._forward_hooks or head._forward_pre_hooks or head._forward_hooks_with_kwargs  # they edit its logits
+    return None if hooked else head
 
 
 def _hidden(x: torch.Tensor) -> torch.Tensor:

@@ -260,6 +260,9 @@ def test_where_the_levers_are_off(tiny):
     tok = M.load_tokenizer(tiny)
     adapted = get_peft_model(M.load_causal_lm(tiny, tok), LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
     assert chunkable_head(adapted) is None
+    hooked = M.load_causal_lm(tiny, tok)
+    hooked.lm_head.register_forward_hook(lambda module, inputs, logits: logits + 1)  # something edits the logits
+    assert chunkable_head(hooked) is None
     gpt2 = GPT2LMHeadModel(
         GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40, bos_token_id=0, eos_token_id=0)
     ).eval()
@@ -317,12 +320,13 @@ def test_sft_and_dpo_log_probs_take_the_chunked_head(tiny, monkeypatch):
 def test_the_chunked_head_runs_in_the_dtype_of_the_models_autocast(tiny, monkeypatch):
     """accelerate runs a prepared model's forward under autocast (--mixed-precision bf16), while the caller is not in
     one: the head applied after the forward takes the forward's bf16, as the model's own head would have."""
-    from accelerate import Accelerator
-
     import common.rollout as R
 
     tok = M.load_tokenizer(tiny)
-    model = Accelerator(cpu=True, mixed_precision="bf16").prepare(M.load_causal_lm(tiny, tok))
+    model = M.load_causal_lm(tiny, tok)
+    # what accelerate's prepare does under --mixed-precision bf16 (its AcceleratorState is a process singleton, so
+    # an Accelerator made here would take an earlier test's precision)
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
     seen = []
     real = R.head_logprobs
     monkeypatch.setattr(R, "head_logprobs", lambda *a, **kw: seen.append(kw["dtype"]) or real(*a, **kw))
