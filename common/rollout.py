@@ -703,9 +703,10 @@ def forward_logprobs(
             lp, ent = torch.cat([lp0, lp], 1), torch.cat([ent0, ent], 1)
         return (lp, ent) if with_entropy else lp  # (B, T) each
     out = torch.cat([first.to(out.dtype), out], 1) if first is not None else out  # (B, T, V)
-    if with_entropy:  # both in one pass over the (B, T, V) logits
-        return logprobs_and_entropy(out, responses, temperature=temperature, entropy_grad=entropy_grad)
-    return selective_log_softmax(out, responses, temperature=temperature)  # (B, T)
+    with sharded_logits():  # --tp-size: `out` is this rank's vocabulary block; the log-softmax spans the blocks
+        if with_entropy:  # both in one pass over the (B, T, V) logits
+            return logprobs_and_entropy(out, responses, temperature=temperature, entropy_grad=entropy_grad)
+        return selective_log_softmax(out, responses, temperature=temperature)  # (B, T)
 
 
 def token_logprobs(model, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -717,7 +718,8 @@ def token_logprobs(model, ids: torch.Tensor, attention_mask: torch.Tensor) -> to
         out = model(input_ids=ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]  # (B, L-1, V or H)
     if head is not None:
         return head_logprobs(out, head.weight, ids[:, 1:], dtype=_LOCAL.dtype)[0]
-    return selective_log_softmax(out, ids[:, 1:])
+    with sharded_logits():  # --tp-size: `out` is this rank's vocabulary block; the log-softmax spans the blocks
+        return selective_log_softmax(out, ids[:, 1:])
 
 
 def select_rows(parts: list[dict], picks: list[tuple[int, list[int]]], pad_id: int) -> dict:
