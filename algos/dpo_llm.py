@@ -49,7 +49,7 @@ from common.ops import exact_div, global_mean_divisor
 from common.optim import adamw
 from common.perf import peak_mem_gb
 from common.rewards import Reward, reward_from_args
-from common.rollout import generate, token_logprobs, tokenize_queries
+from common.rollout import can_share_prompts, forward_logprobs, generate, rows_as_rollout, token_logprobs, tokenize_queries
 from common.run import Run
 from common.tasks import default_preference_files, default_task_files
 from common.vllm_engine import make_engine
@@ -75,6 +75,8 @@ class Args:
     """G: responses sampled per prompt when --online (>= 2), as in grpo_llm.py"""
     precompute_ref: bool = False
     """compute reference log-probs of all offline pairs once before training"""
+    share_prompts: bool = True
+    """each pair's prompt once per forward and backward, chosen and rejected after it: the same loss"""
 
     # --- pairs and evaluation
     max_prompt_length: PositiveInt = 256
@@ -142,11 +144,17 @@ def encode_pairs(tok, pairs, max_prompt_length, max_completion_length, device):
     )
 
 
-def response_logps(model, ids, attn, response_mask):
-    """Summed and per-token-mean log-probs of the response tokens: (2B,), (2B,). One forward pass."""
-    logps = token_logprobs(model, ids, attn) * response_mask[:, 1:]  # (2B, L-1); the LM head in chunks
-    n = response_mask[:, 1:].sum(1).clamp(min=1)
-    return logps.sum(1), logps.sum(1) / n
+def response_logps(model, ids, attn, response_mask, share_prompts=False):
+    """Summed and per-token-mean log-probs of the response tokens: (2B,), (2B,). One forward pass.
+    share_prompts: each pair's prompt runs once, [prompt, chosen, rejected] in one sequence (exact)."""
+    if share_prompts:  # the rows in the rollout's layout: prompts left-padded to P, responses (2B, T)
+        query_responses, attention_mask, P, lengths = rows_as_rollout(ids, attn, response_mask)
+        mask = attention_mask[:, P:]  # (2B, T)
+        logps = forward_logprobs(model, query_responses, attention_mask, P, share_prompts=True, lengths=lengths) * mask
+    else:
+        mask = response_mask[:, 1:]  # (2B, L-1)
+        logps = token_logprobs(model, ids, attn) * mask  # (2B, L-1); the LM head in chunks
+    return logps.sum(1), logps.sum(1) / mask.sum(1).clamp(min=1)
 
 
 def main(args: Args):
@@ -207,14 +215,15 @@ def main(args: Args):
     policy, opt, sched = accelerator.prepare(policy, opt, sched)
     # --rollout-engine vllm: the colocated engine; hf: None
     engine = make_engine(args.gen, args.model, tok, policy, accelerator, max_len, args.run.seed)
+    share = args.share_prompts and can_share_prompts(policy)  # a pair's prompt once (common.rollout)
 
     @torch.no_grad()
     def ref_logps(ids, attn, response_mask):
         if ref_policy is not None:
             with accelerator.autocast():  # a frozen model is not prepared: --mixed-precision applied here
-                return response_logps(ref_policy, ids, attn, response_mask)
+                return response_logps(ref_policy, ids, attn, response_mask, share)
         with accelerator.unwrap_model(policy).disable_adapter():
-            return response_logps(policy, ids, attn, response_mask)
+            return response_logps(policy, ids, attn, response_mask, share)
 
     ref_cache = {}  # pair index -> (summed, mean) reference log-probs of (chosen, rejected)
     if args.precompute_ref and not args.online:
@@ -231,7 +240,7 @@ def main(args: Args):
     def pair_stats(pairs, ids_for_cache=None):
         """Forward chosen+rejected in one pass; loss terms and implicit rewards per pair."""
         ids, attn, response_mask = encode_pairs(tok, pairs, args.max_prompt_length, args.max_completion_length, device)
-        sums, means = response_logps(policy, ids, attn, response_mask)  # (2b,) each
+        sums, means = response_logps(policy, ids, attn, response_mask, share)  # (2b,) each
         b = len(pairs)
         if ids_for_cache is not None and ref_cache:
             ref = torch.stack([torch.stack(ref_cache[i]) for i in ids_for_cache])  # (b, 4)

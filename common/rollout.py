@@ -646,6 +646,21 @@ def packed_by_prompt(
     return ids, pos, (mask | torch.eye(L, dtype=torch.bool, device=dev))[:, None], index
 
 
+def rows_as_rollout(ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor):
+    """Right-padded `prompt + response` rows (`encode_prompt_response`: DPO's chosen and rejected) in the rollout's
+    layout, for `forward_logprobs(..., share_prompts=True)`: prompts left-padded to P, responses right-padded to T.
+    ids, attention_mask, response_mask: (N, L). Returns query_responses and attention_mask (N, P+T) (padding id 0),
+    P, and each row's response length (N,). Rows whose prompts tokenise alike then share them; others simply don't."""
+    prompt_len = (attention_mask * (1 - response_mask.long())).sum(1).tolist()  # (N,)
+    response_len = (attention_mask * response_mask.long()).sum(1).tolist()  # (N,)
+    P, T, N = max(prompt_len), max(response_len), ids.shape[0]
+    qr = torch.zeros(N, P + T, dtype=ids.dtype, device=ids.device)
+    am = torch.zeros(N, P + T, dtype=attention_mask.dtype, device=ids.device)
+    for i, (p, r) in enumerate(zip(prompt_len, response_len)):
+        qr[i, P - p : P + r], am[i, P - p : P + r] = ids[i, : p + r], 1
+    return qr, am, P, response_len
+
+
 def forward_logprobs(
     model,
     query_responses: torch.Tensor,

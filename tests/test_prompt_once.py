@@ -317,6 +317,63 @@ def test_sft_and_dpo_log_probs_take_the_chunked_head(tiny, monkeypatch):
         assert (a - b).abs().max() < tol * 10 and (ga - gb).norm() / gb.norm() < tol, bf16
 
 
+def test_rows_as_rollout_moves_right_padded_rows_into_the_rollout_layout():
+    """By hand: prompt lengths 2 and 3, responses 3 and 1, right-padded rows -> prompts left-padded to P = 3."""
+    from common.rollout import rows_as_rollout
+
+    ids = torch.tensor([[11, 12, 21, 22, 23, 0], [13, 14, 15, 24, 0, 0]])
+    attn = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
+    response_mask = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 0, 0]], dtype=torch.float)
+    qr, am, P, lengths = rows_as_rollout(ids, attn, response_mask)
+    assert P == 3 and lengths == [3, 1]
+    assert qr.tolist() == [[0, 11, 12, 21, 22, 23], [13, 14, 15, 24, 0, 0]]
+    assert am.tolist() == [[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]]
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_pairs_share_their_prompt_with_the_loss_and_gradients_of_the_rows(policy_and_ref, loss_type, monkeypatch):
+    """dpo_llm.py's chosen and rejected after one copy of their prompt ([prompt, chosen, rejected]) give the loss, the
+    summed and mean log-probs and every gradient of the right-padded rows' forward with the full logits (text pairs
+    of different prompt and response lengths, an empty rejected answer, the reference with the same packing)."""
+    import dpo_llm as D
+
+    tok, policy, ref = policy_and_ref
+    pairs = [
+        {"prompt": M.apply_chat(tok, "What is 2+3?"), "chosen": "5", "rejected": "six or seven"},
+        {"prompt": M.apply_chat(tok, "Name a colour, please, any colour."), "chosen": "red and blue", "rejected": ""},
+        {"prompt": M.apply_chat(tok, "Hi"), "chosen": "hello there, friend", "rejected": "no"},
+    ]
+    batch = D.encode_pairs(tok, pairs, 256, 64, None)
+    b = len(pairs)
+
+    def run(share):
+        policy.zero_grad()
+        sums, means = D.response_logps(policy, *batch, share_prompts=share)
+        with torch.no_grad():
+            ref_sums, ref_means = D.response_logps(ref, *batch, share_prompts=share)
+        x, r = (means, ref_means) if loss_type == "ipo" else (sums, ref_sums)
+        loss = D.dpo_loss(x[:b], x[b:], r[:b], r[b:], loss_type, 0.1).mean() - 0.5 * means[:b].mean()  # + RPO
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+        return loss.item(), grads, sums.detach(), means.detach()
+
+    monkeypatch.setenv("CLEANRLHF_LM_HEAD", "full")
+    l0, g0, s0, m0 = run(False)
+    monkeypatch.delenv("CLEANRLHF_LM_HEAD")
+    import common.rollout as R
+
+    packed, sequences = R.packed_by_prompt, []
+    monkeypatch.setattr(R, "packed_by_prompt", lambda *a, **k: sequences.append(packed(*a, **k)[0]) or packed(*a, **k))
+    l1, g1, s1, m1 = run(True)
+    assert [len(ids) for ids in sequences] == [b, b]  # policy and reference: one sequence per pair
+    _, _, P, lengths = R.rows_as_rollout(*batch)
+    assert {ids.shape[1] for ids in sequences} == {
+        P + max(lengths[i] + lengths[b + i] for i in range(b))
+    }  # prompt once
+    assert torch.allclose(s1, s0, atol=1e-4) and torch.allclose(m1, m0, atol=1e-5)
+    assert_same((l1, g1), (l0, g0), f"dpo {loss_type}")
+
+
 def test_the_chunked_head_runs_in_the_dtype_of_the_models_autocast(tiny, monkeypatch):
     """accelerate runs a prepared model's forward under autocast (--mixed-precision bf16), while the caller is not in
     one: the head applied after the forward takes the forward's bf16, as the model's own head would have."""
