@@ -5,6 +5,7 @@ step, beta 0.04, one update epoch over one minibatch), and the generation alone 
 
     python benchmarks/step_time.py --algo grpo [--steps 4] [--baseline-repo /path/to/older/checkout]
     python benchmarks/step_time.py --algo ppo --rows fp32 default
+    python benchmarks/step_time.py --algo dpo --rows no-share default   # offline DPO, 16 pairs per step
     python benchmarks/step_time.py --generation          # 32 prompts x 64 tokens: ours vs model.generate
 
 Rows: `baseline` runs the script of --baseline-repo (e.g. `git archive` of the commit before the
@@ -41,7 +42,7 @@ ROWS = {
     "adamw_8bit": ["--optim", "adamw_8bit"],  # the default with bitsandbytes' 8-bit AdamW (memory)
     "lowmem": ["--optim", "adamw_8bit", "--gradient-checkpointing"],  # both (issue 37's memory goals)
     # issue 52's levers, each taken away from the default: a group's prompt once, the LM head in chunks
-    "no-share": ["--no-share-prompts"],  # GRPO: every row runs its prompt
+    "no-share": ["--no-share-prompts"],  # GRPO, DPO: every row runs its prompt
     "full-head": [],  # the (B, T, V) logits (CLEANRLHF_LM_HEAD=full, below)
     "neither": ["--no-share-prompts"],  # GRPO: both levers off
 }
@@ -49,6 +50,7 @@ ENV = {"full-head": {"CLEANRLHF_LM_HEAD": "full"}, "neither": {"CLEANRLHF_LM_HEA
 CONFIG = {  # the issue's config: 32 rollouts of <= 64 tokens, beta 0.04, 1 epoch, 1 minibatch
     "grpo": ["--num-prompts", 8, "--group-size", 4, "--mini-batch-size", 32, "--kl-coef", 0.04, "--update-epochs", 1],
     "ppo": ["--batch-size", 32, "--mini-batch-size", 32, "--kl-coef", 0.04, "--update-epochs", 1],
+    "dpo": ["--batch-size", 16],  # offline pairs of the built-in task, 8 pairs (16 rows) per micro-batch
 }
 
 
@@ -196,7 +198,7 @@ def generation_table(a):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--algo", choices=["grpo", "ppo"], default="grpo")
+    p.add_argument("--algo", choices=["grpo", "ppo", "dpo"], default="grpo")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--rows", nargs="*", default=[r for r in ROWS if not r.startswith("vllm")], choices=list(ROWS))
     p.add_argument("--baseline-repo", default=None, help="checkout whose script is the baseline row")
