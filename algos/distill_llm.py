@@ -71,13 +71,17 @@ class Args:
     """gkd: 0 forward KL(teacher || student), 1 reverse KL(student || teacher), between: the generalized JSD"""
     teacher_top_k: PositiveInt = 16
     """topk-fkl: the teacher's tokens per position the divergence sums over"""
+    topk_renormalise: bool = False
+    """topk-fkl: renormalise the teacher's top-k probabilities to sum to 1 (the same optimum; each position's gradient
+    divided by its top-k mass). Off (the default): the teacher's probabilities as they are, as verl does"""
     teacher_engine: Literal["hf", "vllm"] = "hf"
     """hf: the teacher in this process (placed like a reference model); vllm: served by a vLLM engine of its own,
     which returns its prompt log-probs of the sampled tokens and its top-k (for a teacher too large to hold here;
     --loss reverse-kl-pg or topk-fkl, temperature 1; train/kl is then the sampled-token estimate)"""
     lmbda: UnitFloat = 1.0
     """GKD's lambda: the share of steps trained on the student's own samples; the others use the data's reference
-    responses (extra_info.response, else reward_model.ground_truth)"""
+    responses (extra_info.response, else reward_model.ground_truth). reverse-kl-pg's off-policy steps take the exact
+    reverse KL over the vocabulary (its sampled-token form holds only on the student's own samples)"""
     num_prompts: PositiveInt = 16
     """prompts per step, over all processes"""
     samples_per_prompt: PositiveInt = 1
@@ -97,14 +101,16 @@ class Args:
 # ALGO LOGIC: the per-token divergences (--loss); student and teacher logits at the sampling temperature
 def reverse_kl_pg_loss(logprobs, teacher_logprobs, mask):
     """The sampled token's reverse-KL estimate k1 = log pi_S(y_t) - log pi_T(y_t) as a per-token advantage
-    A_t = -sg(k1) (discount 0), in the policy-gradient form l_t = -(A_t - b) log pi_S(y_t). Over y ~ pi_S its
+    A_t = -sg(k1) (discount 0), in the policy-gradient form l_t = -(A_t - b_t) log pi_S(y_t). Over y ~ pi_S its
     gradient is that of KL(pi_S || pi_T) at each position: E[(log pi_S - log pi_T) grad log pi_S] (the score
-    function has mean 0, so a constant b changes nothing in expectation). b: the mean advantage of the
-    micro-batch's tokens, a baseline: without it the tiny test models' KL rose at every learning rate tried (the
-    mean of A is -KL, pushing every sampled token down; Thinking Machines uses none, with large batches). Needs
-    only the teacher's log-prob of each sampled token. (b, t) each -> (loss (b, t), A (b, t))."""
-    advantage = (teacher_logprobs - logprobs).detach()
-    baseline = (advantage * mask).sum() / mask.sum().clamp(min=1)
+    function has mean 0 given y_<t, so a b_t that depends only on y_<t changes nothing in expectation).
+    b_t: the mean advantage of the same response's earlier tokens (0 at its first), a baseline: without one the
+    tiny test models' KL rose at every learning rate tried (the mean of A is -KL, pushing every sampled token down;
+    Thinking Machines uses none, with large batches). Per response, so the loss does not depend on how the batch is
+    cut into micro-batches. Needs only the teacher's log-prob of each sampled token. (b, t) each -> (loss, A)."""
+    advantage = (teacher_logprobs - logprobs).detach() * mask  # (b, t)
+    earlier = (mask.cumsum(1) - mask).clamp(min=1)  # (b, t) real tokens before t
+    baseline = (advantage.cumsum(1) - advantage) / earlier  # (b, t)
     return -(advantage - baseline) * logprobs, advantage
 
 
@@ -124,30 +130,49 @@ def generalized_jsd(student_logits, teacher_logits, beta):
     return beta * kl(lt, lm) + (1 - beta) * kl(ls, lm)
 
 
-def topk_forward_kl(student_logits, top, index):
-    """verl's top-k forward KL: the teacher's k most likely tokens (`index`, their log-probs `top`), their
-    probabilities renormalised to q, against the student's log-probs of them: sum_k q_k (log q_k - log p_S(k)) >= 0,
-    zero when the student puts q on the top-k and nothing elsewhere. Only k numbers per position come from the
-    teacher (what a served teacher returns). (b, t, V), (b, t, k) x2 -> (b, t)."""
-    lq = top - torch.logsumexp(top, -1, keepdim=True)  # (b, t, k) renormalised
+def topk_forward_kl(student_logits, top, index, renormalise=False):
+    """verl's top-k forward KL: the teacher's k most likely tokens (`index`, their log-probs `top`: q_k) against the
+    student's log-probs of them: sum_k q_k (log q_k - log p_S(k)), least when p_S(k) = q_k / sum_k q_k (all of the
+    student's mass on the top-k). renormalise: q divided by its mass first (the same optimum, where the loss is 0;
+    each position's gradient divided by its top-k mass). Only k numbers per position come from the teacher (what a
+    served teacher returns). (b, t, V), (b, t, k) x2 -> (b, t)."""
+    lq = top - torch.logsumexp(top, -1, keepdim=True) if renormalise else top  # (b, t, k)
     ls = F.log_softmax(student_logits.float(), -1).gather(-1, index)  # (b, t, k)
     return (lq.exp() * (lq - ls)).sum(-1)
 
 
-def response_logits(model, query_responses, attention_mask, P, temperature):
-    """The logits that predicted each response token, divided by the temperature, float32: (b, t, V)."""
+def token_divergence(args, on_policy, logits, index, mask, teacher_logits, t_token, t_top, t_index):
+    """--loss per token on one micro-batch: (b, t). reverse-kl-pg's score-function form is the reverse KL's gradient
+    only on the student's own samples: an off-policy step (the data's responses, --lmbda < 1) takes the exact reverse
+    KL over the vocabulary (gkd at beta 1), which it estimates."""
+    if args.loss == "reverse-kl-pg" and on_policy:
+        return reverse_kl_pg_loss(F.log_softmax(logits, -1).gather(-1, index)[..., 0], t_token, mask)[0]
+    if args.loss == "topk-fkl":
+        return topk_forward_kl(logits, t_top, t_index, args.topk_renormalise)
+    return generalized_jsd(logits, teacher_logits, args.beta if args.loss == "gkd" else 1.0)
+
+
+def response_logits(model, query_responses, attention_mask, P, temperature, V=None):
+    """The logits that predicted each response token, divided by the temperature, float32: (b, t, V), the first V
+    rows of the head (a teacher's vocabulary padded past the student's: rows of no token of the shared tokenizer)."""
     T = query_responses.shape[1] - P
     logits = model(
         input_ids=query_responses, attention_mask=attention_mask, logits_to_keep=T + 1,
         position_ids=position_ids_from_mask(attention_mask), use_cache=False,
-    ).logits[:, :-1]  # fmt: skip
+    ).logits[:, :-1, :V]  # fmt: skip
     return logits.float() / temperature
+
+
+def reference_text(row):
+    """A row's reference response (--lmbda < 1): extra_info.response, else its ground truth; None when it has none."""
+    text = row.extra_info.get("response", row.ground_truth)
+    return None if text is None or not str(text).strip() else text
 
 
 def reference_responses(tok, rows, device):
     """Off-policy steps (--lmbda < 1): each row's reference response (extra_info.response, else its ground truth)
     with EOS, right-padded. Returns (responses (B, T), mask (B, T))."""
-    texts = [str(x.extra_info.get("response", x.ground_truth)) for x in rows]
+    texts = [str(reference_text(x)) for x in rows]
     ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
     T = max(len(x) for x in ids)
     responses = torch.tensor([x + [tok.pad_token_id] * (T - len(x)) for x in ids], device=device)  # (B, T)
@@ -173,8 +198,16 @@ def main(args: Args):
     max_len = args.data.max_prompt_length + args.gen.max_new_tokens
     tok = M.prompt_tokenizer(args.model, args.data, max_len, "--max-prompt-length + --max-new-tokens")
     M.check_same_tokenizer(tok, args.teacher, "--teacher", args.model.trust_remote_code)  # before any weights load
+    # a head padded past the shared tokenizer (the padding differs between sizes of a family): both cut to the smaller
+    V = min(M.vocab_rows(p, args.model.trust_remote_code) for p in (args.model.model_name_or_path, args.teacher))
+    if V < len(tok):
+        raise UserError(f"--teacher {args.teacher} or the student: a head of {V} rows for a tokenizer of {len(tok)}")
     reward = reward_from_args(args.rewards, args.model, args.gen.max_new_tokens, accelerator)  # eval, train/reward
     train_rows, val_rows = load_rl_prompts(args.data, tok, reward, accelerator.print)
+    missing = [x.uid for x in train_rows if reference_text(x) is None] if args.lmbda < 1 else []
+    if missing:  # an off-policy step would train toward an empty answer
+        raise UserError(f"--lmbda {args.lmbda} trains on the data's reference responses, and {len(missing)} training "
+                        f"rows have none (e.g. row {missing[0]}): give extra_info.response or a ground truth, or --lmbda 1")  # fmt: skip
     sampler = Sampler(len(train_rows), args.run.seed)
 
     # ALGO LOGIC: the student (trained) and the teacher (frozen, placed and sharded like a reference model)
@@ -183,10 +216,11 @@ def main(args: Args):
         teacher = M.load_causal_lm(args.teacher, tok, **M.frozen_kwargs(args.model))
         teacher = prepare_frozen(accelerator, teacher, under_autocast=True)
     else:  # served: its own weights, never synced; the k log-probs per position that topk-fkl needs
-        if args.loss == "gkd" or args.gen.temperature != 1:
+        if args.loss == "gkd" or args.gen.temperature != 1 or (args.loss == "reverse-kl-pg" and args.lmbda < 1):
             raise UserError(
                 "--teacher-engine vllm returns log-probs at temperature 1 for k tokens per position: use "
-                "--loss reverse-kl-pg or topk-fkl with --temperature 1 (gkd needs the whole vocabulary)"
+                "--loss reverse-kl-pg (with --lmbda 1) or topk-fkl with --temperature 1 (gkd, and reverse-kl-pg's "
+                "off-policy steps, need the whole vocabulary)"
             )
         teacher = VLLMEngine(str(M.resolve_model_path(args.teacher)), tok, max_len, args.run.seed,
                              gpu_memory_utilization=args.gen.vllm_gpu_memory_utilization,
@@ -252,9 +286,10 @@ def main(args: Args):
             micro, cut = m.ids, slice(P - m.p, P + m.t)
             qr, am, m_mask = query_responses[micro, cut], attn[micro, cut], mask[micro, : m.t]  # (b, p+t), (b, t)
             index = qr[:, m.p :, None]  # (b, t, 1) the sampled tokens
+            teacher_logits = t_top = t_index = None  # what the --loss reads, below
             if served is None:
                 with torch.no_grad(), accelerator.autocast():
-                    teacher_logits = response_logits(teacher, qr, am, m.p, temperature)  # (b, t, V)
+                    teacher_logits = response_logits(teacher, qr, am, m.p, temperature, V)  # (b, t, V)
                     teacher_lp = F.log_softmax(teacher_logits, -1)  # (b, t, V)
                 t_token = teacher_lp.gather(-1, index)[..., 0]  # (b, t)
                 if args.loss == "topk-fkl":  # (b, t, k) x2, only for the loss that reads them
@@ -262,14 +297,10 @@ def main(args: Args):
             else:
                 t_token, t_top, t_index = (x[micro, : m.t] for x in served)  # (b, t), (b, t, k) x2
             with accelerator.autocast():
-                logits = response_logits(policy, qr, am, m.p, temperature)  # (b, t, V)
-            if args.loss == "reverse-kl-pg":
-                lp = F.log_softmax(logits, -1).gather(-1, index)[..., 0]  # (b, t)
-                token_loss = reverse_kl_pg_loss(lp, t_token, m_mask)[0]
-            elif args.loss == "gkd":
-                token_loss = generalized_jsd(logits, teacher_logits, args.beta)  # (b, t)
-            else:
-                token_loss = topk_forward_kl(logits, t_top, t_index)  # (b, t)
+                logits = response_logits(policy, qr, am, m.p, temperature, V)  # (b, t, V)
+            token_loss = token_divergence(
+                args, on_policy, logits, index, m_mask, teacher_logits, t_token, t_top, t_index
+            )
             loss = (token_loss * m_mask).sum() / n_tokens
             backward(accelerator, policy, loss, last=k == len(micros) - 1)
             with (

@@ -393,6 +393,14 @@ def check_same_tokenizer(tok, other: str, flag: str, trust_remote_code: bool = F
         raise UserError(f"{flag} {other}: its EOS token ({theirs.eos_token}) is not the student's ({tok.eos_token})")
 
 
+def vocab_rows(name_or_path: str, trust_remote_code: bool = False) -> int:
+    """The rows of a causal LM's head (config.vocab_size; often padded past its tokenizer's length), before loading."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code)
+    return (getattr(config, "text_config", None) or config).vocab_size
+
+
 def train_kwargs(model) -> dict:
     """The loader keywords of a model to train, from a script's ModelArgs: dtype, LoRA / QLoRA, checkpointing."""
     return dict(

@@ -70,6 +70,16 @@ CASES = [
     ("grpo_llm.py", ["--reward-url", "ftp://x"], "--reward-url ftp://x: not an http:// or https:// URL"),
     ("ppo_llm.py", ["--reward", "rule:1,remote:1"], "--reward includes 'remote' but no --reward-url"),
     ("distill_llm.py", [], "--teacher: required"),
+    (
+        "distill_llm.py",
+        ["--teacher", "{tiny}", "--lmbda", "0.5", "--train-files", "{no_reference}"],
+        "--lmbda 0.5 trains on the data's reference responses, and 1 training rows have none (e.g. row 1)",
+    ),
+    (
+        "distill_llm.py",
+        ["--teacher", "{tiny}", "--teacher-engine", "vllm", "--loss", "reverse-kl-pg", "--lmbda", "0.5"],
+        "--loss reverse-kl-pg (with --lmbda 1)",
+    ),
     # paths
     ("rm_llm.py", ["--model-name-or-path", "./missing_model"], "no such folder"),
     ("dpo_llm.py", ["--model-name-or-path", "../elsewhere/model"], "no such folder"),
@@ -135,6 +145,7 @@ def make_bad_files(d):
         ),
         "no_rejected": jsonl("no_rejected.jsonl", [{"prompt": "q", "chosen": "a"}]),
         "bad_import": (d / "rw_import.py").write_text("import not_a_module_anywhere\n") and f"{d}/rw_import.py:f",
+        "no_reference": jsonl("no_reference.jsonl", [ok, {**ok, "reward_model": {"ground_truth": " "}}]),
         "bad_messages": jsonl("bad_messages.jsonl", [{"prompt": {"text": "q"}, "chosen": "a", "rejected": "b"}]),
     }
 
@@ -150,9 +161,8 @@ def test_user_error_is_one_line_exit_2_nothing_written(
     """In-process, as `python algos/<script> ...` runs it (cli), so the table stays fast."""
     import importlib
 
-    flags = [
-        f.format(**bad_files) if f.startswith("{") and f.endswith("}") and f[1:-1] in bad_files else f for f in flags
-    ]
+    named = {**bad_files, "tiny": tiny}
+    flags = [f.format(**named) if f.startswith("{") and f.endswith("}") and f[1:-1] in named else f for f in flags]
     from common.cli import cli
 
     sys.path.insert(0, str(REPO / "algos"))

@@ -43,21 +43,92 @@ def test_generalized_jsd_against_numpy(beta):
     assert np.allclose(D.generalized_jsd(t, t, beta).numpy(), 0, atol=1e-6)  # same distributions: 0
 
 
-def test_topk_forward_kl_against_numpy():
+@pytest.mark.parametrize("renormalise", [False, True])
+def test_topk_forward_kl_against_numpy(renormalise):
+    """verl's estimator (the default) sums q_k (log q_k - log p_S(k)) over the teacher's top-k with q its probabilities
+    as they are; --topk-renormalise divides q by its top-k mass first. Values against numpy; both are least at
+    p_S = q / mass on the top-k (gradient 0 there), and the renormalised gradient is verl's divided by the mass."""
     s, t, k = _logits(2), _logits(3), 4
     ls, lt = _np_log_softmax(s.numpy()), _np_log_softmax(t.numpy())
     want = np.zeros(lt.shape[:2])
     for i in range(lt.shape[0]):
         for j in range(lt.shape[1]):
             top = np.argsort(-lt[i, j])[:k]
-            q = np.exp(lt[i, j, top]) / np.exp(lt[i, j, top]).sum()
+            q = np.exp(lt[i, j, top])
+            q = q / q.sum() if renormalise else q
             want[i, j] = (q * (np.log(q) - ls[i, j, top])).sum()
-    got = D.topk_forward_kl(s, *torch.log_softmax(t, -1).topk(k, -1)).numpy()
-    assert np.allclose(got, want, atol=1e-5) and (got >= 0).all()
-    # a student that puts the teacher's renormalised top-k and nothing else: 0
     top, idx = torch.log_softmax(t, -1).topk(k, -1)
-    student = torch.full_like(t, -1e4).scatter(-1, idx, top)
-    assert np.allclose(D.topk_forward_kl(student, top, idx).numpy(), 0, atol=1e-6)
+    got = D.topk_forward_kl(s, top, idx, renormalise).numpy()
+    assert np.allclose(got, want, atol=1e-5)
+    # the student with the teacher's renormalised top-k and nothing else: the optimum of both
+    best = torch.full_like(t, -1e4).scatter(-1, idx, top).requires_grad_()
+    value = D.topk_forward_kl(best, top, idx, renormalise)
+    (g,) = torch.autograd.grad(value.sum(), best)
+    assert g.abs().max() < 1e-6
+    mass = top.exp().sum(-1)  # (2, 3) the teacher's top-k mass
+    assert torch.allclose(value, torch.zeros_like(value) if renormalise else mass * mass.log(), atol=1e-6)
+    # elsewhere: each position's gradient is verl's divided by its top-k mass when renormalised
+    z = s.clone().requires_grad_()
+    (g0,) = torch.autograd.grad(D.topk_forward_kl(z, top, idx, False).sum(), z)
+    (g1,) = torch.autograd.grad(D.topk_forward_kl(z, top, idx, True).sum(), z)
+    assert torch.allclose(g1, g0 / mass[..., None], atol=1e-10)
+
+
+def test_reverse_kl_pg_loss_does_not_depend_on_how_the_batch_is_cut():
+    """The baseline is per response (the mean advantage of its earlier tokens, by a loop here): the summed loss and its
+    gradient are the same over the whole batch, in micro-batches of 2 and of 1 (the old micro-batch mean was not)."""
+    g = torch.Generator().manual_seed(4)
+    lp = (-torch.rand(4, 6, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    lt = -torch.rand(4, 6, generator=g, dtype=torch.float64) * 3
+    mask = torch.ones(4, 6, dtype=torch.float64)
+    mask[1, 4:], mask[3, 2:] = 0, 0
+    want = 0.0
+    for i in range(4):  # by hand: A_t = lt - lp, b_t = the mean of A over the row's real tokens before t
+        seen = []
+        for t in range(6):
+            if mask[i, t]:
+                a = float(lt[i, t] - lp[i, t].detach())
+                b = sum(seen) / len(seen) if seen else 0.0
+                want += -(a - b) * float(lp[i, t].detach())
+                seen.append(a)
+    grads = []
+    for size in (4, 2, 1):
+        total = sum((D.reverse_kl_pg_loss(lp[j : j + size], lt[j : j + size], mask[j : j + size])[0]
+                     * mask[j : j + size]).sum() for j in range(0, 4, size))  # fmt: skip
+        assert float(total.detach()) == pytest.approx(want, rel=1e-12), size
+        grads.append(torch.autograd.grad(total, lp)[0])
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
+
+
+def test_off_policy_steps_of_reverse_kl_pg_take_the_exact_reverse_kl():
+    """--loss reverse-kl-pg with --lmbda < 1: on the data's responses (tokens not drawn from the student) the sampled-
+    token form does not move the student toward the teacher (the audit: V = 5, one position, 200 steps). The
+    off-policy step takes the exact reverse KL over the vocabulary: equal to generalized_jsd at beta 1 (numpy), and
+    200 steps of gradient descent on one position's logits reach the teacher's distribution."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(loss="reverse-kl-pg", beta=0.5, topk_renormalise=False)
+    teacher = torch.log(torch.tensor([[[0.59, 0.22, 0.08, 0.03, 0.08]]], dtype=torch.float64))  # (1, 1, 5)
+    data_token = torch.tensor([[[1]]])  # the reference response's token: not the teacher's mode
+    mask = torch.ones(1, 1, dtype=torch.float64)
+    t_token = teacher.gather(-1, data_token)[..., 0]
+    z = torch.zeros(1, 1, 5, dtype=torch.float64, requires_grad=True)
+    value = D.token_divergence(args, False, z, data_token, mask, teacher, t_token, None, None)
+    ps = np.full(5, 0.2)
+    assert float(value) == pytest.approx(
+        float((ps * (np.log(ps) - teacher.numpy()[0, 0])).sum()), rel=1e-6
+    )  # float32 inside
+    opt = torch.optim.SGD([z], lr=1.0)
+    for _ in range(200):
+        opt.zero_grad()
+        (D.token_divergence(args, False, z, data_token, mask, teacher, t_token, None, None).sum()).backward()
+        opt.step()
+    student = torch.softmax(z, -1)[0, 0].detach().numpy()
+    assert np.allclose(student, teacher.exp()[0, 0].numpy(), atol=0.01), student
+    # on the student's own samples the step stays the sampled-token estimator
+    on = D.token_divergence(args, True, z, data_token, mask, teacher, t_token, None, None)
+    lp = torch.log_softmax(z, -1)[0, 0, 1]
+    assert float(on) == pytest.approx(float(-(t_token[0, 0] - lp) * lp), rel=1e-9)
 
 
 def test_sampled_reverse_kl_estimator_has_the_exact_gradient_in_expectation():
@@ -99,10 +170,22 @@ def _flags(student, teacher, prompts, out, *extra):
     ]  # fmt: skip
 
 
+def with_references(toy_prompts, folder):
+    """The toy prompts with a reference response each (extra_info.response), for off-policy steps (--lmbda < 1)."""
+    import json
+
+    rows = [json.loads(line) for line in open(toy_prompts)]
+    for i, r in enumerate(rows):
+        r["extra_info"]["response"] = f"yes {i}"
+    (folder / "refs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(folder / "refs.jsonl")
+
+
 @pytest.mark.e2e
 def test_resume_gives_identical_metrics_with_lmbda(tiny, tiny_peaky, toy_prompts, tmp_path):
     """4 steps straight = 2 steps + --resume + 2, with off-policy steps mixed in (--lmbda 0.5) and the top-k loss."""
     extra = ["--lmbda", 0.5, "--loss", "topk-fkl", "--eval-every", 2, "--learning-rate", 1e-3]
+    toy_prompts = with_references(toy_prompts, tmp_path)
     env = {"TOY_MODEL": tiny_peaky}
     run_script(
         "distill_llm.py", *_flags(tiny, tiny_peaky, toy_prompts, tmp_path / "a", "--total-steps", 4, *extra), env=env
@@ -116,6 +199,27 @@ def test_resume_gives_identical_metrics_with_lmbda(tiny, tiny_peaky, toy_prompts
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
     a, b = strip(read_metrics(only_run(tmp_path / "a"))), strip(read_metrics(first))
     assert a == b and {r["train/on_policy"] for r in a if r["step"]} == {0.0, 1.0}, a
+
+
+@pytest.mark.e2e
+def test_a_teacher_whose_head_is_padded_past_the_shared_tokenizer(tiny, tiny_peaky, toy_prompts, tmp_path):
+    """The same tokenizer, the teacher's head padded by 64 rows (as sizes of one family differ): each loss runs (the
+    exact reverse KL on the off-policy steps of reverse-kl-pg too), with the teacher cut to the student's rows."""
+    from common import models as M
+
+    tok = M.load_tokenizer(tiny_peaky)
+    teacher = M.load_causal_lm(tiny_peaky, tok)
+    teacher.resize_token_embeddings(teacher.config.vocab_size + 64)
+    teacher.save_pretrained(tmp_path / "teacher")
+    tok.save_pretrained(tmp_path / "teacher")
+    assert M.vocab_rows(str(tmp_path / "teacher")) == M.vocab_rows(tiny) + 64
+    refs = with_references(toy_prompts, tmp_path)
+    for loss in ("gkd", "topk-fkl", "reverse-kl-pg"):
+        out = tmp_path / loss
+        run_script("distill_llm.py", *_flags(tiny, tmp_path / "teacher", refs, out, "--total-steps", 2, "--loss", loss,
+                   "--lmbda", 0.5, "--eval-every", 0), env={"TOY_MODEL": tiny})  # fmt: skip
+        rows = read_metrics(only_run(out))
+        assert len(rows) == 2 and all(np.isfinite(r["train/kl"]) and r["train/kl"] >= 0 for r in rows), (loss, rows)
 
 
 @pytest.mark.e2e
@@ -173,5 +277,5 @@ def test_a_teacher_served_by_vllm_grades_as_the_one_in_process(tmp_path_factory,
                    env={"TOY_MODEL": teacher})  # fmt: skip
         losses[engine_name] = [r["loss/policy"] for r in read_metrics(only_run(tmp_path / engine_name))]
     assert np.allclose(losses["hf"], losses["vllm"], rtol=1e-3), losses
-    with pytest.raises(AssertionError, match="gkd needs the whole vocabulary"):
+    with pytest.raises(AssertionError, match="need the whole vocabulary"):
         run_script("distill_llm.py", *_flags(tiny, teacher, toy_prompts, tmp_path / "g", "--teacher-engine", "vllm"))
