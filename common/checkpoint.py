@@ -132,7 +132,9 @@ def save_checkpoint(
             for name, m in models.items():
                 unwrapped = accelerator.unwrap_model(m)
                 if sharded:  # the model's config and tokenizer: common.models makes the folder whole on first load
-                    unwrapped.config.save_pretrained(tmp / name)
+                    base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+                    unwrapped.config.architectures = [type(base).__name__]  # as save_pretrained sets it: the class
+                    unwrapped.config.save_pretrained(tmp / name)  # that loads it (a critic's or RM's head, not an LM)
                     if getattr(unwrapped, "generation_config", None) is not None:
                         unwrapped.generation_config.save_pretrained(tmp / name)
                     (tmp / name / SHARDED_MARK).write_text(json.dumps({"model": name, "step": step}) + "\n")

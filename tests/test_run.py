@@ -401,6 +401,47 @@ def test_a_sharded_checkpoint_restores_weights_and_optimizer_and_loads_as_a_mode
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
 
 
+@pytest.mark.e2e
+def test_sharded_critic_and_reward_model_folders_load_as_what_they_are(tiny, toy_prompts, tmp_path, monkeypatch):
+    """--checkpoint-format sharded writes each model's config without its weights; the config names the class that
+    loads it (as save_pretrained does), so a PPO checkpoint's critic folder converts to a critic (its trained head,
+    not a causal LM's), loads as --critic-model and exports, and an rm_llm.py checkpoint's folder serves as
+    --reward-model (the audit: `Missing key ... lm_head.weight` for both)."""
+    from common import models as M
+    from conftest import REPO, only_run, run_script, run_tool
+
+    monkeypatch.setenv("CLEANRLHF_CACHE", str(tmp_path / "cache"))
+    env = {"CLEANRLHF_CACHE": str(tmp_path / "cache"), "TOY_MODEL": tiny}
+    toy = [f"{REPO}/tests/toy_reward.py:compute_score"]
+    common = ["--model-name-or-path", tiny, "--train-files", toy_prompts, "--max-new-tokens", 4, "--eval-every", 0,
+              "--checkpoint-format", "sharded", "--total-steps", 1]  # fmt: skip
+    run_script("ppo_llm.py", *common, "--reward-fn", *toy, "--batch-size", 4, "--mini-batch-size", 4,
+               "--micro-batch-size", 2, "--output-dir", tmp_path / "ppo", env=env)  # fmt: skip
+    ckpt = only_run(tmp_path / "ppo") / "checkpoints" / "step_1"
+    assert json.loads((ckpt / "critic" / "config.json").read_text())["architectures"][0].endswith("TokenClassification")
+    critic = M.load_value_model(str(ckpt / "critic"))
+    assert critic.score.weight.abs().sum() > 0  # the trained head (a fresh critic's starts at zero)
+    run_tool("tools.export", ckpt, "--model", "critic", "--out", tmp_path / "exported", env=env)
+    exported = M.load_value_model(str(tmp_path / "exported"))
+    assert torch.equal(exported.score.weight, critic.score.weight)
+    run_script("ppo_llm.py", *common, "--reward-fn", *toy, "--batch-size", 4, "--mini-batch-size", 4,
+               "--micro-batch-size", 2, "--critic-model", ckpt / "critic", "--output-dir", tmp_path / "ppo2", env=env)  # fmt: skip
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(
+        "".join(json.dumps({"prompt": f"q{i}", "chosen": "yes", "rejected": "no"}) + "\n" for i in range(8))
+    )
+    run_script("rm_llm.py", "--model-name-or-path", tiny, "--train-files", pairs, "--val-files", pairs, "--batch-size",
+               4, "--micro-batch-size", 2, "--num-eval-pairs", 4, "--num-norm-samples", 4, "--total-steps", 1,
+               "--checkpoint-format", "sharded", "--output-dir", tmp_path / "rm", env=env)  # fmt: skip
+    (rm_folder,) = [
+        p for p in (only_run(tmp_path / "rm") / "checkpoints" / "step_1").iterdir() if (p / "config.json").is_file()
+    ]
+    run_script("grpo_llm.py", "--model-name-or-path", tiny, "--train-files", toy_prompts, "--max-new-tokens", 4,
+               "--eval-every", 0, "--total-steps", 1, "--reward", "model:1", "--reward-model", rm_folder,
+               "--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 2, "--output-dir", tmp_path / "grpo", env=env)  # fmt: skip
+
+
 def test_a_damaged_shard_is_one_line_naming_it_and_the_intact_step_before(tiny, tmp_path, monkeypatch):
     """A sharded checkpoint whose shard file is cut, deleted or has a flipped byte, or lost its .metadata
     (torch.distributed.checkpoint keeps no checksum: the save records each file's size and CRC-32): restoring it,
