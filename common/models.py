@@ -373,8 +373,12 @@ def trained_dtype(model) -> str:
     """The weights dtype of the trained models (and their frozen reference) from a script's ModelArgs: --dtype auto
     is float32 for full fine-tuning on every device, GPUs included (bf16 compute comes from autocast: --mixed-precision
     auto is bf16 there), so no update is lost to bf16 rounding (issue 32.1); under LoRA the base weights are frozen
-    and load at the device's default (bf16 on GPUs), the adapters float32 (peft's autocast_adapter_dtype)."""
-    return "float32" if model.dtype == "auto" and not model.lora_r else model.dtype
+    and load in bf16 where the device has it (the adapters float32: peft's autocast_adapter_dtype), else float32: a
+    float16 base has no loss scaling here (the case --dtype float16 is refused for), so a GPU without bf16 (V100, T4)
+    holds a float32 base."""
+    if model.dtype != "auto":
+        return model.dtype
+    return "bfloat16" if model.lora_r and default_dtype() == torch.bfloat16 else "float32"
 
 
 def check_same_tokenizer(tok, other: str, flag: str, trust_remote_code: bool = False) -> None:

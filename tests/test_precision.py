@@ -66,6 +66,18 @@ def test_lora_on_a_gpu_keeps_a_bf16_base_and_float32_adapters(a_bf16_gpu, tiny):
     assert trained == {torch.float32} and frozen == {torch.bfloat16}
 
 
+def test_lora_on_a_gpu_without_bf16_keeps_a_float32_base(monkeypatch, tiny):
+    """A V100/T4 (no bf16): the frozen base is not float16 (no loss scaling: the case --dtype float16 is refused for)
+    but float32, for the policy and its reference; the adapters float32."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    margs = ModelArgs(model_name_or_path=tiny, lora_r=4)
+    assert M.train_kwargs(margs)["dtype"] == M.frozen_kwargs(margs)["dtype"] == "float32"
+    policy = _load_as_on_the_gpu(monkeypatch, M.load_causal_lm, tiny, M.train_kwargs(margs))
+    assert {p.dtype for p in policy.parameters()} == {torch.float32}
+    assert any(p.requires_grad for p in policy.parameters())
+
+
 def test_float16_training_is_refused_and_an_explicit_launch_choice_is_kept(a_bf16_gpu, monkeypatch):
     with pytest.raises(UserError, match="--dtype float16: training float16 weights needs a loss scaler"):
         check_args(ModelArgs(dtype="float16"))
