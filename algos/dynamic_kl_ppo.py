@@ -300,9 +300,8 @@ def main(args: Args):
         # or engine) can differ: the gap is metrics (mismatch/*), and --tis-* corrects for it: weights (B, T) or None
         tis_weights, mismatch = rollout_correction(logprobs, rollout.logprobs, mask, **args.mismatch.correction())
         kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, T) per-token KL
-        rewards = -kl_ctl.value * kl  # (B, T)
-        last = T - 1 - mask.flip(1).argmax(1)  # (B,) index of the last real token (the model's, with --env)
-        rewards[torch.arange(len(rows), device=device), last] += scores
+        # (B, T): the score on each row's last model token; --env: each step's reward on its turn's last model token
+        rewards = -kl_ctl.value * kl + rollout.token_scores(scores)
 
         # ------------------------------------------------------------------ 3. advantages
         if args.whiten_rewards:

@@ -253,6 +253,7 @@ class EpisodeRollout(Generation):
     queries: torch.Tensor | None = None  # (B, P) left-padded: the first messages, rendered
     query_mask: torch.Tensor | None = None  # (B, P)
     scores: torch.Tensor | None = None  # (B,) the environment's reward of each trajectory (sum over its steps)
+    turn_rewards: torch.Tensor | None = None  # (B, T) each step's reward at the last model token of its turn
     stats: dict = field(default_factory=dict)  # env/<name>: (B,) per-trajectory counts, logged as means
     transcripts: list[str] = field(default_factory=list)  # who said what, for samples.jsonl
     turn_ids: list[list[tuple[list[int], list[int]]]] = field(default_factory=list)  # per trajectory, per model
@@ -389,7 +390,7 @@ class Episodes:
             convs.append([f"{m['role']}: {m['content']}" for m in messages[-1]])
         ids, own, lps = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]  # own: 1 = model's
         done, truncated, is_eos = [e is None for e in envs], [False] * B, [False] * B
-        score = [0.0] * B
+        score, paid = [0.0] * B, [[] for _ in range(B)]  # paid: (position of the turn's last model token, reward)
         stats = {k: [0.0] * B for k in ("turns", "errors", *self.info_keys)}  # the same keys on every process
         turn_ids = [[] for _ in range(B)]
         caches = {}  # trajectory -> its RowCache after its last turn (hf engine, self.kv_cache)
@@ -433,9 +434,11 @@ class Episodes:
                 problem = step_problem(step) if ok else None
                 if not ok or (problem is not None and not self._fail("step", problem)):
                     stats["errors"][i] = 1.0
-                    done[i], score[i] = True, 0.0
+                    done[i], score[i], paid[i] = True, 0.0, []
                     continue
                 score[i] += float(step.reward)
+                if any(own[i]):  # else (no model token yet) Rollout.token_scores puts it on the last one
+                    paid[i].append((len(own[i]) - 1 - own[i][::-1].index(1), float(step.reward)))
                 for key, v in step.info.items():
                     if key in stats:
                         stats[key][i] += float(v)
@@ -458,11 +461,13 @@ class Episodes:
         T = max(1, max(len(x) for x in ids))
         queries, query_mask = self._left_pad(prompts, device)  # (B, P)
         responses = torch.full((B, T), tok.pad_token_id, dtype=torch.long)
-        mask, logprobs = torch.zeros(B, T), torch.zeros(B, T)
+        mask, logprobs, turn_rewards = torch.zeros(B, T), torch.zeros(B, T), torch.zeros(B, T)
         for i in range(B):
             n = len(ids[i])
             responses[i, :n] = torch.tensor(ids[i], dtype=torch.long)
             mask[i, :n], logprobs[i, :n] = torch.tensor(own[i], dtype=torch.float), torch.tensor(lps[i])
+            for t, r in paid[i]:
+                turn_rewards[i, t] += r
         n_tokens = torch.tensor([float(len(x)) for x in ids])
         stats["obs_frac"] = (1 - mask.sum(1) / n_tokens.clamp(min=1)).tolist()
         responses, mask = responses.to(device), mask.to(device)
@@ -476,6 +481,7 @@ class Episodes:
             queries=queries,
             query_mask=query_mask,
             scores=torch.tensor(score, device=device),
+            turn_rewards=turn_rewards.to(device),
             # counts as env/<key>; seconds (a key ending in _s) as perf/<key>: timings, not what was learned
             stats={
                 f"{'perf' if k.endswith('_s') else 'env'}/{k}": torch.tensor(v, device=device) for k, v in stats.items()

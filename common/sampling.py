@@ -42,6 +42,7 @@ class Rollout:
     solved: torch.Tensor  # (B,) exact match: the scorer's `acc` when it reports one, else score >= 1
     logged: dict = field(default_factory=dict)  # name -> (B,): reward/<term>, env/<count>, ... (logged as batch means)
     prompt_cache: PromptCache | None = None  # generate(keep_prompt_cache=True): the prompts' KV cache (PPO's pi_old)
+    turn_rewards: torch.Tensor | None = None  # (B, T) --env: each step's reward at its turn's last model token
 
     @property
     def query_responses(self) -> torch.Tensor:  # (B, P+T)
@@ -80,9 +81,21 @@ class Rollout:
             responses=right(get("responses"), pad_id),
             mask=right(get("mask")),
             logprobs=None if any(p.logprobs is None for p in parts) else right(get("logprobs")),
+            turn_rewards=None if any(p.turn_rewards is None for p in parts) else right(get("turn_rewards")),
             **{k: torch.cat(get(k)) for k in ("is_eos", "truncated", "scores", "solved")},
             logged={k: torch.cat([p.logged[k] for p in parts]) for k in parts[0].logged if k in keys},
         )
+
+    def token_scores(self, scores) -> torch.Tensor:
+        """PPO's per-token rewards before the KL term, (B, T): each row's score on its last model token; with --env
+        each step's reward on the last model token of its own turn (GAE then credits a turn-1 reward to turn 1's
+        tokens, not to turn 2's), and what `scores` (B,) holds beyond the steps' rewards (--missing-eos-penalty)
+        on the last."""
+        B, T = self.mask.shape
+        out = torch.zeros_like(self.mask) if self.turn_rewards is None else self.turn_rewards.clone()
+        last = T - 1 - self.mask.flip(1).argmax(1)  # (B,) the last model token of each row
+        out[torch.arange(B, device=out.device), last] += scores - out.sum(1)
+        return out
 
     def samples(self, scores, **columns) -> list[dict]:
         """samples.jsonl's rows for run.log: prompt, response, reward (`scores` (B,)), each of `columns` ((B,): the
@@ -198,5 +211,5 @@ def sample(model, tok, rows, reward: Reward, episodes, device, seeds, engine=Non
         mask=gen.response_mask, logprobs=gen.logprobs, is_eos=gen.is_eos, truncated=gen.truncated, scores=scores,
         solved=extras.get("acc", (scores >= 1).float()),
         logged={k if "/" in k else f"reward/{k}": v for k, v in (components | extras).items()},
-        prompt_cache=gen.prompt_cache,
+        prompt_cache=gen.prompt_cache, turn_rewards=getattr(gen, "turn_rewards", None),
     )  # fmt: skip

@@ -322,6 +322,46 @@ def test_observation_tokens_get_no_gradient(tiny):
     assert (new.grad[obs] == 0).all() and (new.grad[mask.bool()] != 0).all()
 
 
+class PaysEachTurn(Environment):
+    """Reward 1 for the first answer (with another question), 10 for the second (done)."""
+
+    def step(self, text, ids):
+        if self.turn == 1:
+            return Step([{"role": "user", "content": "and again?"}], reward=1.0)
+        return Step(None, reward=10.0, done=True)
+
+
+def test_ppo_credits_each_turns_reward_to_its_own_turn(tiny):
+    """PPO's per-token rewards (Rollout.token_scores) with --env: each step's reward on the last model token of its
+    own turn, what the score adds beyond them (a missing-EOS penalty) on the last; GAE (gamma 0.9, lam 1, values 0)
+    then gives turn 1's tokens 1 + 0.9^k * 10 and turn 2's only their own: against a loop over the model tokens.
+    (Before: the whole 11 on turn 2's last token, so turn 1's tokens were credited with turn 2's reward.)"""
+    from common.ops import gae
+    from common.sampling import sample
+
+    tok = M.load_tokenizer(tiny)
+    engine = ScriptedEngine(tok, lambda ctx: "41" if ctx.count("<|im_start|>assistant") == 1 else "42")
+    eps = Episodes(PaysEachTurn, tok, _score, max_turns=3, max_tokens=100, timeout=10)
+    ro = sample(M.load_causal_lm(tiny, tok), tok, _rows(2), None, eps, "cpu", [0, 1], engine)
+    assert ro.scores.tolist() == [11.0, 11.0]
+    scores = ro.scores - torch.tensor([0.0, 0.5])  # a penalty on row 1
+    per_token = ro.token_scores(scores)  # (B, T)
+    for i in range(2):
+        model = ro.mask[i].nonzero()[:, 0].tolist()  # positions of the model's tokens, in order
+        obs_start = next(t for t in range(model[0], model[-1]) if ro.mask[i, t] == 0)  # the observation after turn 1
+        turn1_last, last = obs_start - 1, model[-1]
+        want = torch.zeros_like(per_token[i])
+        want[turn1_last], want[last] = 1.0, 10.0 - (0.5 if i else 0.0)
+        assert torch.equal(per_token[i], want), i
+        ret, loop = 0.0, {}
+        for t in reversed(model):  # GAE over the model's tokens only (observations skipped), values 0, lam 1
+            ret = float(per_token[i, t]) + 0.9 * ret
+            loop[t] = ret
+        adv, _ = gae(per_token[i : i + 1], torch.zeros(1, per_token.shape[1]), ro.mask[i : i + 1], 0.9, 1.0)
+        assert all(abs(float(adv[0, t]) - v) < 1e-5 for t, v in loop.items())
+        assert float(adv[0, turn1_last]) == pytest.approx(1.0 + 0.9 * loop[model[model.index(turn1_last) + 1]])
+
+
 # ------------------------------------------------------------------ user environments: loaded by path, failures bounded
 class Raises(Environment):
     def step(self, text, ids):
