@@ -430,7 +430,7 @@ def main(args: Args):
                 s = accelerator.gather(torch.cat(seq_ratios).flatten())
                 metrics.update({f"train/seq_ratio_{k}": getattr(s, k)().item() for k in ("mean", "min", "max")})
             metrics.update(reward_by_data_source(rows, scores))  # reward/<source> when the batch mixes sources
-            metrics.update({"reward/errors": batch["reward_errors"]} if batch["reward_errors"] else {})
+            metrics.update(batch["reward_counts"])  # reward/errors, reward/judge_unparsed in the generator, if any
             run.log(step, metrics, rollout.samples(scores, advantage=advantages))  # + evaluation when due, --save-best
 
     generator.stop()

@@ -387,7 +387,7 @@ def main(args: Args):
                 s = accelerator.gather(torch.cat(seq_ratios).flatten())
                 metrics.update({f"train/seq_ratio_{k}": getattr(s, k)().item() for k in ("mean", "min", "max")})
             metrics.update(reward_by_data_source(rows, scores))  # reward/<source> when the batch mixes sources
-            metrics.update({"reward/errors": reward.errors} if reward.errors else {})
+            metrics.update(reward.counts())  # reward/errors, reward/judge_unparsed: since the start, when nonzero
             run.log(step, metrics, rollout.samples(scores, advantage=advantages))  # + evaluation when due, --save-best
 
     return run.end()

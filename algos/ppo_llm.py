@@ -371,7 +371,7 @@ def main(args: Args):
             metrics["loss/total"] += args.vf_coef * metrics["loss/value"]  # CRITIC
             metrics["perf/mfu"] += mfu(critic, real, args.update_epochs * real, step_s, accelerator)  # CRITIC
             metrics.update(rollout.metrics(accelerator))  # response_len, truncated, reward/<term>, env/*, env/tool_*
-            metrics.update({"reward/errors": reward.errors} if reward.errors else {})
+            metrics.update(reward.counts())  # reward/errors, reward/judge_unparsed: since the start, when nonzero
             run.log(step, metrics, rollout.samples(scores, kl=masked_mean(kl, mask, dim=1)))  # + evaluation
 
     return run.end()

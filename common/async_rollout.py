@@ -426,7 +426,7 @@ def serve_batches(
         rollout, rounds, n_filled = sample_batch(step)
         put(dict(rollout=rollout, prompt_ids=[index[id(x)] for x in rollout.rows], step=step, version=version,
                  rounds=rounds, n_filled=n_filled, sampler=sampler.state_dict(), wait_s=t_gen - t_wait,
-                 gen_s=time.time() - t_gen, reward_errors=reward.errors))  # fmt: skip
+                 gen_s=time.time() - t_gen, reward_counts=reward.counts()))  # fmt: skip
 
 
 def split_threads(max_off_policy_steps: int, generator_threads: int) -> tuple[int, int]:

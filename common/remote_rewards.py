@@ -15,6 +15,7 @@ import http.client
 import json
 import math
 import re
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -192,7 +193,8 @@ class JudgeScorer:
         self.cfg, self.model, self.template, self.scale = cfg, model, template, scale
         key = os.environ.get("OPENAI_API_KEY")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.requests = 0
+        self.requests, self.unparsed = 0, 0  # unparsed: replies without a readable grade (reward/judge_unparsed)
+        self._lock = threading.Lock()  # the requests run in a thread pool
 
     def render(self, row, response: str) -> str:
         prompt = row.messages if row.messages is not None else row.text
@@ -220,6 +222,8 @@ class JudgeScorer:
             score = parse_judge_score(text, self.scale) if isinstance(text, str) else None
             if score is not None:
                 return score / self.scale
+            with self._lock:
+                self.unparsed += 1
             last = repr(text if text is not None else out)[:200]
             if attempt < self.cfg.retries:
                 time.sleep(self.cfg.backoff * 2**attempt)

@@ -484,6 +484,12 @@ class Reward:
         self.max_new_tokens, self.fallback, self.batch_size = max_new_tokens, fallback, batch_size
         self.errors = 0
 
+    def counts(self) -> dict:
+        """This process's failure counts since the start, the nonzero ones: reward/errors (rows scored by the fallback
+        or failed), reward/judge_unparsed (judge replies without a readable grade, each try; retried)."""
+        judge = self.judge.unparsed if self.judge is not None else 0
+        return {k: v for k, v in (("reward/errors", self.errors), ("reward/judge_unparsed", judge)) if v}
+
     def check(self, data_sources) -> None:
         if ("rule" in self.mix or "exact" in self.mix) and not self.custom:
             check_data_sources(data_sources)

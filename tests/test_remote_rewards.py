@@ -189,9 +189,15 @@ def test_the_judge_renders_its_template_and_parses_the_grade(tmp_path):
         assert scores == [len(r) % 11 / 10 for r in RESPONSES[:3]] and failed == 0
         body = stub.bodies[0]
         assert body["model"] == "judge-m" and body["temperature"] == 0.0 and "GT: " in body["messages"][0]["content"]
+        assert judge.unparsed == 0
         with pytest.raises(ServiceError, match="no score in the judge's answer after 2 tries"):
             judge(ROWS[3:4], RESPONSES[3:4])  # "I cannot tell": no number
-        assert judge(ROWS[3:4], RESPONSES[3:4], fallback=0.0) == ([0.0], 1)
+        assert judge.unparsed == 2  # each try's reply counted
+        reward = Reward("judge:1.0", judge=judge, fallback=0.0)
+        assert reward.counts() == {"reward/judge_unparsed": 2}  # the same judge: its count so far
+        scores, _, _ = reward(ROWS[2:4], RESPONSES[2:4], torch.full((2,), 5))
+        assert scores.tolist() == pytest.approx([len(RESPONSES[2]) % 11 / 10, 0.0])  # the unreadable one: fallback
+        assert reward.counts() == {"reward/errors": 1, "reward/judge_unparsed": 4}  # what the scripts log
     finally:
         stub.close()
     assert parse_judge_score("Score: 7/10") == 7 and parse_judge_score("none") is None
