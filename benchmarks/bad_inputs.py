@@ -133,7 +133,7 @@ def cases(f) -> list[dict]:
 
     out = []
     for script, flags, _ in CASES:
-        flags = [x.format(**f) if x.startswith("{") and x[1:-1] in f else x for x in flags]
+        flags = [x.format(**f) if any(f"{{{k}}}" in x for k in f) else x for x in flags]
         # a short run in case the mistake is accepted (the case's own flags come after, so they win)
         base = ["--total-steps", "2", "--eval-every", "0"] + (
             [] if "--model-name-or-path" in flags else ["--model-name-or-path", f["tiny"]]

@@ -94,6 +94,8 @@ def _writable_dir(flag: str, out) -> None:
     if p.exists() and not p.is_dir():
         raise UserError(f"{flag} {out}: a file, not a folder")
     existing = next((q for q in [p, *p.parents] if q.exists()), None)
+    if existing is not None and not existing.is_dir():  # a folder would be made under a file
+        raise UserError(f"{flag} {out}: {existing} is a file, not a folder")
     if existing is not None and existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"{flag} {out}: {existing} cannot be written (permissions)")
 

@@ -41,8 +41,10 @@ def read_table(path: str) -> list[dict]:
     p = Path(path)
     suffix = p.suffix.lower()
     if not p.exists():
-        if suffix in FORMATS or path.startswith((".", "/", "~")) or path.count("/") >= 2:  # a hub id is "org/name"
-            raise DataError(f"{path}: file not found")
+        # a hub id is "org/name" (or a legacy "name"), without a file extension ("train.parq" is a mistyped file)
+        if suffix[1:].isalpha() or path.startswith((".", "/", "~")) or path.count("/") >= 2:
+            other = "" if suffix in FORMATS or not suffix[1:].isalpha() else f" (and {suffix} is not one of {FORMATS})"
+            raise DataError(f"{path}: file not found{other}")
         name, _, split = path.partition(":")  # a hub id, for users with internet
         return list(datasets.load_dataset(name, split=split or "train"))
     try:

@@ -28,6 +28,9 @@ CASES = [
     ("sft_llm.py", ["--model-name-or-path", "runs/x/checkpoints/step_9/policy"], "no such folder"),
     ("ppo_llm.py", ["--train-files", "data/typo/train.parquet"], "file not found"),
     ("grpo_llm.py", ["--train-files", "missing.jsonl"], "file not found"),
+    ("grpo_llm.py", ["--train-files", "train.parq"], "train.parq: file not found (and .parq is not one of"),
+    ("ppo_llm.py", ["--train-files", "data/train.parq"], "data/train.parq: file not found (and .parq is not one of"),
+    ("sft_llm.py", ["--output-dir", "{a_file}/runs"], "is a file, not a folder"),
     ("ppo_llm.py", ["--reward-fn", "nope.py:fn"], "not found"),
     ("grpo_llm.py", ["--reward-fn", "no_colon"], "expected path/to/file.py:function_name"),
     ("ppo_llm.py", ["--reward", "rule:1,vibes:2"], "unknown source 'vibes'"),
@@ -145,6 +148,7 @@ def make_bad_files(d):
         ),
         "no_rejected": jsonl("no_rejected.jsonl", [{"prompt": "q", "chosen": "a"}]),
         "bad_import": (d / "rw_import.py").write_text("import not_a_module_anywhere\n") and f"{d}/rw_import.py:f",
+        "a_file": (d / "a_file").write_text("not a folder") and str(d / "a_file"),
         "no_reference": jsonl("no_reference.jsonl", [ok, {**ok, "reward_model": {"ground_truth": " "}}]),
         "bad_messages": jsonl("bad_messages.jsonl", [{"prompt": {"text": "q"}, "chosen": "a", "rejected": "b"}]),
     }
@@ -162,7 +166,7 @@ def test_user_error_is_one_line_exit_2_nothing_written(
     import importlib
 
     named = {**bad_files, "tiny": tiny}
-    flags = [f.format(**named) if f.startswith("{") and f.endswith("}") and f[1:-1] in named else f for f in flags]
+    flags = [f.format(**named) if any(f"{{{k}}}" in f for k in named) else f for f in flags]
     from common.cli import cli
 
     sys.path.insert(0, str(REPO / "algos"))
@@ -170,7 +174,8 @@ def test_user_error_is_one_line_exit_2_nothing_written(
     base = [] if "--model-name-or-path" in flags else ["--model-name-or-path", tiny]
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TOY_MODEL", tiny)
-    monkeypatch.setattr(sys, "argv", [script, *base, *flags, "--output-dir", str(tmp_path / "out")])
+    out = [] if "--output-dir" in flags else ["--output-dir", str(tmp_path / "out")]
+    monkeypatch.setattr(sys, "argv", [script, *base, *flags, *out])
     with pytest.raises(SystemExit) as exit_info:
         cli(module.main, module.Args)
     err = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
