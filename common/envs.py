@@ -309,8 +309,9 @@ class Episodes:
     seconds (common.rewards.call_with_timeout); one that raises or hangs ends its trajectory with reward 0 and
     counts in env/errors (the first message is printed once): never a crash or a hang of the run."""
 
-    def __init__(self, env_factory, tok, score, max_turns: int, max_tokens: int, timeout: float, log=print):
-        self.factory, self.tok, self.score = env_factory, tok, score
+    def __init__(self, env_factory, tok, score, max_turns: int, max_tokens: int, timeout: float, log=print,
+                 max_prompt_tokens: int | None = None):  # fmt: skip
+        self.factory, self.tok, self.score, self.max_prompt_tokens = env_factory, tok, score, max_prompt_tokens
         self.max_turns, self.max_tokens, self.timeout, self.log = max_turns, max_tokens, timeout, log
         self.template_tools = "tools" in (tok.chat_template or "")
         # the environment class's declared Step.info keys (a class, or functools.partial of one)
@@ -381,11 +382,17 @@ class Episodes:
                 ok, msgs = self._call("reset", env.reset, row)
                 problem = messages_problem(msgs, "reset") if ok else None
                 ok = ok and (problem is None or self._fail("reset", problem))
-            msgs = msgs if ok else (row.messages if row.messages is not None else row.text)
-            tools = getattr(env, "tools", None) if ok and self.template_tools else None
-            text = apply_chat(tok, msgs, tools=tools) if not isinstance(msgs, str) or tok.chat_template else msgs
+            for _ in range(2):  # the environment's first messages; on a failure (or too long) the row's prompt
+                msgs = msgs if ok else (row.messages if row.messages is not None else row.text)
+                tools = getattr(env, "tools", None) if ok and self.template_tools else None
+                text = apply_chat(tok, msgs, tools=tools) if not isinstance(msgs, str) or tok.chat_template else msgs
+                prompt = tok(text, add_special_tokens=False)["input_ids"]
+                if not ok or self.max_prompt_tokens is None or len(prompt) <= self.max_prompt_tokens:
+                    break  # (a first message beyond the context would be sampled on for minutes, then cut)
+                ok = self._fail("reset", f"returned a first message of {len(prompt)} tokens, more than "
+                                f"--max-prompt-length {self.max_prompt_tokens}")  # fmt: skip
             envs.append(env if ok else None)
-            prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+            prompts.append(prompt)
             messages.append(list(msgs) if isinstance(msgs, list) else [{"role": "user", "content": msgs}])
             convs.append([f"{m['role']}: {m['content']}" for m in messages[-1]])
         ids, own, lps = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]  # own: 1 = model's
@@ -492,9 +499,10 @@ class Episodes:
         )
 
 
-def episodes_from_args(env_args, tok, reward, device, log=print) -> Episodes | None:
+def episodes_from_args(env_args, tok, reward, device, log=print, max_prompt_tokens=None) -> Episodes | None:
     """The `Episodes` of a script's EnvArgs (common.args; None without --env): the environment class, its options,
-    and the run's reward (`reward`, common.rewards.Reward) as each trajectory's scorer."""
+    and the run's reward (`reward`, common.rewards.Reward) as each trajectory's scorer; max_prompt_tokens: the
+    longest first message an environment may return (--max-prompt-length)."""
     if not env_args.env:
         return None
     cls = load_env_class(env_args.env)
@@ -517,7 +525,8 @@ def episodes_from_args(env_args, tok, reward, device, log=print) -> Episodes | N
         scores, _, _ = reward([row], [text], torch.tensor([len(tok(text)["input_ids"])]), device, None)
         return float(scores[0])
 
-    return Episodes(factory, tok, score, env_args.max_turns, env_args.max_trajectory_tokens, env_args.env_timeout, log)
+    return Episodes(factory, tok, score, env_args.max_turns, env_args.max_trajectory_tokens, env_args.env_timeout, log,
+                    max_prompt_tokens)  # fmt: skip
 
 
 @torch.no_grad()

@@ -410,6 +410,27 @@ class Returns(Environment):
         return Step(obs, self.what if self.where == "reward" else 1.0, self.where == "done", info)
 
 
+def test_a_first_message_beyond_the_prompt_budget_is_a_counted_failure(tiny):
+    """reset() returning 200,000 words (the catalogue: never checked, minutes of sampling on it): a counted failure
+    (env/errors, one line) within seconds, the trajectory on the row's own prompt with no turns; a first message
+    within --max-prompt-length runs as usual."""
+    tok = M.load_tokenizer(tiny)
+    logs, engine = [], ScriptedEngine(tok, lambda ctx: "42")
+    huge = [{"role": "user", "content": "word " * 200_000}]
+    eps = Episodes(partial(Returns, "reset", huge), tok, _score, max_turns=2, max_tokens=50, timeout=30,
+                   log=logs.append, max_prompt_tokens=256)  # fmt: skip
+    t0 = time.time()
+    ro = eps.run(M.load_causal_lm(tiny, tok), _rows(2), seeds=[0, 1], engine=engine)
+    assert time.time() - t0 < 30 and ro.stats["env/errors"].tolist() == [1, 1] and ro.scores.tolist() == [0, 0]
+    assert ro.queries.shape[1] < 256 and ro.stats["env/turns"].tolist() == [0, 0]
+    assert len(logs) == 1 and "first message of 200" in logs[0] and "--max-prompt-length 256" in logs[0], logs
+    short = [{"role": "user", "content": "word " * 20}]
+    eps = Episodes(partial(Returns, "reset", short), tok, _score, max_turns=1, max_tokens=50, timeout=30,
+                   max_prompt_tokens=256)  # fmt: skip
+    ro = eps.run(M.load_causal_lm(tiny, tok), _rows(1), seeds=[0], engine=engine)
+    assert ro.stats["env/errors"].tolist() == [0] and ro.stats["env/turns"].tolist() == [1]
+
+
 class Moves(Environment):
     def step(self, text, ids):
         os.chdir("/")
