@@ -27,6 +27,7 @@ import atexit
 import contextlib
 import datetime
 import json
+import math
 import os
 import pickle
 import queue
@@ -60,16 +61,28 @@ def trainable_tensors(model) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _wait(changed, ready, timeout: float, timed_out: str, alive=lambda: True) -> None:
-    """Holding the condition `changed`: wait until ready(); GeneratorFailed if the generator died (alive() false) or
-    after `timeout` seconds (`timed_out` says what)."""
+@contextlib.contextmanager
+def _locked(lock, timeout: float, timed_out: str, ready=lambda: True, alive=lambda: True):
+    """Hold the mailbox's `lock` (shared with the other process) once ready(), polled every 50 ms; GeneratorFailed
+    if the generator died (alive() false) or after `timeout` seconds in all (`timed_out` says what). The lock too is
+    taken with that timeout: a process stopped (SIGSTOP) or killed while it holds the lock cannot hang this one
+    (a plain `with lock` would wait forever, and --generator-timeout never fire)."""
     t0 = time.time()
-    while not ready():
+    while True:
         if not alive():
             raise GeneratorFailed("the generator process died before loading the weights it needed")
-        if time.time() - t0 > timeout:
+        left = timeout - (time.time() - t0)
+        if left <= 0:
             raise GeneratorFailed(timed_out)
-        changed.wait(1.0)
+        if not lock.acquire(timeout=left):
+            raise GeneratorFailed(f"{timed_out}: the weight mailbox's lock stayed taken (a stopped or killed process)")
+        try:
+            if ready():
+                yield
+                return
+        finally:
+            lock.release()
+        time.sleep(0.05)
 
 
 class WeightMailbox:
@@ -77,10 +90,24 @@ class WeightMailbox:
     Made by the trainer, handed to the generator process (it pickles as shared-memory handles)."""
 
     def __init__(self, model, version: int, loaded_for: int, ctx):
-        self.buffers = {n: t.detach().to("cpu", torch.float32, copy=True).share_memory_()
-                        for n, t in trainable_tensors(model).items()}  # fmt: skip
+        try:
+            self.buffers = {n: t.detach().to("cpu", torch.float32, copy=True).share_memory_()
+                            for n, t in trainable_tensors(model).items()}  # fmt: skip
+        except RuntimeError as e:  # "unable to allocate shared memory(shm) for file ...": /dev/shm is too small
+            if "shared memory" not in str(e):
+                raise
+            from common.errors import UserError
+
+            need = sum(t.numel() for t in trainable_tensors(model).values()) * 4 / 2**30
+            shm = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
+            free = f"; /dev/shm has {shm.f_bavail * shm.f_frsize / 2**30:.2f} GB free" if shm else ""
+            raise UserError(f"--weight-sync shm: the weight mailbox needs {need:.2f} GB of shared memory{free}: give "
+                            f"/dev/shm more (docker run --shm-size {math.ceil(need * 1.5 + 1)}g) or use --weight-sync "
+                            "broadcast (no shared memory)") from None  # fmt: skip
         # the version in the buffers; the last step whose batch the generator loaded weights for
-        self.version, self.loaded_for = ctx.Value("q", version), ctx.Value("q", loaded_for)
+        # the shared values have no lock of their own (that one would be taken without a timeout): they are read
+        # and written under `changed`'s
+        self.version, self.loaded_for = ctx.Value("q", version, lock=False), ctx.Value("q", loaded_for, lock=False)
         self.changed = ctx.Condition()
 
     def push(self, model, version: int, after_step: int, timeout: float, alive) -> float:
@@ -88,9 +115,8 @@ class WeightMailbox:
         for the batch of `after_step` (the last batch the version in the buffers is for). Returns the seconds
         spent, waiting included."""
         t0 = time.time()
-        with self.changed:
-            _wait(self.changed, lambda: self.loaded_for.value >= after_step, timeout,
-                  f"the generator did not reach step {after_step} in {timeout:g} s", alive)  # fmt: skip
+        with _locked(self.changed, timeout, f"the generator did not reach step {after_step} in {timeout:g} s",
+                     lambda: self.loaded_for.value >= after_step, alive):  # fmt: skip
             with torch.no_grad():
                 for n, t in trainable_tensors(model).items():
                     self.buffers[n].copy_(t.detach())
@@ -101,9 +127,8 @@ class WeightMailbox:
     def load_into(self, model, needed: int, step: int, have: int | None, timeout: float) -> int:
         """Generator side, before sampling the batch of `step`: wait until a version >= `needed` is in, copy it
         into `model` unless `model` already holds it (`have`), return the version."""
-        with self.changed:
-            _wait(self.changed, lambda: self.version.value >= needed, timeout,
-                  f"no weights version {needed} from the trainer in {timeout:g} s")  # fmt: skip
+        with _locked(self.changed, timeout, f"no weights version {needed} from the trainer in {timeout:g} s",
+                     lambda: self.version.value >= needed):  # fmt: skip
             version = self.version.value
             if version != have:
                 with torch.no_grad():
@@ -127,8 +152,8 @@ class BroadcastMailbox:
     pair gets a group of its own from a TCPStore (what vLLM's StatelessProcessGroup does)."""
 
     def __init__(self, model, version: int, loaded_for: int, ctx, timeout: float = 900.0):
-        self.version, self.loaded_for = ctx.Value("q", version), ctx.Value("q", loaded_for)
-        self.wanted, self.changed = ctx.Value("q", -1), ctx.Condition()  # the version the generator asks for
+        self.version, self.loaded_for = ctx.Value("q", version, lock=False), ctx.Value("q", loaded_for, lock=False)
+        self.wanted, self.changed = ctx.Value("q", -1, lock=False), ctx.Condition()  # the version the generator wants
         self.timeout = datetime.timedelta(seconds=timeout)
         self._store = torch.distributed.TCPStore("127.0.0.1", 0, 2, True, timeout=self.timeout, wait_for_workers=False)
         self.port, tensors = self._store.port, trainable_tensors(model)
@@ -206,9 +231,8 @@ class BroadcastMailbox:
     def push(self, model, version: int, after_step: int, timeout: float, alive) -> float:
         """Trainer side: as WeightMailbox.push, into the staging buffers."""
         t0 = time.time()
-        with self.changed:
-            _wait(self.changed, lambda: self.loaded_for.value >= after_step, timeout,
-                  f"the generator did not reach step {after_step} in {timeout:g} s", alive)  # fmt: skip
+        with _locked(self.changed, timeout, f"the generator did not reach step {after_step} in {timeout:g} s",
+                     lambda: self.loaded_for.value >= after_step, alive):  # fmt: skip
             with self._sending:
                 self._copy(trainable_tensors(model), into_staging=True)
                 if self.cuda:
@@ -224,9 +248,8 @@ class BroadcastMailbox:
         if not hasattr(self, "_group_"):
             store = torch.distributed.TCPStore("127.0.0.1", self.port, 2, False, timeout=self.timeout)
             self._group_, self._recv = self._group(store, 1), self._buffers(next(iter(params.values())).device)
-        with self.changed:
-            _wait(self.changed, lambda: self.version.value >= needed, timeout,
-                  f"no weights version {needed} from the trainer in {timeout:g} s")  # fmt: skip
+        with _locked(self.changed, timeout, f"no weights version {needed} from the trainer in {timeout:g} s",
+                     lambda: self.version.value >= needed):  # fmt: skip
             version = self.version.value
             if version != have:
                 self.wanted.value = version
@@ -234,7 +257,7 @@ class BroadcastMailbox:
         if version != have:  # outside the lock: the sender thread takes it to see what is wanted
             self._broadcast(self._group_, self._recv)
             self._copy(params, into_staging=False, buffers=self._recv)
-        with self.changed:
+        with _locked(self.changed, timeout, f"the weight mailbox's lock, after receiving version {version}"):
             self.loaded_for.value = step
             self.changed.notify_all()
         return version
@@ -279,16 +302,33 @@ def generator_env(trainer_device: torch.device, generator_device: str, route: st
     return {"CUDA_VISIBLE_DEVICES": visible[index] if visible else str(index)}
 
 
-def _generator_entry(target, out, threads, env, kwargs):
+def _spooled(spool: str, batch) -> str:
+    """A batch written whole to a file in `spool` (then renamed into place); its path is what the queue carries. A
+    message of a few bytes goes through the queue's pipe in one write; a batch of megabytes would not, and a writer
+    stopped (SIGSTOP) midway would leave the trainer's read of the rest blocked for good, past --generator-timeout."""
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=spool, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        pickle.dump(batch, f)
+    os.replace(tmp, tmp[:-4] + ".pkl")
+    return tmp[:-4] + ".pkl"
+
+
+def _generator_entry(target, out, threads, env, kwargs, spool):
     """The generator process: a process of its own (no process group), `threads` torch threads, then
     target(put=..., **kwargs); its exception, if any, goes back to the trainer as text. Ctrl-C and SIGTERM are the
-    trainer's to handle (it checkpoints, then stops this process); a trainer that vanished ends it too."""
+    trainer's to handle (it checkpoints, then stops this process); a trainer that vanished ends it too: at once on
+    Linux (PR_SET_PDEATHSIG: its reward workers and sandboxes have theirs), else within 2 s."""
+    import ctypes
     import multiprocessing
     import signal
     import threading
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: killed with the trainer (even by SIGKILL)
     parent = multiprocessing.parent_process()
 
     def orphaned():
@@ -303,7 +343,7 @@ def _generator_entry(target, out, threads, env, kwargs):
     if threads > 0:
         torch.set_num_threads(threads)
     try:
-        put = lambda batch: out.put(("ready",) if batch is None else ("batch", pickle.dumps(batch)))  # None: set up
+        put = lambda batch: out.put(("ready",) if batch is None else ("batch", _spooled(spool, batch)))  # None: set up
         target(put=put, **kwargs)
         out.put(("done", None))
     except BaseException as e:  # noqa: BLE001 -- everything goes back to the trainer, which decides
@@ -331,8 +371,11 @@ class GeneratorProcess:
         kwargs = {**self.kwargs, **more}
         # not a daemon: the generator may start processes of its own (the reward functions' pool); stopped at exit,
         # whatever ends the trainer (multiprocessing would otherwise wait for it)
+        import tempfile
+
+        self.spool = tempfile.mkdtemp(prefix="cleanrlhf-batches-")  # the batches' files (_spooled)
         self.proc = self.ctx.Process(target=_generator_entry,
-                                     args=(self.target, self.queue, self.threads, self.env, kwargs))  # fmt: skip
+                                     args=(self.target, self.queue, self.threads, self.env, kwargs, self.spool))  # fmt: skip
         self.proc.start()
         atexit.register(self.stop)
 
@@ -370,7 +413,10 @@ class GeneratorProcess:
             raise GeneratorFailed(f"the generator raised {payload[0]}\n{payload[1]}")
         if kind == "done":
             raise GeneratorFailed(f"the generator finished before {what}")
-        return pickle.loads(payload[0])
+        with open(payload[0], "rb") as f:
+            batch = pickle.load(f)
+        os.unlink(payload[0])
+        return batch
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.is_alive():
@@ -378,6 +424,10 @@ class GeneratorProcess:
             self.proc.join(10)
         self.proc = None
         atexit.unregister(self.stop)
+        if getattr(self, "spool", None):
+            import shutil
+
+            shutil.rmtree(self.spool, ignore_errors=True)
         # the queue's and the mailbox's semaphores: freed now, not at exit (else a "leaked semaphore" warning)
         self.queue, self.kwargs = None, {}
 

@@ -81,6 +81,117 @@ def test_generator_device_picks_the_generators_gpu_and_refuses_what_nccl_cannot(
         generator_env(torch.device("cpu"), "cuda:0", "shm")
 
 
+def _hold_lock(lock, held, stop):
+    """A stand-in generator that takes the mailbox's lock, then freezes (SIGSTOP) or dies (holding it either way)."""
+    import os
+    import signal
+
+    lock.acquire()
+    held.set()
+    if stop:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("route", ["shm", "broadcast"])
+@pytest.mark.parametrize("how", ["stopped", "killed"])
+def test_a_process_stopped_or_killed_holding_the_mailbox_lock_cannot_hang_the_trainer(route, how):
+    """The trainer used to take the mailbox's lock with no timeout: a generator frozen (SIGSTOP) or killed while
+    holding it hung the trainer for good and --generator-timeout never fired. Now every take is bounded: one
+    GeneratorFailed within the timeout."""
+    import multiprocessing as mp
+    import os
+    import signal
+
+    m = torch.nn.Linear(2, 2)
+    box = make_mailbox(route, m, version=0, loaded_for=5, ctx=_ctx(), timeout=30)
+    fork = mp.get_context("fork")
+    held = fork.Event()
+    child = fork.Process(target=_hold_lock, args=(box.changed, held, how == "stopped"))
+    child.start()
+    try:
+        assert held.wait(20)
+        t0 = time.time()
+        with pytest.raises(GeneratorFailed, match="lock stayed taken"):
+            box.push(m, 1, 5, timeout=2, alive=lambda: True)  # the step is loaded: only the lock is in the way
+        assert time.time() - t0 < 6
+    finally:
+        if child.is_alive():
+            os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+
+
+def test_a_dev_shm_too_small_for_the_mailbox_is_one_line_saying_what_to_do(monkeypatch):
+    def full(self):
+        raise RuntimeError("unable to allocate shared memory(shm) for file </torch_1_2>: Success (0)")
+
+    monkeypatch.setattr(torch.Tensor, "share_memory_", full)
+    with pytest.raises(UserError, match=r"--weight-sync shm: the weight mailbox needs 0.00 GB .*--shm-size .*"
+                                        r"--weight-sync broadcast"):  # fmt: skip
+        make_mailbox("shm", torch.nn.Linear(2, 2), 0, 0, 30, ctx=_ctx())
+
+
+def _big_then_stop(put):
+    """A generator target: set up, one batch of 40 MB, then frozen (SIGSTOP) as the catalogue froze one."""
+    import os
+    import signal
+
+    put(None)
+    put({"x": torch.arange(10_000_000, dtype=torch.float32)})
+    time.sleep(1)  # the queue's feeder thread sends the message (a stop freezes every thread)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+@pytest.mark.e2e
+def test_batches_travel_whole_and_a_frozen_generator_is_bounded_by_the_timeout():
+    """A batch of tens of MB arrives whole (through a file: a pipe message that large, cut by a writer frozen
+    midway, would block the trainer's read past --generator-timeout); the generator then frozen by SIGSTOP ends the
+    wait for the next batch at the timeout; stop() leaves no process and no batch file."""
+    import os
+
+    from common.async_rollout import GeneratorProcess
+
+    gen = GeneratorProcess(_big_then_stop, {}, max_ahead=2, threads=1, timeout=3)
+    gen.start()
+    assert torch.equal(gen.get()["x"], torch.arange(10_000_000, dtype=torch.float32))
+    t0 = time.time()
+    with pytest.raises(GeneratorFailed, match="no batch from the generator in 3 s"):
+        gen.get()
+    assert time.time() - t0 < 12
+    spool = gen.spool
+    gen.stop()
+    assert not os.path.exists(spool)
+
+
+@pytest.mark.e2e
+def test_the_generator_does_not_outlive_a_killed_trainer(tmp_path):
+    """A trainer killed by SIGKILL (no atexit, no handler): its generator process goes with it at once
+    (PR_SET_PDEATHSIG), not after the orphan watcher's poll."""
+    import os
+    import signal
+    import sys
+
+    code = (f"import sys, time; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]\n"
+            "from common.async_rollout import GeneratorProcess\nfrom test_async_grpo import _slow_to_start\n"
+            "g = GeneratorProcess(_slow_to_start, dict(setup_s=0, then_hang=True), max_ahead=2, threads=1, timeout=60)\n"
+            "g.start(); g.get(); print(g.proc.pid, flush=True); time.sleep(600)\n")  # fmt: skip
+    trainer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pid = int(trainer.stdout.readline())
+    os.kill(trainer.pid, signal.SIGKILL)
+    trainer.wait(10)
+
+    def gone():
+        try:
+            return open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] in ("Z", "X")
+        except FileNotFoundError:
+            return True
+
+    t0 = time.time()
+    while not gone() and time.time() - t0 < 10:
+        time.sleep(0.05)
+    assert gone() and time.time() - t0 < 1.5, time.time() - t0
+
+
 def _slow_to_start(put, setup_s, then_hang):
     """A generator target: `setup_s` seconds of setup (imports, model load), one batch, then silence if `then_hang`."""
     time.sleep(setup_s)
