@@ -391,6 +391,10 @@ class EnvArgs:
     """reward subtracted per tool call (tools) or per extra turn (feedback)"""
     env_timeout: Annotated[PositiveFloat, RESUME_MAY_CHANGE] = 60.0
     """seconds one environment call (reset, step, close) may take before its trajectory ends, counted in env/errors"""
+    env_workers: Annotated[bool, RESUME_MAY_CHANGE] = True
+    """each trajectory's environment in a worker process, killed and replaced past --env-timeout: bounded whatever
+    the environment does (ignores signals, os._exit, forks). --no-env-workers: in the trainer's process, where only
+    Python code that lets SIGALRM through is bounded (docs/agents.md)"""
 
     def budget(self, max_new_tokens: int) -> int:
         """The response positions a rollout may take: the trajectory budget with --env, else --max-new-tokens."""

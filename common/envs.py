@@ -300,6 +300,146 @@ def step_problem(step) -> str | None:
     return messages_problem(step.observation, "observation")
 
 
+# ----------------------------------------------------------------------------------- environments in worker processes
+class EnvWorkerError(Exception):
+    """An environment in a worker process gave no answer in time (its process killed), died, or raised."""
+
+
+def _env_worker_main(conn, factory) -> None:
+    """A worker process (`EnvWorker`): one environment at a time, made by ("make", attrs); each ("call", method, args,
+    attrs) sets the harness's attributes on it (turn, final, ...) and answers ("ok", result, its `tools`) or ("err",
+    what). The environment's `score(text)` asks the trainer ("score", text), which answers ("score", value)."""
+    import ctypes
+    import signal
+    import sys
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: ends with the trainer, however it ends
+    torch.set_num_threads(1)
+    env = None
+
+    def ask_score(text):
+        conn.send(("score", text))
+        kind, value = conn.recv()
+        if kind != "score" or isinstance(value, str):
+            raise RuntimeError(f"the run's reward failed: {value}")
+        return value
+
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the trainer closed the pipe
+            os._exit(0)
+        try:
+            _, method, args, attrs = msg
+            if method == "make":
+                env = factory()
+                env.score = ask_score
+            for k, v in attrs.items():
+                setattr(env, k, v)
+            out = None if method == "make" else getattr(env, method)(*args)
+            conn.send(("ok", out, getattr(env, "tools", None)))
+        except BaseException as e:  # noqa: BLE001 -- the environment's failure (a bug, an unpicklable answer, exit)
+            conn.send(("err", f"{type(e).__name__}: {e}"[:500]))
+
+
+class EnvWorker:
+    """A forked process that hosts the environment of one trajectory at a time (--env-workers: the default of the
+    scripts' --env runs). Every call is bounded by `timeout` seconds, however the environment behaves: one that
+    ignores SIGALRM and the real-time signals, catches the timeout exception and sleeps on, calls os._exit or
+    forks cannot hang or end the run, or write into it: the process is killed (SIGKILL) and replaced at the next
+    trajectory, and the call is a counted failure. The run's reward (`score`) stays in the trainer."""
+
+    def __init__(self, factory):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("fork")  # the factory (a user class loaded from its file) is inherited, not pickled
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_env_worker_main, args=(child, factory), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+
+    def call(self, method: str, args: tuple, attrs: dict, score, timeout: float):
+        """(result, the environment's `tools`) of env.<method>(*args) in the worker, after setting `attrs` on it;
+        score(text): the trainer's answer to the environment's score requests. EnvWorkerError past `timeout`
+        seconds in all (the process is then killed), at its death, or when the environment raised."""
+        deadline = time.time() + timeout
+        try:
+            self.conn.send(("call", method, args, attrs))
+            while True:
+                left = deadline - time.time()
+                if left <= 0:
+                    self.kill()
+                    raise EnvWorkerError(f"no answer in {timeout:g} s (--env-timeout; its process killed)")
+                if not self.conn.poll(min(left, 0.5)):
+                    if not self.proc.is_alive():
+                        raise EnvWorkerError(f"its process ended (exit code {self.proc.exitcode})")
+                    continue
+                msg = self.conn.recv()
+                if msg[0] == "score":
+                    try:
+                        value = float(score(msg[1]))
+                    except Exception as e:  # noqa: BLE001 -- sent back: the environment's score() raises it
+                        value = f"{type(e).__name__}: {e}"
+                    self.conn.send(("score", value))
+                    continue
+                if msg[0] == "err":
+                    raise EnvWorkerError(msg[1])
+                return msg[1], msg[2]
+        except (EOFError, OSError, BrokenPipeError):
+            self.kill()
+            raise EnvWorkerError(f"its process ended (exit code {self.proc.exitcode})") from None
+
+
+class _InWorker:
+    """The harness's view of an environment in an `EnvWorker`: reset / step / close forwarded; the attributes the
+    harness sets (turn, final, max_turns, template_tools) go along with the next call; `score` stays here."""
+
+    def __init__(self, worker: EnvWorker, timeout: float):
+        self.__dict__.update(_worker=worker, _timeout=timeout, _attrs={}, tools=None, score=None)
+
+    def __getattr__(self, key):  # what the harness set (turn, final, ...)
+        try:
+            return self.__dict__["_attrs"][key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def __setattr__(self, key, value):
+        if key in ("tools", "score"):
+            self.__dict__[key] = value
+        else:
+            self._attrs[key] = value
+
+    def _call(self, method, *args):
+        if method == "close" and not self._worker.alive():  # killed at an earlier call: that was the failure
+            return None
+        out, self.__dict__["tools"] = self._worker.call(method, args, self._attrs, self.score, self._timeout)
+        return out
+
+    def make(self):
+        return self._call("make") or self
+
+    def reset(self, row):
+        return self._call("reset", row)
+
+    def step(self, text, ids):
+        return self._call("step", text, ids)
+
+    def close(self):
+        return self._call("close")
+
+
 class Episodes:
     """Runs a batch of trajectories with one environment instance each (module docstring).
 
@@ -310,8 +450,10 @@ class Episodes:
     counts in env/errors (the first message is printed once): never a crash or a hang of the run."""
 
     def __init__(self, env_factory, tok, score, max_turns: int, max_tokens: int, timeout: float, log=print,
-                 max_prompt_tokens: int | None = None):  # fmt: skip
+                 max_prompt_tokens: int | None = None, workers: bool = False):  # fmt: skip
         self.factory, self.tok, self.score, self.max_prompt_tokens = env_factory, tok, score, max_prompt_tokens
+        # workers: each trajectory's environment in a worker process (EnvWorker), kept across batches
+        self.workers, self._pool = workers, []
         self.max_turns, self.max_tokens, self.timeout, self.log = max_turns, max_tokens, timeout, log
         self.template_tools = "tools" in (tok.chat_template or "")
         # the environment class's declared Step.info keys (a class, or functools.partial of one)
@@ -321,15 +463,37 @@ class Episodes:
         # turn's EOS and the observation), not the prompt and every earlier turn again (False: full prefill each turn)
         self.kv_cache = True
 
+    def _make(self, i: int):
+        """Trajectory i's environment: made here, or (workers) in worker i (started, or replaced if it was killed)."""
+        if not self.workers:
+            return self.factory()
+        while len(self._pool) <= i:
+            self._pool.append(None)
+        if self._pool[i] is None or not self._pool[i].alive():
+            self._pool[i] = EnvWorker(self.factory)
+        return _InWorker(self._pool[i], self.timeout).make()
+
+    def close(self) -> None:
+        """Stop the worker processes (they also end with the trainer)."""
+        for w in self._pool:
+            if w is not None:
+                w.kill()
+        self._pool = []
+
     def _call(self, what: str, fn, *a):
-        """(ok, fn(*a)) under the timeout; a failure is counted, the first one printed. A call that changed the
-        working directory (the run's relative paths) is put back and counted as failed."""
-        cwd = os.getcwd()
+        """(ok, fn(*a)) under the timeout (in a worker: its own, enforced by killing it); a failure is counted, the
+        first one printed. In process, a call that changed the working directory (the run's relative paths) is put
+        back and counted as failed, and a fork's copy never returns into the trainer (it would run a second one)."""
+        cwd, pid = os.getcwd(), os.getpid()
         try:
-            out = call_with_timeout(fn, self.timeout, *a)
+            out = fn(*a) if self.workers else call_with_timeout(fn, self.timeout, *a)
         except BaseException as e:  # user code: SystemExit / KeyboardInterrupt inside it are its failure too
+            if os.getpid() != pid:
+                os._exit(0)
             return self._fail(what, f"{type(e).__name__}: {e}"), None
         finally:
+            if os.getpid() != pid:  # the environment forked, and this is the copy
+                os._exit(0)
             moved = os.getcwd() != cwd
             if moved:
                 os.chdir(cwd)
@@ -374,8 +538,8 @@ class Episodes:
         forced = tok(prefix, add_special_tokens=False)["input_ids"] if prefix else []
         device = next(model.parameters()).device
         envs, prompts, convs, messages = [], [], [], []  # messages: each conversation, for SFT rows
-        for row in rows:
-            ok, env = self._call("construction", self.factory)
+        for i, row in enumerate(rows):
+            ok, env = self._call("construction", self._make, i)
             if ok:
                 env.score = lambda text, row=row: self.score(row, text)
                 env.max_turns, env.turn, env.template_tools = self.max_turns, 0, self.template_tools
@@ -526,7 +690,7 @@ def episodes_from_args(env_args, tok, reward, device, log=print, max_prompt_toke
         return float(scores[0])
 
     return Episodes(factory, tok, score, env_args.max_turns, env_args.max_trajectory_tokens, env_args.env_timeout, log,
-                    max_prompt_tokens)  # fmt: skip
+                    max_prompt_tokens, workers=env_args.env_workers)  # fmt: skip
 
 
 @torch.no_grad()

@@ -379,18 +379,117 @@ class Exits(Environment):
         sys.exit(3)
 
 
-def test_failing_or_hanging_environments_are_counted_not_fatal(tiny):
+class IgnoresSignals(Environment):
+    """Ignores SIGALRM and the watchdog's real-time signal, then sleeps: no in-process bound stops it."""
+
+    def step(self, text, ids):
+        import signal
+
+        for sig in (signal.SIGALRM, signal.SIGRTMIN + 3):
+            signal.signal(sig, signal.SIG_IGN)
+        time.sleep(3600)
+
+
+class CatchesTheTimeout(Environment):
+    def step(self, text, ids):
+        while True:
+            try:
+                time.sleep(3600)
+            except BaseException:  # noqa: BLE001 -- the hostile case: keeps sleeping
+                pass
+
+
+class ExitsHard(Environment):
+    def step(self, text, ids):
+        os._exit(3)
+
+
+class Forks(Environment):
+    """Forks in step: both copies return (the catalogue: two trainers wrote one run folder)."""
+
+    def step(self, text, ids):
+        os.fork()
+        return Step(None, 1.0, True)
+
+
+@pytest.mark.parametrize("workers", [False, True], ids=["in-process", "workers"])
+def test_failing_or_hanging_environments_are_counted_not_fatal(tiny, workers):
     tok = M.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok)
     engine = ScriptedEngine(tok, lambda ctx: "42")
     logs = []
     for cls in (Raises, Hangs, Exits):
-        eps = Episodes(cls, tok, _score, max_turns=2, max_tokens=50, timeout=0.5, log=logs.append)
+        eps = Episodes(cls, tok, _score, max_turns=2, max_tokens=50, timeout=0.5, log=logs.append, workers=workers)
         t0 = time.time()
         ro = eps.run(model, _rows(2), seeds=[0, 1], engine=engine)
         assert time.time() - t0 < 10 and ro.scores.tolist() == [0, 0] and ro.stats["env/errors"].tolist() == [1, 1]
         assert eps.errors == 2
-    assert any("env bug" in x for x in logs) and any("RewardTimeout" in x for x in logs)
+        eps.close()
+    timeout = "no answer in 0.5 s (--env-timeout; its process killed)" if workers else "RewardTimeout"
+    assert any("env bug" in x for x in logs) and any(timeout in x for x in logs), logs
+
+
+@pytest.mark.parametrize("cls", [IgnoresSignals, CatchesTheTimeout, ExitsHard], ids=lambda c: c.__name__)
+def test_in_worker_processes_no_environment_can_hang_or_end_the_run(tiny, cls):
+    """What in-process bounds cannot hold against (docs/agents.md): an environment that ignores the timeout's
+    signals, catches its exception and sleeps on, or calls os._exit. In a worker each is a counted failure within
+    --env-timeout (the worker killed, and replaced for the next batch, which runs as usual)."""
+    tok = M.load_tokenizer(tiny)
+    model, logs = M.load_causal_lm(tiny, tok), []
+    eps = Episodes(cls, tok, _score, max_turns=2, max_tokens=50, timeout=1.0, log=logs.append, workers=True)
+    t0 = time.time()
+    ro = eps.run(model, _rows(2), seeds=[0, 1], engine=ScriptedEngine(tok, lambda ctx: "42"))
+    assert time.time() - t0 < 8 and ro.stats["env/errors"].tolist() == [1, 1] and ro.scores.tolist() == [0, 0]
+    want = "exit code 3" if cls is ExitsHard else "no answer in 1 s"
+    assert len(logs) == 1 and want in logs[0], logs
+    pids = [w.proc.pid for w in eps._pool]
+    eps.factory = partial(FeedbackEnv, turn_cost=0.0)  # the next batch: new workers, and they work
+    ro = eps.run(model, _rows(2), seeds=[0, 1], engine=ScriptedEngine(tok, lambda ctx: "42"))
+    assert ro.scores.tolist() == [1.0, 1.0] and [w.proc.pid for w in eps._pool] != pids
+    eps.close()
+
+
+def test_an_environment_that_forks_leaves_one_trainer(tiny, tmp_path):
+    """In process (--no-env-workers), a fork's copy returning into the harness would run a second trainer; it ends
+    there (os._exit). After the batch only this process writes."""
+    tok = M.load_tokenizer(tiny)
+    eps = Episodes(Forks, tok, _score, max_turns=2, max_tokens=50, timeout=5)
+    me = os.getpid()
+    ro = eps.run(M.load_causal_lm(tiny, tok), _rows(2), seeds=[0, 1], engine=ScriptedEngine(tok, lambda ctx: "42"))
+    with open(tmp_path / "writers", "a") as f:
+        f.write(f"{os.getpid()}\n")
+    time.sleep(0.5)
+    assert os.getpid() == me and (tmp_path / "writers").read_text().split() == [str(me)]
+    assert ro.scores.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("env", ["tools", "feedback"])
+def test_environments_in_workers_give_what_they_give_in_process(tiny, env):
+    """The same trajectories, ids, masks and scores with the environments in worker processes: the tool environment
+    (its sandboxed Python from inside the worker) and the feedback environment (its score() asked of the trainer)."""
+    tok = M.load_tokenizer(tiny)
+    model = M.load_causal_lm(tiny, tok)
+
+    def reply(ctx):
+        if env == "feedback":
+            return "41" if ctx.count("<|im_start|>assistant") == 1 else "42"
+        if "<tool_response>42" not in ctx:
+            return '<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call>'
+        return "The answer is 42."
+
+    factory = partial(ToolEnv, ("python",)) if env == "tools" else partial(FeedbackEnv, turn_cost=0.1)
+    out = []
+    for workers in (False, True):
+        eps = Episodes(factory, tok, _score, max_turns=3, max_tokens=200, timeout=20, workers=workers)
+        out.append(eps.run(model, _rows(2), seeds=[1, 2], engine=ScriptedEngine(tok, reply)))
+        eps.close()
+    a, b = out
+    assert torch.equal(a.responses, b.responses) and torch.equal(a.response_mask, b.response_mask)
+    assert a.scores.tolist() == b.scores.tolist() and b.stats["env/errors"].tolist() == [0, 0]
+    assert b.stats["env/turns"].tolist() == [2, 2] and b.scores.tolist() == pytest.approx(
+        [1.0, 1.0] if env == "tools" else [0.9, 0.9]
+    )
+    _check_token_in_token_out(b)
 
 
 class Returns(Environment):
