@@ -96,6 +96,27 @@ def setup(work: Path) -> dict:
     for name, text in presets.items():
         (work / f"{name}.yaml").write_text(text)
         f[f"y_{name}"] = str(work / f"{name}.yaml")
+    envs = {  # issue 54's environments: each step's body
+        "deaf": "import signal, time\n        for s in (signal.SIGALRM, signal.SIGRTMIN + 3):\n            "
+        "signal.signal(s, signal.SIG_IGN)\n        time.sleep(10000)",
+        "catches": "import time\n        while True:\n            try:\n                time.sleep(10000)\n"
+        "            except BaseException:\n                pass",
+        "exit": "import os; os._exit(3)",
+        "fork": "import os; os.fork(); return Step(None, 1.0, True)",
+        "tuple": "return ([], 1.0, True, {})",
+        "tensor": "import torch; return Step(None, torch.ones(3), True)",
+    }
+    for name, body in envs.items():
+        (work / f"e_{name}.py").write_text(
+            "from common.envs import Environment, Step\n\n\nclass Env(Environment):\n"
+            f"    def step(self, text, ids):\n        {body}\n"
+        )
+        f[f"e_{name}"] = f"{work}/e_{name}.py:Env"
+    (work / "e_huge.py").write_text(
+        "from common.envs import Environment\n\n\nclass Env(Environment):\n    def reset(self, row):\n"
+        "        return [{'role': 'user', 'content': 'word ' * 200_000}]\n"
+    )
+    f["e_huge"] = f"{work}/e_huge.py:Env"
     (work / "not_parquet.parquet").write_text("this is text\n")
     f["not_parquet"] = str(work / "not_parquet.parquet")
     (work / "empty_sft.jsonl").write_text(json.dumps({"prompt": "q", "response": ""}) + "\n")
@@ -304,6 +325,41 @@ def cases(f) -> list[dict]:
             }  # fmt: skip
             for fn in ("deaf", "ctrlc", "exits")
             for w in (0, 2)
+        ],
+        # issue 54: environments that misbehave (each a counted failure in env/errors, and the run goes on)
+        *[
+            {
+                "name": f"--env that {what}{' (--no-env-workers)' if not workers else ''}",
+                "kind": "survive",
+                "timeout": 150,
+                "argv": [
+                    "algos/grpo_llm.py",
+                    *run,
+                    "--total-steps",
+                    "1",
+                    "--save-every",
+                    "1",
+                    "--reward-fn",
+                    f["r_one"],
+                    "--env",
+                    f[f"e_{what}"],
+                    "--env-timeout",
+                    "3",
+                    "--max-turns",
+                    "2",
+                    *([] if workers else ["--no-env-workers"]),
+                ],
+            }  # fmt: skip
+            for what, workers in (
+                ("deaf", True),
+                ("catches", True),
+                ("exit", True),
+                ("fork", True),
+                ("fork", False),
+                ("tuple", True),
+                ("tensor", True),
+                ("huge", True),
+            )  # fmt: skip
         ],
         # a resume of a run folder that was tampered with: damaged files, a foreign or linked step, no args.json
         *[
