@@ -318,7 +318,7 @@ def _env_worker_main(conn, factory) -> None:
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: ends with the trainer, however it ends
     torch.set_num_threads(1)
-    env = None
+    env, me = None, os.getpid()
 
     def ask_score(text):
         conn.send(("score", text))
@@ -340,8 +340,12 @@ def _env_worker_main(conn, factory) -> None:
             for k, v in attrs.items():
                 setattr(env, k, v)
             out = None if method == "make" else getattr(env, method)(*args)
+            if os.getpid() != me:  # the environment forked, and this is the copy: it must not answer or read on
+                os._exit(0)
             conn.send(("ok", out, getattr(env, "tools", None)))
         except BaseException as e:  # noqa: BLE001 -- the environment's failure (a bug, an unpicklable answer, exit)
+            if os.getpid() != me:
+                os._exit(0)
             conn.send(("err", f"{type(e).__name__}: {e}"[:500]))
 
 

@@ -449,11 +449,13 @@ def test_in_worker_processes_no_environment_can_hang_or_end_the_run(tiny, cls):
     eps.close()
 
 
-def test_an_environment_that_forks_leaves_one_trainer(tiny, tmp_path):
-    """In process (--no-env-workers), a fork's copy returning into the harness would run a second trainer; it ends
-    there (os._exit). After the batch only this process writes."""
+@pytest.mark.parametrize("workers", [False, True], ids=["in-process", "workers"])
+def test_an_environment_that_forks_leaves_one_trainer(tiny, tmp_path, workers):
+    """In process (--no-env-workers), a fork's copy returning into the harness would run a second trainer; in a
+    worker, a second reader of the worker's pipe that outlives the run (and holds its output open). The copy ends
+    where it returns (os._exit): after the batch only this process writes, and no copy runs on."""
     tok = M.load_tokenizer(tiny)
-    eps = Episodes(Forks, tok, _score, max_turns=2, max_tokens=50, timeout=5)
+    eps = Episodes(Forks, tok, _score, max_turns=2, max_tokens=50, timeout=5, workers=workers)
     me = os.getpid()
     ro = eps.run(M.load_causal_lm(tiny, tok), _rows(2), seeds=[0, 1], engine=ScriptedEngine(tok, lambda ctx: "42"))
     with open(tmp_path / "writers", "a") as f:
@@ -461,6 +463,17 @@ def test_an_environment_that_forks_leaves_one_trainer(tiny, tmp_path):
     time.sleep(0.5)
     assert os.getpid() == me and (tmp_path / "writers").read_text().split() == [str(me)]
     assert ro.scores.tolist() == [1.0, 1.0]
+    workers_ = {w.proc.pid for w in eps._pool}  # their forks' copies: exited (zombies at most), none running
+    running = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) in workers_ and fields[0] not in ("Z", "X"):
+            running.append(stat.parent.name)
+    eps.close()
+    assert len(workers_) == (2 if workers else 0) and not running, running
 
 
 @pytest.mark.parametrize("env", ["tools", "feedback"])
