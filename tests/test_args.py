@@ -106,6 +106,7 @@ def test_the_resume_rule_is_the_one_before_the_groups():
     added |= {"env_timeout"}  # issue 33
     added |= {"checkpoint_format"}  # issue 37
     added |= {"tool_sandbox"}  # issue 53 (the isolation, not the numbers)
+    added |= {"env_workers"}  # issue 54 (where environments run, not what they do)
     assert resume_may_change(ppo_llm.Args()) == before | added
     assert "steps" in resume_may_change(Toy()) and "gamma" not in resume_may_change(Toy())
 

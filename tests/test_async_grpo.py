@@ -93,6 +93,7 @@ def _hold_lock(lock, held, stop):
     os._exit(0)
 
 
+@pytest.mark.e2e  # (a few seconds: the fast tier stays under 5 minutes)
 @pytest.mark.parametrize("route", ["shm", "broadcast"])
 @pytest.mark.parametrize("how", ["stopped", "killed"])
 def test_a_process_stopped_or_killed_holding_the_mailbox_lock_cannot_hang_the_trainer(route, how):

@@ -429,6 +429,7 @@ def test_failing_or_hanging_environments_are_counted_not_fatal(tiny, workers):
     assert any("env bug" in x for x in logs) and any(timeout in x for x in logs), logs
 
 
+@pytest.mark.e2e  # (a few seconds: the fast tier stays under 5 minutes)
 @pytest.mark.parametrize("cls", [IgnoresSignals, CatchesTheTimeout, ExitsHard], ids=lambda c: c.__name__)
 def test_in_worker_processes_no_environment_can_hang_or_end_the_run(tiny, cls):
     """What in-process bounds cannot hold against (docs/agents.md): an environment that ignores the timeout's
@@ -449,6 +450,7 @@ def test_in_worker_processes_no_environment_can_hang_or_end_the_run(tiny, cls):
     eps.close()
 
 
+@pytest.mark.e2e  # (a few seconds: the fast tier stays under 5 minutes)
 @pytest.mark.parametrize("workers", [False, True], ids=["in-process", "workers"])
 def test_an_environment_that_forks_leaves_one_trainer(tiny, tmp_path, workers):
     """In process (--no-env-workers), a fork's copy returning into the harness would run a second trainer; in a
@@ -522,6 +524,7 @@ class Returns(Environment):
         return Step(obs, self.what if self.where == "reward" else 1.0, self.where == "done", info)
 
 
+@pytest.mark.e2e  # (a few seconds: the fast tier stays under 5 minutes)
 def test_a_first_message_beyond_the_prompt_budget_is_a_counted_failure(tiny):
     """reset() returning 200,000 words (the catalogue: never checked, minutes of sampling on it): a counted failure
     (env/errors, one line) within seconds, the trajectory on the row's own prompt with no turns; a first message
