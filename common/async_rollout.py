@@ -69,12 +69,8 @@ def _locked(lock, timeout: float, timed_out: str, ready=lambda: True, alive=lamb
     (a plain `with lock` would wait forever, and --generator-timeout never fire)."""
     t0 = time.time()
     while True:
-        if not alive():
-            raise GeneratorFailed("the generator process died before loading the weights it needed")
-        left = timeout - (time.time() - t0)
-        if left <= 0:
-            raise GeneratorFailed(timed_out)
-        if not lock.acquire(timeout=left):
+        left = max(timeout - (time.time() - t0), 0.0)
+        if not lock.acquire(timeout=max(left, 0.05)):
             raise GeneratorFailed(f"{timed_out}: the weight mailbox's lock stayed taken (a stopped or killed process)")
         try:
             if ready():
@@ -82,6 +78,10 @@ def _locked(lock, timeout: float, timed_out: str, ready=lambda: True, alive=lamb
                 return
         finally:
             lock.release()
+        if not alive():  # (checked while waiting only, as before: a ready mailbox needs no generator)
+            raise GeneratorFailed("the generator process died before loading the weights it needed")
+        if time.time() - t0 > timeout:
+            raise GeneratorFailed(timed_out)
         time.sleep(0.05)
 
 

@@ -133,8 +133,11 @@ def save_checkpoint(
                 unwrapped = accelerator.unwrap_model(m)
                 if sharded:  # the model's config and tokenizer: common.models makes the folder whole on first load
                     base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
-                    unwrapped.config.architectures = [type(base).__name__]  # as save_pretrained sets it: the class
-                    unwrapped.config.save_pretrained(tmp / name)  # that loads it (a critic's or RM's head, not an LM)
+                    # the class that loads it, as save_pretrained writes it (a critic's or RM's head, not an LM's): the
+                    # transformers class, not FSDP2's FSDP<class> subclass
+                    cls = next(c for c in type(base).__mro__ if c.__module__.startswith("transformers."))
+                    unwrapped.config.architectures = [cls.__name__]
+                    unwrapped.config.save_pretrained(tmp / name)
                     if getattr(unwrapped, "generation_config", None) is not None:
                         unwrapped.generation_config.save_pretrained(tmp / name)
                     (tmp / name / SHARDED_MARK).write_text(json.dumps({"model": name, "step": step}) + "\n")

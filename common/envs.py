@@ -307,8 +307,8 @@ class EnvWorkerError(Exception):
 
 def _env_worker_main(conn, factory) -> None:
     """A worker process (`EnvWorker`): one environment at a time, made by ("make", attrs); each ("call", method, args,
-    attrs) sets the harness's attributes on it (turn, final, ...) and answers ("ok", result, its `tools`) or ("err",
-    what). The environment's `score(text)` asks the trainer ("score", text), which answers ("score", value)."""
+    attrs) sets the harness's attributes on it (turn, final, ...) and answers ("ok", result, {its `tools` and those
+    attributes as it left them}) or ("err", what). The environment's `score(text)` asks the trainer ("score", text), which answers ("score", value)."""
     import ctypes
     import signal
     import sys
@@ -342,7 +342,9 @@ def _env_worker_main(conn, factory) -> None:
             out = None if method == "make" else getattr(env, method)(*args)
             if os.getpid() != me:  # the environment forked, and this is the copy: it must not answer or read on
                 os._exit(0)
-            conn.send(("ok", out, getattr(env, "tools", None)))
+            # what the harness reads back: its tools, and the attributes it set, as the environment left them
+            state = {k: getattr(env, k) for k in ("tools", *attrs, "final") if hasattr(env, k)}
+            conn.send(("ok", out, state))
         except BaseException as e:  # noqa: BLE001 -- the environment's failure (a bug, an unpicklable answer, exit)
             if os.getpid() != me:
                 os._exit(0)
@@ -375,7 +377,7 @@ class EnvWorker:
         self.conn.close()
 
     def call(self, method: str, args: tuple, attrs: dict, score, timeout: float):
-        """(result, the environment's `tools`) of env.<method>(*args) in the worker, after setting `attrs` on it;
+        """(result, {the environment's `tools`, `attrs` as it left them}) of env.<method>(*args) in the worker;
         score(text): the trainer's answer to the environment's score requests. EnvWorkerError past `timeout`
         seconds in all (the process is then killed), at its death, or when the environment raised."""
         deadline = time.time() + timeout
@@ -428,7 +430,9 @@ class _InWorker:
     def _call(self, method, *args):
         if method == "close" and not self._worker.alive():  # killed at an earlier call: that was the failure
             return None
-        out, self.__dict__["tools"] = self._worker.call(method, args, self._attrs, self.score, self._timeout)
+        out, state = self._worker.call(method, args, self._attrs, self.score, self._timeout)
+        self.__dict__["tools"] = state.pop("tools", None)
+        self._attrs.update(state)  # e.g. `final` changed by the environment in its step, as in process
         return out
 
     def make(self):
