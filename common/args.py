@@ -300,9 +300,10 @@ class GenerationArgs:
     """nucleus sampling"""
     top_k: NonNegInt = 0
     """top-k sampling (0: off)"""
-    rollout_engine: Literal["hf", "vllm"] = "hf"
+    rollout_engine: Literal["hf", "vllm", "vllm-server"] = "hf"
     """hf: our decoding loop on the policy (exactly reproducible); vllm: a vLLM engine in this process, the
-    policy's weights pushed into it after each update, pi_old recomputed by the trainer (docs/rollout.md)"""
+    policy's weights pushed into it after each update, pi_old recomputed by the trainer (docs/rollout.md);
+    vllm-server: vLLM's own server (--vllm-server-url, or one started here), weights pushed to it by version"""
     vllm_gpu_memory_utilization: Annotated[float, Check(gt=0, le=1, note="a share of the GPU's memory")] = 0.3
     """vllm on GPUs: the share of GPU memory the engine may take (weights + KV cache), next to training"""
     vllm_kv_cache_gb: PositiveFloat = 1.0
@@ -311,6 +312,24 @@ class GenerationArgs:
     """vllm on GPUs: devices one engine spans (tensor-parallel generation)"""
     vllm_sleep: bool = False
     """vllm on GPUs: free the engine's memory during each update (sleep after a rollout, wake before the next)"""
+    vllm_lora_sync: Literal["adapter", "merged"] = "adapter"
+    """vllm engines with --lora-r: push the adapter alone (a few MB; vLLM applies it) or the merged weights (the
+    fallback: also where the adapter has modules_to_save or DoRA)"""
+    vllm_server_url: str = ""
+    """vllm-server: a running `vllm serve` to attach to (its flags: docs/distributed.md); empty: start one here"""
+    vllm_server_args: str = ""
+    """vllm-server started here: more `vllm serve` flags (e.g. "--tensor-parallel-size 2")"""
+    vllm_server_devices: str = ""
+    """vllm-server started here: its CUDA_VISIBLE_DEVICES (GPUs the trainer does not use)"""
+    vllm_server_port: NonNegInt = 0
+    """vllm-server started here: its port (0: a free one; several training processes need it given)"""
+    vllm_server_weights_dir: str = ""
+    """vllm-server: the folder the weights are written to for the server to reload (storage both can read;
+    empty: a temporary folder, in /dev/shm when it has room)"""
+    vllm_server_timeout: PositiveFloat = 300.0
+    """vllm-server: seconds each request and each weight push may take before the run ends (checkpointed)"""
+    vllm_server_start_timeout: PositiveFloat = 600.0
+    """vllm-server started here: seconds to wait for it to answer /health"""
 
     def sampling(self) -> dict:
         """The keywords of common.rollout.generate that these flags set."""

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from common.args import check_args, flags_of
-from common.errors import UserError, user_error
+from common.errors import EngineFailed, UserError, user_error
 
 
 def parse_args(cls, argv: list[str] | None = None):
@@ -170,6 +170,12 @@ def cli(main, cls):
     try:
         check_args(args)
         return main(args)
+    except EngineFailed as e:  # mid-run: the last step trained is checkpointed first
+        if os.environ.get("CLEANRLHF_DEBUG"):
+            raise
+        from common.run import end_on_engine_failure
+
+        end_on_engine_failure(e)
     except UserError as e:
         if os.environ.get("CLEANRLHF_DEBUG"):
             raise

@@ -36,6 +36,11 @@ class UserError(ValueError):
     as one line and exits 2. Tracebacks are for bugs (set CLEANRLHF_DEBUG=1 to see one anyway)."""
 
 
+class EngineFailed(UserError):
+    """The rollout engine's server failed mid-run (gone, no answer in time, a refused answer): the scripts' entry point
+    checkpoints the last step trained (common.run.Run.on_engine_failure), prints this one line and exits 1."""
+
+
 def load_from_file(spec: str, flag: str, kind: str):
     """`path/to/file.py:name` -> the file's attribute `name` (the file imported only when asked), for the flags that
     take the user's code (--reward-fn: kind "function", --env: kind "class"). Every failure is one line naming the

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from common.args import ModelArgs, flat_args, resume_may_change, runtime_values
+from common.args import GenerationArgs, ModelArgs, flat_args, resume_may_change, runtime_values
 from common.checkpoint import (
     BestKeeper,
     checkpoint_record,
@@ -481,6 +481,35 @@ def open_tracker(name: str, args, run_dir: Path, fresh: bool):
     return tracker
 
 
+_CURRENT: list = []  # the Run of this process, once it has begun (an engine failure checkpoints through it)
+
+
+def current_run_dir() -> Path | None:
+    """The run folder of this process's run, once made (a started vLLM server logs there)."""
+    return getattr(_CURRENT[-1], "dir", None) if _CURRENT else None
+
+
+def end_on_engine_failure(e: Exception) -> None:
+    """A rollout server failed mid-run (common.errors.EngineFailed): checkpoint what was trained, if anything is
+    unsaved (`Run.save_on_failure`), then the error and how to resume in one line; exit 1."""
+    run = _CURRENT[-1] if _CURRENT else None
+    saved = run.save_on_failure() if run is not None and getattr(run, "dir", None) else None
+    hint = f"; checkpoint at step {saved}, resume with --resume {run.dir}" if saved else ""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {e}{hint}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
+class _Saved:
+    """A state object's state_dict as it was (`Run.steps` keeps the step's start)."""
+
+    def __init__(self, sd):
+        self.sd = sd
+
+    def state_dict(self):
+        return self.sd
+
+
 class Run:
     """The run's life, driven from a script in a few visible lines (the script still says what it saves):
 
@@ -505,6 +534,9 @@ class Run:
         health = next((v for v in vars(args).values() if isinstance(v, HealthConfig)), None)  # RL scripts' --health.*
         self.health = HealthMonitor(health, self.log_line) if health is not None else None
         self.start_step, self._last, self.evaluate, self._warned_best = 0, None, None, False
+        self._step, self._at_start, self._in_log = 0, None, False  # the step under way, its state at its start
+        gen = next((v for v in vars(args).values() if isinstance(v, GenerationArgs)), None)
+        self._keep_start = gen is not None and gen.rollout_engine == "vllm-server"  # a server that may fail mid-step
         model = next((v for v in vars(args).values() if isinstance(v, ModelArgs)), None)  # the --lora-r group
         if self.cfg.checkpoint_format == "sharded" and ((model and model.lora_r) or is_deepspeed(accelerator)):
             raise UserError("--checkpoint-format sharded: for full fine-tuning under one process, DDP, FSDP2 or TP "
@@ -532,6 +564,7 @@ class Run:
             self.start_step = restore_checkpoint(acc, self.ckpt, models, state, optimizers)
             self.log_line(f"resumed from {self.ckpt} at step {self.start_step}")
         self.dir = make_run_dir(acc, self.algo, self.args, self.ckpt)
+        _CURRENT.append(self)
         keep_code(acc, self.dir, self.algo, self.start_step)
         self.tracker = Tracker(acc, self.args, self.dir, cfg.total_steps, self.start_step)
         self.stop = StopSignal(acc)  # --max-wall-minutes counts from here
@@ -544,8 +577,17 @@ class Run:
         """start_step + 1 .. --total-steps; after each: a checkpoint when --save-every, --save-every-minutes,
         the last step or a signal asks for one; a signal then exits (non-zero, with the resume command)."""
         cfg = self.cfg
+        import copy
+
         for step in range(self.start_step + 1, cfg.total_steps + 1):
             self._last = None
+            # the small state objects as the step starts (sampler, schedule, ...): a rollout server failing in the
+            # step's rollout (before its update) is saved as the previous step, exactly (`save_on_failure`)
+            self._step, self._in_log = step, False
+            if self._keep_start:
+                self._at_start = {
+                    k: copy.deepcopy(v.state_dict()) for k, v in self.state.items() if hasattr(v, "state_dict")
+                }
             yield step
             last = self.last(step)
             stopping = self.stop.requested()  # SIGINT / SIGTERM on any rank: checkpoint this step, then exit
@@ -576,6 +618,7 @@ class Run:
         --save-best improved, and up to --num-samples-logged samples (eval ones tagged split=eval)."""
         n = self.cfg.num_samples_logged
         if self.evaluating(step):
+            self._in_log = True  # the step's update is done: a failure here saves this step
             out = self.evaluate()
             eval_metrics, eval_samples = out if isinstance(out, tuple) else (out, [])
             metrics = {**metrics, **eval_metrics}
@@ -602,7 +645,24 @@ class Run:
             sharded=cfg.checkpoint_format == "sharded",
         )  # fmt: skip
 
+    def save_on_failure(self) -> int | None:
+        """After a rollout engine failed: checkpoint the last step trained unless saved. During a step's rollout
+        (before its update) that is the previous step, with the state objects as the step began; during its
+        evaluation, the step itself. Returns the step saved (or found saved), None when nothing was trained."""
+        step = self._step if self._in_log else self._step - 1
+        if step <= 0:
+            return None
+        if not (self.dir / "checkpoints" / f"step_{step}").exists():
+            if step <= self.start_step:
+                return None
+            if not self._in_log:
+                self.state = {**self.state, **{k: _Saved(v) for k, v in (self._at_start or {}).items()}}
+            self.checkpoint(step)
+        return step
+
     def end(self) -> Path:
+        if self in _CURRENT:
+            _CURRENT.remove(self)
         self.tracker.close()
         self.log_line(f"done: {self.dir}")
         return self.dir

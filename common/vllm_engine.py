@@ -28,6 +28,8 @@ Choices (docs/rollout.md has the why and the measurements):
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -44,10 +46,10 @@ def require_vllm():
         ) from None
 
 
-def merged_state_dict(model) -> dict:
+def merged_state_dict(model, base_only: bool = False) -> dict:
     """The full weights a plain (non-LoRA) copy of `model` would have: a peft model's adapters merged into
     their base weights (W + scaling * B @ A), names without peft's prefixes; any other model's state_dict.
-    Full tensors: sharded (FSDP2 DTensor) entries are gathered."""
+    Full tensors: sharded (FSDP2 DTensor) entries are gathered. `base_only`: the frozen base alone (scaling 0)."""
     try:
         from peft import PeftModel
     except ImportError:  # pragma: no cover
@@ -62,7 +64,67 @@ def merged_state_dict(model) -> dict:
     from common.models import merge_lora_state_dict
 
     cfg = model.peft_config["default"]
-    return merge_lora_state_dict(sd, cfg.lora_alpha / cfg.r)
+    return merge_lora_state_dict(sd, 0.0 if base_only else cfg.lora_alpha / cfg.r)
+
+
+def adapter_only(model) -> bool:
+    """A peft LoRA model whose adapter alone can go to vLLM: no `modules_to_save` (whole modules: they need the
+    merged route) and no DoRA (vLLM has no DoRA kernels)."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover
+        return False
+    if not isinstance(model, PeftModel):
+        return False
+    cfg = model.peft_config["default"]
+    return not getattr(cfg, "modules_to_save", None) and not getattr(cfg, "use_dora", False)
+
+
+class AdapterPush:
+    """--vllm-lora-sync adapter (both vLLM engines): the LoRA adapter alone, a few MB, as a folder vLLM loads (peft's
+    adapter_model.safetensors + adapter_config.json), one folder and one adapter name per version, so a rollout
+    finishes under the adapter it started with. The frozen base goes once, by the full route, at the first push."""
+
+    def __init__(self, root: Path):
+        self.root, self.fingerprint, self.version, self.base_pushed = root, None, 0, False
+
+    def prepare(self, model, force: bool = False, write: bool = True) -> Path | None:
+        """The next version's folder, written (`write`: the process that pushes) if the adapter changed since the
+        last push (every process computes the fingerprint: it gathers under FSDP2), else None."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+        from torch.distributed.tensor import DTensor
+
+        sd = {
+            k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items() if ".lora_" in k
+        }
+        fingerprint = weights_fingerprint(sd)
+        if not force and self.fingerprint is not None and torch.equal(fingerprint, self.fingerprint):
+            return None
+        self.version, self.fingerprint = self.version + 1, fingerprint
+        folder = self.root / f"adapter_v{self.version}"
+        if write:
+            folder.mkdir(parents=True, exist_ok=True)
+            tensors = get_peft_model_state_dict(model, state_dict=sd)
+            tensors = {k: v.detach().float().cpu().contiguous() for k, v in tensors.items()}
+            save_file(tensors, str(folder / "adapter_model.safetensors"))
+            model.peft_config["default"].save_pretrained(str(folder))
+        return folder
+
+    def bytes(self) -> int:
+        return (self.root / f"adapter_v{self.version}" / "adapter_model.safetensors").stat().st_size
+
+    def forget_before(self, keep: int = 2) -> None:
+        """Remove the folders of versions older than the last `keep` (vLLM has loaded them)."""
+        import shutil
+
+        for v in range(max(1, self.version - 8), self.version - keep + 1):
+            shutil.rmtree(self.root / f"adapter_v{v}", ignore_errors=True)
+
+
+def lora_rank_for_vllm(r: int) -> int:
+    """vLLM's --max-lora-rank takes 1, 8, 16, 32, ...: the smallest that holds rank r."""
+    return next(x for x in (1, 8, 16, 32, 64, 128, 256, 320, 512) if x >= r)
 
 
 def _check_cpu_head_size(model_path: str, trust_remote_code: bool) -> None:
@@ -105,6 +167,29 @@ def _sum_and_squares(t: torch.Tensor, chunk: int = 1 << 22) -> torch.Tensor:
     return out
 
 
+def as_generation(queries, ids: list[list[int]], logprobs: list[list[float]], stopped: list[bool], max_new_tokens: int,
+                  tok, sampled: bool):  # fmt: skip
+    """An engine's answers (each row's sampled ids, their log-probs, whether a stop string ended it) as the
+    `Generation` of common.rollout.generate: responses right-padded to the longest, masks, EOS/truncation flags, the
+    sampler's log-probs (None when greedy)."""
+    from common.rollout import Generation, response_masks
+
+    B, T = len(ids), max(1, max(len(r) for r in ids))
+    responses = torch.full((B, T), tok.pad_token_id, dtype=torch.long)
+    lp = torch.zeros(B, T)
+    for i, (r, l) in enumerate(zip(ids, logprobs)):
+        responses[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        lp[i, : len(l)] = torch.tensor(l, dtype=torch.float32)
+    device = queries.device
+    responses, lp = responses.to(device), lp.to(device)
+    stops = torch.tensor(stopped, dtype=torch.bool, device=device)
+    mask, is_eos, lengths = response_masks(responses, tok.eos_token_id, tok.pad_token_id, stops)
+    truncated = (lengths == max_new_tokens) & ~is_eos & ~stops
+    return Generation(
+        torch.cat([queries, responses], 1), responses, mask, is_eos, truncated, lp * mask if sampled else None
+    )
+
+
 class VLLMEngine:
     """A colocated vLLM engine for one policy: `sync(model)` then `generate(...)`."""
 
@@ -120,6 +205,7 @@ class VLLMEngine:
         tensor_parallel_size: int = 1,
         sleep: bool = False,
         trust_remote_code: bool = False,
+        lora_rank: int = 0,
     ):
         require_vllm()
         cuda = torch.cuda.is_available()
@@ -167,6 +253,11 @@ class VLLMEngine:
                 generation_config="vllm",
                 trust_remote_code=trust_remote_code,
                 **kw,
+                **(
+                    dict(enable_lora=True, max_lora_rank=lora_rank_for_vllm(lora_rank), max_loras=2)
+                    if lora_rank
+                    else {}
+                ),
             )
         except Exception as e:  # vLLM's own refusal (an architecture it cannot load, memory, ...): one line
             first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
@@ -175,6 +266,9 @@ class VLLMEngine:
                 f"{first[:300]}); use --rollout-engine hf (CLEANRLHF_DEBUG=1 shows vLLM's traceback)"
             ) from e
         self.sleep, self.asleep = sleep, False
+        # --vllm-lora-sync adapter: the adapter alone goes to the engine (a LoRARequest per version)
+        self.adapters = AdapterPush(Path(tempfile.mkdtemp(prefix="cleanrlhf-adapters-"))) if lora_rank else None
+        self.lora_request = None
         self._sleep()
 
     def _sleep(self):
@@ -197,15 +291,37 @@ class VLLMEngine:
         not from how they were written: DeepSpeed ZeRO-1/2 steps its own flat float32 partitions and copies them
         into the module, ZeRO-3 re-gathers them, a fused AdamW writes without bumping tensor versions (issue
         32.2). Cost: one read of the weights per rollout phase (SmolLM2: ~0.05 s on this CPU)."""
+        if self.adapters is not None and adapter_only(model):
+            return self._sync_adapter(model, force)
         sd = merged_state_dict(model)
         fingerprint = weights_fingerprint(sd)
         if not force and self.fingerprint is not None and torch.equal(fingerprint, self.fingerprint):
             return False
+        self.lora_request = None
         self._wake()
         # a list, not a generator: with worker processes (GPU tensor parallelism) the argument is pickled
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(sd.items())})
         self.llm.reset_prefix_cache()  # cached prompt KV came from the old weights
         self.fingerprint = fingerprint
+        return True
+
+    def _sync_adapter(self, model, force: bool) -> bool:
+        """The base once (full route, adapters off), then each changed adapter as a new LoRARequest."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.adapters.base_pushed:
+            self._wake()
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": list(merged_state_dict(model, True).items())}
+            )
+            self.adapters.base_pushed = True
+        folder = self.adapters.prepare(model, force)
+        if folder is None:
+            return False
+        v = self.adapters.version
+        self.lora_request = LoRARequest(f"v{v}", v, str(folder))
+        self.llm.reset_prefix_cache()
+        self.adapters.forget_before()
         return True
 
     def generate(
@@ -223,9 +339,7 @@ class VLLMEngine:
         right-padded to the longest, greedy when seeds is None."""
         from vllm import SamplingParams
 
-        from common.rollout import Generation, response_masks
-
-        tok, B = self.tok, queries.shape[0]
+        tok = self.tok
         prompts = [{"prompt_token_ids": q[m.bool()].tolist()} for q, m in zip(queries.cpu(), attention_mask.cpu())]
         common = dict(
             max_tokens=max_new_tokens,
@@ -245,32 +359,16 @@ class VLLMEngine:
             ]
         self._wake()
         try:
-            outs = self.llm.generate(prompts, params, use_tqdm=False)
+            outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         finally:
             self._sleep()
-        T = max(1, max(len(o.outputs[0].token_ids) for o in outs))
-        responses = torch.full((B, T), tok.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros(B, T)
-        stopped = torch.zeros(B, dtype=torch.bool)  # ended by a stop string
-        for i, o in enumerate(outs):
+        ids, lps, stopped = [], [], []
+        for o in outs:
             c = o.outputs[0]
-            ids = list(c.token_ids)
-            responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            if c.logprobs is not None:
-                logprobs[i, : len(ids)] = torch.tensor([d[t].logprob for d, t in zip(c.logprobs, ids)])
-            stopped[i] = isinstance(c.stop_reason, str)
-        device = queries.device
-        responses, logprobs, stopped = responses.to(device), logprobs.to(device), stopped.to(device)
-        mask, is_eos, lengths = response_masks(responses, tok.eos_token_id, tok.pad_token_id, stopped)
-        truncated = (lengths == max_new_tokens) & ~is_eos & ~stopped
-        return Generation(
-            torch.cat([queries, responses], 1),
-            responses,
-            mask,
-            is_eos,
-            truncated,
-            logprobs * mask if seeds is not None else None,
-        )
+            ids.append(list(c.token_ids))
+            lps.append([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)] if c.logprobs is not None else [])
+            stopped.append(isinstance(c.stop_reason, str))  # ended by a stop string
+        return as_generation(queries, ids, lps, stopped, max_new_tokens, tok, sampled=seeds is not None)
 
     def score(self, queries, query_mask, responses, response_mask, top_k: int):
         """A served teacher: vLLM's prompt log-probs of each (query, response), at temperature 1 (the engine's own
@@ -311,10 +409,11 @@ def make_engine(gen, model, tok, policy, accelerator=None, max_model_len: int | 
     tokens, sampling from `seed` + the process index."""
     if gen.rollout_engine == "hf":
         return None
-    if getattr(accelerator, "tp_size", 1) > 1:
+    if getattr(accelerator, "tp_size", 1) > 1 and gen.rollout_engine == "vllm":
         raise UserError(
             f"--rollout-engine vllm with --tp-size {accelerator.tp_size}: every TP rank would hold a whole "
-            "engine (the memory TP saves); generate with the hf engine from the sharded policy"
+            "engine (the memory TP saves); generate with the hf engine from the sharded policy, or on a server "
+            "(--rollout-engine vllm-server)"
         )
     from common.models import resolve_model_path
 
@@ -325,9 +424,15 @@ def make_engine(gen, model, tok, policy, accelerator=None, max_model_len: int | 
     bf16 = accelerator is not None and str(accelerator.mixed_precision) == "bf16"
     dtype = torch.bfloat16 if bf16 else next(unwrapped.parameters()).dtype
     process = accelerator.process_index if accelerator is not None else 0
+    lora_rank = model.lora_r if gen.vllm_lora_sync == "adapter" else 0
+    if gen.rollout_engine == "vllm-server":  # one server for every process: the run's seed
+        from common.vllm_server import make_server_engine
+
+        return make_server_engine(gen, path, tok, dtype, max_model_len, seed, accelerator, lora_rank)
     return VLLMEngine(
         path,
         tok,
+        lora_rank=lora_rank,
         max_model_len=max_model_len,
         seed=seed + process,
         dtype=dtype,
