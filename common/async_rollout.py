@@ -587,15 +587,24 @@ class BatchLog:
         return staleness
 
 
-def async_launch(accelerator, dynamic_sampling: bool, max_off_policy_steps: int, generator_threads: int) -> int:
+def async_launch(accelerator, dynamic_sampling: bool, max_off_policy_steps: int, generator_threads: int, gen) -> int:
     """async_grpo.py's checks and threads: it runs in one process or under DDP (a push takes each trainer process's
-    whole weights), dynamic sampling in one process only (each generator would resample on its own). Sets this
-    process's torch threads and returns the generator's (split_threads)."""
+    whole weights), dynamic sampling in one process only (each generator would resample on its own), one generator
+    per vLLM server (GenerationArgs `gen`). Sets this process's torch threads and returns the generator's
+    (split_threads)."""
     if str(accelerator.distributed_type).split(".")[-1] not in ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU"):
         raise UserError(f"async_grpo.py runs one process or DDP, not {accelerator.distributed_type}: a push takes "
                         "the policy's whole weights from each trainer process (docs/async.md)")  # fmt: skip
     if dynamic_sampling and accelerator.num_processes > 1:
         raise UserError("--dynamic-sampling with several processes: each generator would resample on its own")
+    if (
+        gen.rollout_engine == "vllm-server"
+        and accelerator.num_processes > 1
+        and (gen.vllm_server_url or gen.vllm_server_port)
+    ):
+        # each process's generator pushes its own versions: on one server they would overwrite each other's mid-batch
+        raise UserError("async_grpo.py --rollout-engine vllm-server with several processes: each process's generator "
+                        "needs its own server (leave --vllm-server-url and --vllm-server-port empty: each starts one)")  # fmt: skip
     trainer_threads, generator_threads = split_threads(max_off_policy_steps, generator_threads)
     torch.set_num_threads(trainer_threads)
     return generator_threads

@@ -485,8 +485,10 @@ _CURRENT: list = []  # the Run of this process, once it has begun (an engine fai
 
 
 def current_run_dir() -> Path | None:
-    """The run folder of this process's run, once made (a started vLLM server logs there)."""
-    return getattr(_CURRENT[-1], "dir", None) if _CURRENT else None
+    """The run folder of this process's run once made, or of the run that started this process (async's generator):
+    a vLLM server started by either logs there."""
+    d = os.environ.get("CLEANRLHF_RUN_DIR")
+    return Path(d) if d else None
 
 
 def end_on_engine_failure(e: Exception) -> None:
@@ -565,6 +567,7 @@ class Run:
             self.log_line(f"resumed from {self.ckpt} at step {self.start_step}")
         self.dir = make_run_dir(acc, self.algo, self.args, self.ckpt)
         _CURRENT.append(self)
+        os.environ["CLEANRLHF_RUN_DIR"] = str(self.dir)  # (processes started from here: their server's log)
         keep_code(acc, self.dir, self.algo, self.start_step)
         self.tracker = Tracker(acc, self.args, self.dir, cfg.total_steps, self.start_step)
         self.stop = StopSignal(acc)  # --max-wall-minutes counts from here

@@ -445,24 +445,42 @@ def make_engine(gen, model, tok, policy, accelerator=None, max_model_len: int | 
 
 
 def tool_engine(
-    rollout_engine: str, name: str, tok, model, engine=None, gpu_memory_utilization: float = 0.5, kv_cache_gb=1.0
+    rollout_engine: str,
+    name: str,
+    tok,
+    model,
+    engine=None,
+    gpu_memory_utilization: float = 0.5,
+    kv_cache_gb=1.0,
+    server_url: str = "",
 ):
-    """The tools' --rollout-engine (evaluate, gen_preferences): None for hf; else `engine` (or a new one
-    made from `name`'s folder) holding `model`'s weights. One engine serves several models of one
-    architecture: their weights are pushed in turn."""
+    """The tools' --rollout-engine (evaluate, gen_preferences, gen_demos): None for hf; else `engine` (or a new one
+    made from `name`'s folder: colocated, or vllm-server attached to `server_url` or started here) holding `model`'s
+    weights. One engine serves several models of one architecture: their weights are pushed in turn."""
     if rollout_engine == "hf":
         return None
     if engine is None:
         from common.models import resolve_model_path
 
-        engine = VLLMEngine(
-            str(resolve_model_path(name)),
-            tok,
-            max_model_len=None,
-            seed=0,
-            dtype=next(model.parameters()).dtype,
-            gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_gb=kv_cache_gb,
-        )
+        path, dtype = str(resolve_model_path(name)), next(model.parameters()).dtype
+        if rollout_engine == "vllm-server":
+            from common.vllm_server import ServerEngine, ServerProcess, free_port
+
+            if server_url:
+                engine = ServerEngine(server_url, tok, dtype=dtype)
+            else:
+                port = free_port()
+                start = lambda: ServerProcess(path, port, dtype, None, 0, kv_cache_gb=kv_cache_gb)  # noqa: E731
+                engine = ServerEngine(f"http://127.0.0.1:{port}", tok, dtype=dtype, start=start)
+        else:
+            engine = VLLMEngine(
+                path,
+                tok,
+                max_model_len=None,
+                seed=0,
+                dtype=dtype,
+                gpu_memory_utilization=gpu_memory_utilization,
+                kv_cache_gb=kv_cache_gb,
+            )
     engine.sync(model, force=True)
     return engine

@@ -360,3 +360,87 @@ def test_a_server_lost_mid_run_ends_it_with_one_line_and_a_checkpoint_then_resum
     assert step >= 2 and (run / "checkpoints" / f"step_{step}").is_dir()
     run_script("grpo_llm.py", *flags, "--resume", run, env={"TOY_MODEL": path})
     assert [r["step"] for r in read_metrics(run)] == list(range(1, 11))
+
+
+@pytest.mark.vllm
+def test_async_grpo_samples_on_the_server_and_resumes_exactly(served, toy_prompts, tmp_path):
+    """async_grpo.py's generator process drives the server (it pushes each version the trainer publishes; the
+    trainer trains on batch n while the server samples batch n+1, K = 1): 4 steps straight = stopped at the step-2
+    checkpoint and resumed (the batch of step 3 in the checkpoint); staleness 0 then 1, and on the staleness-0 step
+    the server's log-probs equal the trainer's."""
+    import shutil
+
+    path, url = served
+    flags = lambda out: [  # noqa: E731
+        "--model-name-or-path", path, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD, "--output-dir", out,
+        "--num-prompts", 2, "--group-size", 4, "--mini-batch-size", 8, "--micro-batch-size", 4, "--max-new-tokens", 6,
+        "--learning-rate", 3e-3, "--eval-every", 0, "--mixed-precision", "no", "--total-steps", 4,
+        "--rollout-engine", "vllm-server", "--vllm-server-url", url,
+    ]  # fmt: skip
+    env = {"TOY_MODEL": path}
+    run_script("async_grpo.py", *flags(tmp_path / "a"), "--save-every", 2, env=env)
+    straight = only_run(tmp_path / "a")
+    copy = tmp_path / "b" / straight.name
+    shutil.copytree(straight, copy)
+    run_script("async_grpo.py", *flags(tmp_path / "b"), "--resume", copy / "checkpoints" / "step_2", env=env)
+    a, b = read_metrics(straight), read_metrics(copy)
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("perf/", "async/"))} for r in rows]  # noqa: E731
+    assert strip(a) == strip(b) and [r["async/staleness"] for r in a] == [0, 1, 1, 1]
+    assert a[0]["train/sampler_logprob_diff"] < 1e-3
+
+
+@pytest.mark.vllm
+def test_the_other_samplers_and_the_tools_run_on_the_server(served, toy_prompts, tmp_path):
+    """Every script that samples, 2 steps each on the module's server, validation through it too: online DPO with a
+    LoRA policy (adapters pushed), dynamic-KL PPO, a LoRA student distilled from a preset; then tools.evaluate and
+    tools.gen_preferences through it."""
+    from common import models as M
+    from conftest import run_tool
+
+    path, url = served
+    env = {"TOY_MODEL": path}
+    common = ["--model-name-or-path", path, "--train-files", toy_prompts, "--num-eval-prompts", 4,
+              "--reward-fn", TOY_REWARD, "--total-steps", 2, "--eval-every", 2, "--max-new-tokens", 6,
+              "--rollout-engine", "vllm-server", "--vllm-server-url", url]  # fmt: skip
+    run_script("dpo_llm.py", *common, "--eval-prompt-files", toy_prompts, "--online", "--output-dir", tmp_path / "dpo",
+               "--batch-size", 2, "--micro-batch-size", 1, "--group-size", 3, "--lora-r", 4, env=env)  # fmt: skip
+    rows = read_metrics(only_run(tmp_path / "dpo"))
+    assert sum(r["train/pairs"] + r["train/skipped_ties"] for r in rows if "train/pairs" in r) == 4
+    assert "eval/accuracy" in rows[-1]
+    run_script("dynamic_kl_ppo.py", *common, "--val-files", toy_prompts, "--output-dir", tmp_path / "dkl",
+               "--batch-size", 8, "--mini-batch-size", 8, "--micro-batch-size", 8, env=env)  # fmt: skip
+    rows = read_metrics(only_run(tmp_path / "dkl"))
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["train/sampler_logprob_diff"] < 1e-3 for r in rows[1:])
+    teacher = M.tiny_model(tmp_path / "teacher", heads=1, seed=3, init_std=0.2)
+    preset = tmp_path / "distill.yaml"
+    preset.write_text(f"teacher: {teacher}\nloss: reverse-kl-pg\nlora-r: 4\nnum-prompts: 4\nsamples-per-prompt: 2\n")
+    run_script("distill_llm.py", "--config", preset, *common, "--val-files", toy_prompts, "--micro-batch-size", 4,
+               "--output-dir", tmp_path / "distill", env=env)  # fmt: skip
+    rows = read_metrics(only_run(tmp_path / "distill"))
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["train/kl"] > 0 for r in rows[1:])
+    out = tmp_path / "eval.json"
+    run_tool("tools.evaluate", "--models", path, "--data", toy_prompts, "--reward-fn", TOY_REWARD, "--num-prompts", 4,
+             "--max-new-tokens", 6, "--rollout-engine", "vllm-server", "--vllm-server-url", url, "--json-out", out, env=env)  # fmt: skip
+    assert 0 <= json.loads(out.read_text())[path]["toy"]["accuracy"] <= 1
+    prefs = tmp_path / "prefs.jsonl"
+    run_tool("tools.gen_preferences", "--model", path, "--prompts", toy_prompts, "--out", prefs, "--num-prompts", 4,
+             "--reward-fn", TOY_REWARD, "--max-new-tokens", 6, "--rollout-engine", "vllm-server",
+             "--vllm-server-url", url, env=env)  # fmt: skip
+    assert prefs.exists()
+
+
+@pytest.mark.vllm
+def test_tool_calls_through_the_server_keep_the_sampled_ids(served, tiny_agent, toy_prompts, tmp_path):
+    """GRPO with --env tools on the server: each turn's prompt goes as token ids (the conversation so far) and its
+    sampled ids come back as they are, so the trainer scores exactly what was sampled (no text round trip, which
+    would re-tokenise and break the agreement); turns > 1 and tools called."""
+    _, url = served
+    flags = ["--model-name-or-path", tiny_agent, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD,
+             "--output-dir", tmp_path, "--env", "tools", "--tools", "calculator", "--max-turns", 3,
+             "--max-new-tokens", 40, "--max-trajectory-tokens", 160, "--learning-rate", 1e-3, "--eval-every", 0,
+             "--micro-batch-size", 4, "--num-prompts", 4, "--group-size", 2, "--mini-batch-size", 8,
+             "--total-steps", 2, "--rollout-engine", "vllm-server", "--vllm-server-url", url]  # fmt: skip
+    run_script("grpo_llm.py", *flags, env={"TOY_MODEL": tiny_agent})
+    rows = read_metrics(only_run(tmp_path))
+    assert all(r["env/turns"] > 1 and r["env/tool_calls"] > 0 for r in rows)
+    assert all(r["train/sampler_logprob_diff"] < 1e-3 for r in rows), rows

@@ -56,8 +56,10 @@ class Args:
     """markdown file with every model's answer per prompt"""
     json_out: Optional[str] = None
     """write the scores as JSON here"""
-    rollout_engine: Literal["hf", "vllm"] = "hf"
-    """hf: our decoding loop; vllm: a vLLM engine in this process, loaded with the model's weights (docs/rollout.md)"""
+    rollout_engine: Literal["hf", "vllm", "vllm-server"] = "hf"
+    """hf: our decoding loop; vllm: a vLLM engine in this process, loaded with the model's weights (docs/rollout.md); vllm-server: vLLM's own server (docs/distributed.md)"""
+    vllm_server_url: str = ""
+    """vllm-server: a running `vllm serve` to use (empty: one is started for the model)"""
     vllm_gpu_memory_utilization: Annotated[float, Check(gt=0, le=1)] = 0.5
     """vllm on GPUs: the share of GPU memory the engine may take"""
     vllm_kv_cache_gb: PositiveFloat = 1.0
@@ -83,7 +85,14 @@ def main(args: Args) -> dict:
             M.load_tokenizer(name) if Path(M.resolve_model_path(name), "tokenizer_config.json").exists() else tok,
         ).eval()
         engine = tool_engine(
-            args.rollout_engine, name, tok, model, engine, args.vllm_gpu_memory_utilization, args.vllm_kv_cache_gb
+            args.rollout_engine,
+            name,
+            tok,
+            model,
+            engine,
+            args.vllm_gpu_memory_utilization,
+            args.vllm_kv_cache_gb,
+            args.vllm_server_url,
         )  # vllm: one engine, each model's weights pushed in turn
         answers[name], lengths, is_eos = answer(
             model,

@@ -72,8 +72,10 @@ class Args:
     """trajectories per rollout call"""
     seed: int = 0
     """sampling seed"""
-    rollout_engine: Literal["hf", "vllm"] = "hf"
-    """--source policy: hf, or a vLLM engine in this process (docs/rollout.md)"""
+    rollout_engine: Literal["hf", "vllm", "vllm-server"] = "hf"
+    """--source policy: hf, or a vLLM engine in this process (docs/rollout.md); vllm-server: vLLM's own server (docs/distributed.md)"""
+    vllm_server_url: str = ""
+    """vllm-server: a running `vllm serve` to use (empty: one is started for the model)"""
     vllm_kv_cache_gb: PositiveFloat = 1.0
     """vllm on CPU: KV-cache space (GiB)"""
     summary_out: Optional[str] = None
@@ -124,7 +126,9 @@ def from_policy(args, episodes, rows, tok) -> list[tuple[int, list[dict], float,
     from common.vllm_engine import tool_engine
 
     model = load_any(M.resolve_model_path(args.model), tok).eval()
-    engine = tool_engine(args.rollout_engine, args.model, tok, model, None, 0.5, args.vllm_kv_cache_gb)
+    engine = tool_engine(
+        args.rollout_engine, args.model, tok, model, None, 0.5, args.vllm_kv_cache_gb, args.vllm_server_url
+    )
     jobs = [(i, j) for i in range(len(rows)) for j in range(args.k)]
     out = []
     for s in range(0, len(jobs), args.batch_size):

@@ -51,8 +51,10 @@ class Args:
     """sequences per generate call"""
     seed: int = 0
     """sampling seed"""
-    rollout_engine: Literal["hf", "vllm"] = "hf"
-    """hf: our decoding loop; vllm: a vLLM engine in this process, loaded with the model's weights (docs/rollout.md)"""
+    rollout_engine: Literal["hf", "vllm", "vllm-server"] = "hf"
+    """hf: our decoding loop; vllm: a vLLM engine in this process, loaded with the model's weights (docs/rollout.md); vllm-server: vLLM's own server (docs/distributed.md)"""
+    vllm_server_url: str = ""
+    """vllm-server: a running `vllm serve` to use (empty: one is started for the model)"""
     vllm_gpu_memory_utilization: Annotated[float, Check(gt=0, le=1)] = 0.5
     """vllm on GPUs: the share of GPU memory the engine may take"""
     vllm_kv_cache_gb: PositiveFloat = 1.0
@@ -69,7 +71,14 @@ def main(args: Args) -> dict:
     reward.check({r.data_source for r in rows})
     model = load_any(M.resolve_model_path(args.model), tok).eval()
     engine = tool_engine(
-        args.rollout_engine, args.model, tok, model, None, args.vllm_gpu_memory_utilization, args.vllm_kv_cache_gb
+        args.rollout_engine,
+        args.model,
+        tok,
+        model,
+        None,
+        args.vllm_gpu_memory_utilization,
+        args.vllm_kv_cache_gb,
+        args.vllm_server_url,
     )
     responses, lengths, is_eos = answer(
         model,
