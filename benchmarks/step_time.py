@@ -39,6 +39,7 @@ ROWS = {
     "checkpointing": ["--gradient-checkpointing"],  # the default with activation checkpointing (memory)
     "vllm": ["--rollout-engine", "vllm"],  # the default with rollouts from the colocated vLLM engine
     "vllm-fp32": ["--rollout-engine", "vllm", "--mixed-precision", "no"],
+    "vllm-server": ["--rollout-engine", "vllm-server"],  # the default with rollouts from vLLM's server (started here)
     "adamw_8bit": ["--optim", "adamw_8bit"],  # the default with bitsandbytes' 8-bit AdamW (memory)
     "lowmem": ["--optim", "adamw_8bit", "--gradient-checkpointing"],  # both (issue 37's memory goals)
     # issue 52's levers, each taken away from the default: a group's prompt once, the LM head in chunks

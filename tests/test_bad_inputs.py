@@ -156,6 +156,13 @@ def make_bad_files(d):
 
 if not __import__("torch").cuda.is_available():  # the refusal of a machine without CUDA
     CASES.append(("sft_llm.py", ["--load-in-4bit", "--lora-r", "4"], "--load-in-4bit: QLoRA needs a CUDA GPU"))
+    CASES.append(("grpo_llm.py", ["--rollout-engine", "vllm-server", "--vllm-server-transfer", "nccl"],
+                  "--vllm-server-transfer nccl needs GPUs"))  # fmt: skip
+CASES += [  # a vLLM server that is not there (port 9: nothing listens), or is not vLLM (checked before any model work)
+    ("ppo_llm.py", ["--rollout-engine", "vllm-server", "--vllm-server-url", "http://127.0.0.1:9"],
+     "--vllm-server-url http://127.0.0.1:9: no vLLM server answers"),
+    ("grpo_llm.py", ["--rollout-engine", "vllm-server", "--vllm-server-url", "not-a-url"], "--vllm-server-url not-a-url"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("script,flags,fragment", CASES, ids=[f"{c[0]}:{' '.join(c[1])[:40]}" for c in CASES])

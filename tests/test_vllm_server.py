@@ -95,7 +95,7 @@ def test_a_push_that_hangs_is_ended_by_its_timeout(tmp_path):
     t = time.time()
     with pytest.raises(EngineFailed, match=r"/collective_rpc did not answer within 1.5 s \(--vllm-server-timeout\)"):
         engine.sync(_model())
-    assert time.time() - t < 5
+    assert time.time() - t < 30  # the stand-in would answer after 60 s: the deadline ended it (margin: a busy CI)
     fake.close()
 
 
@@ -110,7 +110,7 @@ def test_an_answer_dripped_a_byte_at_a_time_is_bounded_as_a_whole(tmp_path):
     t = time.time()
     with pytest.raises(EngineFailed, match="did not answer within 1.5 s"):
         engine.generate(*_queries(), 4, seeds=[1, 2])
-    assert time.time() - t < 5
+    assert time.time() - t < 30  # the stand-in would answer after 60 s: the deadline ended it (margin: a busy CI)
     fake.close()
 
 
@@ -444,3 +444,44 @@ def test_tool_calls_through_the_server_keep_the_sampled_ids(served, tiny_agent, 
     rows = read_metrics(only_run(tmp_path))
     assert all(r["env/turns"] > 1 and r["env/tool_calls"] > 0 for r in rows)
     assert all(r["train/sampler_logprob_diff"] < 1e-3 for r in rows), rows
+
+
+@pytest.mark.vllm
+@pytest.mark.distributed
+def test_two_training_processes_share_one_server(served, toy_prompts, tmp_path):
+    """GRPO under DDP (2 processes, FSDP2: the push gathers the shards on both) with one server: process 0 pushes each
+    version, both wait for it, each sends its own rows; every step's sampler log-probs equal the trainer's."""
+    from conftest import accelerate_launch
+
+    path, url = served
+    flags = _grpo_flags(path, toy_prompts, tmp_path, url, "--total-steps", 3)
+    cmd = [*accelerate_launch("cpu_2proc_fsdp2"), str(REPO / "algos/grpo_llm.py"), *map(str, flags)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "TOY_MODEL": path})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = only_run(tmp_path)
+    assert json.loads((run / "args.json").read_text())["world_size"] == 2
+    rows = read_metrics(run)
+    assert len(rows) == 3 and all(r["train/sampler_logprob_diff"] < 1e-3 for r in rows), rows
+
+
+def test_the_nccl_route_without_gpus_is_refused_in_one_line():
+    from common.args import GenerationArgs
+    from common.errors import UserError
+    from common.vllm_server import make_server_engine
+
+    gen = GenerationArgs(rollout_engine="vllm-server", vllm_server_transfer="nccl")
+    with pytest.raises(UserError, match="--vllm-server-transfer nccl needs GPUs"):
+        make_server_engine(gen, "unused", TOK, torch.float32, None, 0)
+
+
+@pytest.mark.vllm
+def test_a_server_that_cannot_start_is_one_line_with_its_log(served, toy_prompts, tmp_path):
+    """`vllm serve` exits while starting (here: a flag it does not know, through --vllm-server-args): the run ends
+    before its first step with one line quoting the server log's last lines and naming the log, exit 2."""
+    path, _ = served
+    flags = _grpo_flags(path, toy_prompts, tmp_path, None, "--total-steps", 2, "--vllm-server-args", "--no-such-flag")
+    proc = run_script("grpo_llm.py", *flags, env={"TOY_MODEL": path}, check=False)
+    err = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(err) == 1 and "the server exited" in err[0] and "no-such-flag" in err[0], err
+    assert "vllm_server.log" in err[0]
