@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from common.args import GenerationArgs, ModelArgs, flat_args, resume_may_change, runtime_values
+from common.args import ModelArgs, flat_args, resume_may_change, runtime_values
 from common.checkpoint import (
     BestKeeper,
     checkpoint_record,
@@ -505,6 +505,12 @@ def end_on_engine_failure(e: Exception) -> None:
     raise SystemExit(1)
 
 
+def _server_engines() -> bool:
+    """Whether this process holds a vllm-server engine (async_grpo.py's trainer does not: its generator does)."""
+    module = sys.modules.get("common.vllm_server")
+    return bool(module and module.LIVE)
+
+
 class _Saved:
     """A state object's state_dict as it was (`Run.steps` keeps the step's start)."""
 
@@ -540,8 +546,6 @@ class Run:
         self.health = HealthMonitor(health, self.log_line) if health is not None else None
         self.start_step, self._last, self.evaluate, self._warned_best = 0, None, None, False
         self._step, self._at_start, self._in_log = 0, None, False  # the step under way, its state at its start
-        gen = next((v for v in vars(args).values() if isinstance(v, GenerationArgs)), None)
-        self._keep_start = gen is not None and gen.rollout_engine == "vllm-server"  # a server that may fail mid-step
         model = next((v for v in vars(args).values() if isinstance(v, ModelArgs)), None)  # the --lora-r group
         if self.cfg.checkpoint_format == "sharded" and ((model and model.lora_r) or is_deepspeed(accelerator)):
             raise UserError("--checkpoint-format sharded: for full fine-tuning under one process, DDP, FSDP2 or TP "
@@ -590,7 +594,7 @@ class Run:
             # the small state objects as the step starts (sampler, schedule, ...): a rollout server failing in the
             # step's rollout (before its update) is saved as the previous step, exactly (`save_on_failure`)
             self._step, self._in_log = step, False
-            if self._keep_start:
+            if _server_engines():  # this process samples from a server that may fail mid-step
                 self._at_start = {
                     k: copy.deepcopy(v.state_dict()) for k, v in self.state.items() if hasattr(v, "state_dict")
                 }

@@ -71,6 +71,9 @@ _NOT_INHERITED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
                   "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
 
 
+LIVE: list = []  # this process's ServerEngines (common.run keeps each step's start state when there is one)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -230,6 +233,7 @@ class ServerEngine:
         self._own_dir = not weights_dir
         self.weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="cleanrlhf-weights-", dir=_shm()))
         atexit.register(self.close)
+        LIVE.append(self)
         self.adapters = AdapterPush(self.weights_dir) if lora_rank else None  # --vllm-lora-sync adapter
         self.lora_name = None  # the adapter requests name (None: the server's base weights alone)
         self.tag = uuid.uuid4().hex[:8]  # this engine's adapter names: unique on a server other runs share
@@ -409,6 +413,8 @@ class ServerEngine:
     def close(self) -> None:
         """Stop the server this run started (or unload this run's adapters from an attached one); remove the
         weights folder this engine made."""
+        if self in LIVE:
+            LIVE.remove(self)
         if self.process is None and self.main and self.lora_name:
             self._unload(self.lora_name)
             self.lora_name = None

@@ -419,7 +419,7 @@ def test_bf16_training_gets_a_bf16_engine(peaky_vllm, toy_prompts, tmp_path):
 
 
 def test_online_dpo_with_lora_and_dynamic_kl_ppo_run_on_the_vllm_engine(peaky_vllm, toy_prompts, tmp_path):
-    """The other samplers: online DPO (LoRA policy: merged weights pushed) and dynamic-KL PPO, 2 steps each,
+    """The other samplers: online DPO (LoRA policy: the adapter pushed alone) and dynamic-KL PPO, 2 steps each,
     with validation through the engine."""
     env = {"TOY_MODEL": peaky_vllm}
     common = ["--model-name-or-path", peaky_vllm, "--train-files", toy_prompts, "--num-eval-prompts", 4,
@@ -443,8 +443,8 @@ def test_online_dpo_with_lora_and_dynamic_kl_ppo_run_on_the_vllm_engine(peaky_vl
 
 
 def test_distillation_of_a_lora_student_from_a_preset_on_the_vllm_engine(peaky_vllm, toy_prompts, tmp_path):
-    """algos/distill_llm.py as a preset (--config) names it: a LoRA student sampled by the engine (merged weights
-    pushed after each update), graded by a teacher: 2 steps, the KL to the teacher logged, evaluation on the engine."""
+    """algos/distill_llm.py as a preset (--config) names it: a LoRA student sampled by the engine (its adapter pushed
+    after each update), graded by a teacher: 2 steps, the KL to the teacher logged, evaluation on the engine."""
     teacher = M.tiny_model(tmp_path / "teacher", heads=1, seed=3, init_std=0.2)
     preset = tmp_path / "distill.yaml"
     preset.write_text(f"teacher: {teacher}\nloss: reverse-kl-pg\nlora-r: 4\nnum-prompts: 4\nsamples-per-prompt: 2\n")
