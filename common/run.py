@@ -493,12 +493,12 @@ def current_run_dir() -> Path | None:
 
 def end_on_engine_failure(e: Exception) -> None:
     """A rollout server failed mid-run (common.errors.EngineFailed): checkpoint what was trained, if anything is
-    unsaved (`Run.save_on_failure`), then the error and how to resume in one line; exit 1. Before the first step:
-    the one line alone, exit 2 (as a bad flag)."""
+    unsaved (`Run.save_on_failure`), then the error and how to resume in one line; exit 1. With nothing trained
+    (the first step's rollout, say): the one line alone, exit 2 (as a bad flag)."""
     run = _CURRENT[-1] if _CURRENT else None
-    if run is None or not run._step:  # before the first step (a server that is not there, or will not start):
-        user_error(f"error: {e}")  # a start that failed, as any bad flag (exit 2)
-    saved = run.save_on_failure()
+    saved = run.save_on_failure() if run is not None and run._step else None
+    if saved is None:  # nothing trained to save (a server that is not there, or will not start): exit 2, as a bad flag
+        user_error(f"error: {e}")
     hint = f"; checkpoint at step {saved}, resume with --resume {run.dir}" if saved else ""
     if os.environ.get("RANK", "0") == "0":
         print(f"error: {e}{hint}", file=sys.stderr, flush=True)

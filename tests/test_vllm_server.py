@@ -454,7 +454,7 @@ def test_two_training_processes_share_one_server(served, toy_prompts, tmp_path):
     from conftest import accelerate_launch
 
     path, url = served
-    flags = _grpo_flags(path, toy_prompts, tmp_path, url, "--total-steps", 3)
+    flags = _grpo_flags(path, toy_prompts, tmp_path, url, "--total-steps", 3, "--micro-batch-size", 8)
     cmd = [*accelerate_launch("cpu_2proc_fsdp2"), str(REPO / "algos/grpo_llm.py"), *map(str, flags)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "TOY_MODEL": path})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -479,7 +479,7 @@ def test_a_server_that_cannot_start_is_one_line_with_its_log(served, toy_prompts
     """`vllm serve` exits while starting (here: a flag it does not know, through --vllm-server-args): the run ends
     before its first step with one line quoting the server log's last lines and naming the log, exit 2."""
     path, _ = served
-    flags = _grpo_flags(path, toy_prompts, tmp_path, None, "--total-steps", 2, "--vllm-server-args", "--no-such-flag")
+    flags = _grpo_flags(path, toy_prompts, tmp_path, None, "--total-steps", 2, "--vllm-server-args=--no-such-flag")
     proc = run_script("grpo_llm.py", *flags, env={"TOY_MODEL": path}, check=False)
     err = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
