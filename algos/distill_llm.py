@@ -54,7 +54,8 @@ from common.rollout import (
 )
 from common.run import Run
 from common.tasks import load_rl_prompts
-from common.vllm_engine import VLLMEngine, make_engine
+from common.engines import make_engine
+from common.vllm_engine import VLLMEngine
 # fmt: on
 
 

@@ -52,7 +52,7 @@ from common.rewards import Reward, reward_from_args
 from common.rollout import can_share_prompts, forward_logprobs, generate, rows_as_rollout, token_logprobs, tokenize_queries
 from common.run import Run
 from common.tasks import default_preference_files, default_task_files
-from common.vllm_engine import make_engine
+from common.engines import make_engine
 # fmt: on
 
 

@@ -58,7 +58,7 @@ from common.rewards import reward_by_data_source
 from common.rollout import can_share_prompts, forward_by_micro_batch, forward_logprobs, micro_batches, padding_counts, reference_logprobs
 from common.run import Run
 from common.sampling import Rollout, draw_rows, dynamic_sampling, group_metrics, rl_inputs, sample
-from common.vllm_engine import make_engine
+from common.engines import make_engine
 # fmt: on
 
 

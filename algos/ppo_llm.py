@@ -62,7 +62,7 @@ from common.rollout import (
 )
 from common.run import Run
 from common.sampling import rl_inputs, sample
-from common.vllm_engine import make_engine
+from common.engines import make_engine
 # fmt: on
 
 

@@ -42,9 +42,9 @@ import torch
 from common import models as M
 from common.data import Sampler
 from common.distributed import make_accelerator
+from common.engines import make_engine
 from common.errors import UserError, seed_everything
 from common.sampling import Rollout, rl_inputs
-from common.vllm_engine import make_engine
 
 # variables that would make the generator join the trainer's process group (torchrun / accelerate launch set them)
 _PROCESS_GROUP_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",

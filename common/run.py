@@ -484,13 +484,6 @@ def open_tracker(name: str, args, run_dir: Path, fresh: bool):
 _CURRENT: list = []  # the Run of this process, once it has begun (an engine failure checkpoints through it)
 
 
-def current_run_dir() -> Path | None:
-    """The run folder of this process's run once made, or of the run that started this process (async's generator):
-    a vLLM server started by either logs there."""
-    d = os.environ.get("CLEANRLHF_RUN_DIR")
-    return Path(d) if d else None
-
-
 def end_on_engine_failure(e: Exception) -> None:
     """A rollout server failed mid-run (common.errors.EngineFailed): checkpoint what was trained, if anything is
     unsaved (`Run.save_on_failure`), then the error and how to resume in one line; exit 1. With nothing trained

@@ -59,6 +59,7 @@ from common.vllm_engine import (
     as_generation,
     lora_rank_for_vllm,
     merged_state_dict,
+    require_vllm,
     weights_fingerprint,
 )
 
@@ -489,8 +490,6 @@ def make_server_engine(gen, model_path: str, tok, dtype, max_model_len: int | No
     if gen.vllm_server_url:
         return ServerEngine(gen.vllm_server_url, tok, gen.vllm_server_timeout, gen.vllm_server_weights_dir, dtype,
                             main=main, barrier=barrier, lora_rank=lora_rank, transfer=gen.vllm_server_transfer)  # fmt: skip
-    from common.vllm_engine import require_vllm
-
     require_vllm()  # a server started here runs this Python's vLLM (attached: the trainer needs none)
     if several and not gen.vllm_server_port:
         raise UserError("--rollout-engine vllm-server with several processes: give --vllm-server-port (the port the "
@@ -498,9 +497,8 @@ def make_server_engine(gen, model_path: str, tok, dtype, max_model_len: int | No
     port = gen.vllm_server_port or free_port()
 
     def start() -> ServerProcess:
-        from common.run import current_run_dir
-
-        run_dir = current_run_dir()
+        run_dir = os.environ.get("CLEANRLHF_RUN_DIR")  # the run folder (common.run.Run.begin): the server's log there
+        run_dir = Path(run_dir) if run_dir else None
         process = ServerProcess(model_path, port, dtype, max_model_len, seed, gen.vllm_server_args,
                                 gen.vllm_server_devices, gen.vllm_kv_cache_gb,
                                 run_dir / "vllm_server.log" if run_dir else None, lora_rank,

@@ -210,7 +210,7 @@ LAYERS = [
     ),
     ("tensor functions", {"ops", "attention", "optim"}),
     ("models and data files", {"models", "data"}),
-    ("placement, generation, tasks", {"distributed", "rollout", "tasks", "vllm_engine"}),
+    ("placement, generation, tasks", {"distributed", "rollout", "tasks", "vllm_engine", "vllm_server", "engines"}),
     (
         "rewards, environments, a step's sampling, evaluation",
         {"rewards", "remote_rewards", "envs", "sampling", "async_rollout", "eval"},

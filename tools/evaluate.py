@@ -20,10 +20,10 @@ from typing import Annotated, Literal, Optional
 from common import models as M
 from common.args import Check, EnvArgs, Group, NonNegFloat, NonNegInt, PositiveFloat, PositiveInt, group
 from common.data import load_prompts
+from common.engines import tool_engine
 from common.envs import episodes_from_args, evaluate_with_env
 from common.eval import answer, load_any, sampled_metrics, score
 from common.rewards import Reward
-from common.vllm_engine import tool_engine
 
 
 @dataclass

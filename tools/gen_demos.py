@@ -122,8 +122,8 @@ def replay(episodes, row, turns) -> tuple[list[dict], float, dict]:
 
 def from_policy(args, episodes, rows, tok) -> list[tuple[int, list[dict], float, dict]]:
     """K trajectories per prompt from --model through the environment: (prompt index, messages, reward, info)."""
+    from common.engines import tool_engine
     from common.eval import load_any
-    from common.vllm_engine import tool_engine
 
     model = load_any(M.resolve_model_path(args.model), tok).eval()
     engine = tool_engine(

@@ -19,10 +19,10 @@ import tyro
 from common import models as M
 from common.args import Check, PositiveFloat, PositiveInt
 from common.data import load_prompts, read_table, write_rows
+from common.engines import tool_engine
 from common.errors import UserError
 from common.eval import answer, load_any
 from common.rewards import Reward
-from common.vllm_engine import tool_engine
 
 
 @dataclass
