@@ -84,6 +84,7 @@ def _queries():
     return torch.tensor([[0, 7, 8], [9, 10, 11]]), torch.tensor([[0, 1, 1], [1, 1, 1]])
 
 
+@pytest.mark.e2e  # seconds of waiting for a deadline: beside the fast tier
 def test_a_push_that_hangs_is_ended_by_its_timeout(tmp_path):
     from common.errors import EngineFailed
     from common.vllm_engine import merged_state_dict
@@ -99,6 +100,7 @@ def test_a_push_that_hangs_is_ended_by_its_timeout(tmp_path):
     fake.close()
 
 
+@pytest.mark.e2e  # seconds of waiting for a deadline: beside the fast tier
 def test_an_answer_dripped_a_byte_at_a_time_is_bounded_as_a_whole(tmp_path):
     """The deadline bounds the whole request, not each socket read (a reward-service lesson of issue 54)."""
     from common.errors import EngineFailed
