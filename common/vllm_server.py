@@ -72,6 +72,8 @@ _NOT_INHERITED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
                   "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
 
 
+# no proxy: a cluster's HTTP_PROXY would otherwise carry the trainer's calls to its own server (localhost included)
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 LIVE: list = []  # this process's ServerEngines (common.run keeps each step's start state when there is one)
 
 
@@ -91,7 +93,7 @@ class Http:
     def _once(self, path: str, body, timeout: float):
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with _DIRECT.open(req, timeout=timeout) as r:
             raw = r.read()
         try:
             return json.loads(raw) if raw else None

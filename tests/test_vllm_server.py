@@ -131,6 +131,18 @@ def test_attaching_to_a_server_without_its_flags_says_which(route, status, says,
     fake.close()
 
 
+def test_a_proxy_in_the_environment_does_not_carry_the_calls(tmp_path, monkeypatch):
+    """A cluster's HTTP_PROXY (here one where nothing listens) must not carry the trainer's calls to its server."""
+    from common.vllm_server import ServerEngine
+
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    fake = _Fake()
+    engine = ServerEngine(fake.url, TOK, timeout=5, weights_dir=str(tmp_path))  # checks the routes: reached
+    assert engine.http.call("/weight_info") == {"weight_version": "0"}
+    fake.close()
+
+
 def test_no_server_at_the_url_is_one_line(tmp_path):
     from common.errors import EngineFailed
     from common.vllm_server import ServerEngine, free_port
