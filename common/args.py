@@ -315,23 +315,23 @@ class GenerationArgs:
     vllm_lora_sync: Literal["adapter", "merged"] = "adapter"
     """vllm engines with --lora-r: push the adapter alone (a few MB; vLLM applies it) or the merged weights (the
     fallback: also where the adapter has modules_to_save or DoRA)"""
-    vllm_server_url: str = ""
+    vllm_server_url: Annotated[str, RESUME_MAY_CHANGE] = ""
     """vllm-server: a running `vllm serve` to attach to (its flags: docs/distributed.md); empty: start one here"""
-    vllm_server_args: str = ""
+    vllm_server_args: Annotated[str, RESUME_MAY_CHANGE] = ""
     """vllm-server started here: more `vllm serve` flags (e.g. "--tensor-parallel-size 2")"""
-    vllm_server_devices: str = ""
+    vllm_server_devices: Annotated[str, RESUME_MAY_CHANGE] = ""
     """vllm-server started here: its CUDA_VISIBLE_DEVICES (GPUs the trainer does not use)"""
-    vllm_server_port: NonNegInt = 0
+    vllm_server_port: Annotated[NonNegInt, RESUME_MAY_CHANGE] = 0
     """vllm-server started here: its port (0: a free one; several training processes need it given)"""
-    vllm_server_weights_dir: str = ""
+    vllm_server_weights_dir: Annotated[str, RESUME_MAY_CHANGE] = ""
     """vllm-server: the folder the weights are written to for the server to reload (storage both can read;
     empty: a temporary folder, in /dev/shm when it has room)"""
     vllm_server_transfer: Literal["folder", "nccl"] = "folder"
     """vllm-server: how weights go to the server. folder: a safetensors file the server reloads (CPU and GPU);
     nccl: vLLM's NCCL weight transfer from trainer process 0 (GPUs; docs/distributed.md)"""
-    vllm_server_timeout: PositiveFloat = 300.0
+    vllm_server_timeout: Annotated[PositiveFloat, RESUME_MAY_CHANGE] = 300.0
     """vllm-server: seconds each request and each weight push may take before the run ends (checkpointed)"""
-    vllm_server_start_timeout: PositiveFloat = 600.0
+    vllm_server_start_timeout: Annotated[PositiveFloat, RESUME_MAY_CHANGE] = 600.0
     """vllm-server started here: seconds to wait for it to answer /health"""
 
     def sampling(self) -> dict:
