@@ -326,6 +326,16 @@ def test_grpo_learns_from_the_server(served, toy_prompts, tmp_path):
     rewards = [r["train/reward"] for r in rows]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     assert all(r["train/sampler_logprob_diff"] < 1e-3 for r in rows), [r["train/sampler_logprob_diff"] for r in rows]
+    # as users chain runs: the checkpoint's policy folder as the model, the engine from a --config preset
+    policy = only_run(tmp_path) / "checkpoints" / "step_12" / "policy"
+    preset = tmp_path / "server.yaml"
+    preset.write_text(f"rollout_engine: vllm-server\nvllm_server_url: {url}\ntotal_steps: 2\n")
+    flags = _grpo_flags(str(policy), toy_prompts, tmp_path / "next", None, "--config", preset)
+    run_script("grpo_llm.py", *[f for f in flags if f != "--rollout-engine" and f != "vllm-server"],
+               env={"TOY_MODEL": path})  # fmt: skip
+    rows = read_metrics(only_run(tmp_path / "next"))
+    assert len(rows) == 2 and all(r["train/sampler_logprob_diff"] < 1e-3 for r in rows), rows
+    assert sum(r["train/reward"] for r in rows) / 2 > sum(rewards[:3]) / 3  # it starts where the first run ended
 
 
 @pytest.mark.vllm
