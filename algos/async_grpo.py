@@ -35,8 +35,7 @@ from common.args import (
     PackingArgs, PositiveFloat, PositiveInt, PromptArgs, RewardArgs, RunArgs, group,
 )
 from common.async_rollout import (
-    BatchLog, BatchStream, GeneratorProcess, async_launch, ending_on_failure, generator_env, generator_setup, make_mailbox,
-    serve_batches,
+    BatchLog, BatchStream, GeneratorProcess, async_launch, ending_on_failure, generator_setup, make_mailbox, serve_batches,
 )
 from common.cli import cli
 from common.data import Sampler
@@ -252,7 +251,9 @@ def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
     accelerator = make_accelerator(args.model)  # as launched: DDP (a generator per process); --mixed-precision
     device, W, G, K = accelerator.device, accelerator.num_processes, args.group_size, args.max_off_policy_steps
-    generator_threads = async_launch(accelerator, args.dynamic_sampling, K, args.generator_threads, args.gen)  # checks
+    # the checks (before the run folder exists), the generator's torch threads and its CUDA_VISIBLE_DEVICES
+    generator_threads, generator_env = async_launch(accelerator, args.dynamic_sampling, K, args.generator_threads,
+        args.gen, args.generator_device, args.weight_sync)  # fmt: skip
     exact_div(args.num_prompts, W, "--num-prompts over the number of processes")
     local_mini_batch_size = exact_div(args.mini_batch_size, W, "--mini-batch-size over the number of processes")
     exact_div(args.num_prompts * G, args.mini_batch_size, "--num-prompts x --group-size over --mini-batch-size")
@@ -309,7 +310,7 @@ def main(args: Args):
     mailbox = make_mailbox(args.weight_sync, policy_module, run.start_step, ready, args.generator_timeout)
     generator = GeneratorProcess(generate_batches, dict(args=args, rank=accelerator.process_index, W=W,
         first_version=run.start_step, mailbox=mailbox), max_ahead=K + 1, threads=generator_threads,
-        timeout=args.generator_timeout, env=generator_env(device, args.generator_device, args.weight_sync))  # fmt: skip
+        timeout=args.generator_timeout, env=generator_env)  # fmt: skip
     batches.start(generator, run.start_step + 1, sampler.state_dict())
     batch_log, push_s = BatchLog(accelerator, run.dir, run.start_step), 0.0
 

@@ -13,6 +13,7 @@ pickle payload). Outcomes:
     silent       exit code 0: the mistake was accepted (the run did something else than asked)
     hang         no exit within the time limit
     lost run     a fault left no resumable checkpoint (the work of the run is gone)
+    left processes  a process the run started outlived it (async_grpo.py's generator, its reward workers)
     code ran     a planted pickle payload executed (it creates a marker file)
 and, besides, `left a folder`: a failed start that still created a run folder. The tiny model and
 files are made here; cases from tests/test_bad_inputs.py are reused as they are.
@@ -386,6 +387,52 @@ def cases(f) -> list[dict]:
                 "step_N linked to another run",
             )  # fmt: skip
         ],
+        # issue 54: async_grpo.py's generator and trainer under faults (every process gone at the end: no helper
+        # outlives the run); and a /dev/shm too small for its weight mailbox (a 1 MB tmpfs in a mount namespace)
+        *[
+            {
+                "name": f"async: {what}",
+                "kind": "async_fault",
+                "target": target,
+                "signals": sigs,
+                "checkpoint": ckpt,
+                "argv": [
+                    "algos/async_grpo.py",
+                    *run,
+                    "--total-steps",
+                    "30",
+                    "--reward-fn",
+                    f["r_one"],
+                    "--generator-timeout",
+                    "30",
+                    "--reward-workers",
+                    "2",
+                ],
+            }  # fmt: skip
+            for what, target, sigs, ckpt in (
+                ("generator frozen (SIGSTOP) at step 3, --generator-timeout 30", "generator", ["SIGSTOP"], True),
+                ("generator killed (SIGKILL) at step 3", "generator", ["SIGKILL"], True),
+                ("trainer killed (SIGKILL) at step 3", "trainer", ["SIGKILL"], False),
+                ("trainer stopped (SIGTERM) at step 3", "trainer", ["SIGTERM"], True),
+                ("trainer stopped by Ctrl-C twice at step 3", "trainer", ["SIGINT", "SIGINT"], False),
+            )  # fmt: skip
+        ],
+        {
+            "name": "async: /dev/shm of 1 MB (the weight mailbox does not fit)",
+            "kind": "error",
+            "prefix": [
+                "unshare",
+                "-m",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$@"',
+                "sh",
+            ],  # fmt: skip
+            "argv": ["algos/async_grpo.py", *run, "--total-steps", "2", "--reward-fn", f["r_one"]],
+            "started": True,
+        },
         {
             "name": "resume with --total-steps <= the checkpoint's step",
             "kind": "resume_error",
@@ -394,6 +441,38 @@ def cases(f) -> list[dict]:
         },
     ]
     return out
+
+
+def descendants(pid: int) -> set[int]:
+    """The live processes below `pid` (each process's parent, from /proc)."""
+    parents = {q: parent_of(q) for q in map(int, filter(str.isdigit, os.listdir("/proc"))) if alive(q)}
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {q for q, pp in parents.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def _stat(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return ["X", "0"]
+
+
+def parent_of(pid: int) -> int:
+    return int(_stat(pid)[1])
+
+
+def alive(pid: int) -> bool:
+    return _stat(pid)[0] not in ("Z", "X")
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def significant(stderr: str) -> list[str]:
@@ -430,7 +509,7 @@ def run_case(repo: Path, case: dict, cwd: Path, env: dict) -> dict:
     def call(argv, timeout=case.get("timeout", 150)):
         try:
             return subprocess.run(
-                [sys.executable, *argv, "--output-dir", str(cwd / "out")],
+                [*case.get("prefix", []), sys.executable, *argv, "--output-dir", str(cwd / "out")],
                 cwd=cwd,
                 env=env,
                 capture_output=True,
@@ -523,6 +602,42 @@ def run_case(repo: Path, case: dict, cwd: Path, env: dict) -> dict:
             proc = call([script, *flags, *case.get("extra", []), "--resume", str(runs[0].parents[1])])
             outcome = classify_error(proc, cwd)
             detail = (significant(proc.stderr) or [""])[-1][:160] if proc else ""
+    elif kind == "async_fault":  # a signal to the generator (the trainer's multiprocessing child) or the trainer
+        p = subprocess.Popen([sys.executable, *argv, "--output-dir", str(cwd / "out")], cwd=cwd, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        for line in p.stdout:
+            if line.startswith("step 3:"):
+                break
+        started = descendants(p.pid)
+        generator = next((q for q in started if parent_of(q) == p.pid and b"spawn_main" in cmdline(q)), None)
+        target = p.pid if case["target"] == "trainer" else generator
+        for i, name in enumerate(case["signals"]):
+            if target is not None:
+                time.sleep(0.3 if i else 0)
+                os.kill(target, getattr(signal, name))
+        try:
+            _, err = p.communicate(timeout=150)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            err = None
+        time.sleep(2)  # what dies with the trainer (PR_SET_PDEATHSIG) has 2 s
+        left = sorted(q for q in started if alive(q))
+        for q in left:
+            os.kill(q, signal.SIGKILL)
+        ckpts = list((cwd / "out").glob("*/checkpoints/step_*"))
+        if err is None:
+            outcome = "hang"
+        elif left:
+            outcome = "left processes"
+        elif case["checkpoint"] and not ckpts:
+            outcome = "lost run"
+        elif case["target"] == "generator":  # the trainer reports it: one line
+            outcome = "ok" if classify_error(subprocess.CompletedProcess([], p.returncode, "", err), cwd) == "one line" else "traceback" if "Traceback" in err else "multi-line"  # fmt: skip
+        else:
+            outcome = "traceback" if "Traceback" in err else "ok"
+        detail = f"generator {generator}, exit {p.returncode}, {len(started)} processes, left {left}, " + (
+            f"checkpoints {sorted(c.name for c in ckpts)}: {(significant(err or '') or [''])[-1][:100]}"
+        )
     elif kind == "tamper":  # two runs of 2 steps (a checkpoint each step); the first is tampered with, then resumed
         import shutil
 
@@ -587,7 +702,7 @@ def main():
                 out.write(json.dumps(r) + "\n")
     counts = Counter(r["outcome"] for r in results)
     print(f"\n{repo} ({len(results)} cases)\n\n| outcome | cases |\n|---|---|")
-    for k in ("one line", "ok", "multi-line", "traceback", "silent", "hang", "lost run", "code ran"):
+    for k in ("one line", "ok", "multi-line", "traceback", "silent", "hang", "lost run", "left processes", "code ran"):
         print(f"| {k} | {counts.get(k, 0)} |")
     print(f"| (failed start left a run folder) | {sum(r['left_folder'] for r in results)} |")
 

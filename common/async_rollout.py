@@ -587,11 +587,12 @@ class BatchLog:
         return staleness
 
 
-def async_launch(accelerator, dynamic_sampling: bool, max_off_policy_steps: int, generator_threads: int, gen) -> int:
-    """async_grpo.py's checks and threads: it runs in one process or under DDP (a push takes each trainer process's
-    whole weights), dynamic sampling in one process only (each generator would resample on its own), one generator
-    per vLLM server (GenerationArgs `gen`). Sets this process's torch threads and returns the generator's
-    (split_threads)."""
+def async_launch(accelerator, dynamic_sampling: bool, max_off_policy_steps: int, generator_threads: int, gen,
+                 generator_device: str, route: str) -> tuple[int, dict]:  # fmt: skip
+    """async_grpo.py's checks and threads, before its run folder exists: it runs in one process or under DDP (a push
+    takes each trainer process's whole weights), dynamic sampling in one process only (each generator would resample
+    on its own), one generator per vLLM server (GenerationArgs `gen`), a --generator-device this machine has. Sets
+    this process's torch threads; returns the generator's (split_threads) and its environment (generator_env)."""
     if str(accelerator.distributed_type).split(".")[-1] not in ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU"):
         raise UserError(f"async_grpo.py runs one process or DDP, not {accelerator.distributed_type}: a push takes "
                         "the policy's whole weights from each trainer process (docs/async.md)")  # fmt: skip
@@ -605,9 +606,10 @@ def async_launch(accelerator, dynamic_sampling: bool, max_off_policy_steps: int,
         # each process's generator pushes its own versions: on one server they would overwrite each other's mid-batch
         raise UserError("async_grpo.py --rollout-engine vllm-server with several processes: each process's generator "
                         "needs its own server (leave --vllm-server-url and --vllm-server-port empty: each starts one)")  # fmt: skip
+    env = generator_env(accelerator.device, generator_device, route)
     trainer_threads, generator_threads = split_threads(max_off_policy_steps, generator_threads)
     torch.set_num_threads(trainer_threads)
-    return generator_threads
+    return generator_threads, env
 
 
 @contextlib.contextmanager

@@ -137,6 +137,66 @@ def accelerate_launch(config="cpu_2proc", processes=None) -> list[str]:
     return [*cmd, "--main_process_port", "0", *(["--num_processes", str(processes)] if processes else [])]
 
 
+def accelerate_ranks(config="cpu_2proc", processes=None, env=None) -> list[dict]:
+    """The environment of each process `accelerate launch` (accelerate_launch's command) would start: accelerate's
+    own launch_command, up to the call that hands the environment it made to torchrun, then the variables torchrun's
+    agent adds per rank (rank, world size, rendezvous address; the store hosted by rank 0, as no agent runs).
+    tests/test_house.py checks this against a real launch for every CPU config."""
+    from unittest import mock
+
+    import torch.distributed.run as distrib_run
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    seen = {}
+
+    def torchrun(args):  # the environment and the flags accelerate hands torchrun
+        seen.update(env=dict(os.environ), n=int(args.nproc_per_node), port=args.master_port)
+
+    argv = [*accelerate_launch(config, processes)[3:], str(REPO / "algos" / "x.py")]
+    with mock.patch.dict(os.environ, env or {}), mock.patch.object(distrib_run, "run", torchrun):
+        launch_command(launch_command_parser().parse_args(argv))
+    n, base = seen["n"], seen["env"]
+    agent = dict(GROUP_RANK="0", ROLE_NAME="default", LOCAL_WORLD_SIZE=str(n), WORLD_SIZE=str(n), GROUP_WORLD_SIZE="1",
+                 ROLE_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(seen["port"]),
+                 TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none",
+                 TORCHELASTIC_USE_AGENT_STORE="False", TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+                 TORCH_NCCL_ASYNC_ERROR_HANDLING=base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"))  # fmt: skip
+    return [{**base, **agent, "RANK": str(r), "ROLE_RANK": str(r), "LOCAL_RANK": str(r)} for r in range(n)]
+
+
+def launch_ranks(script, *flags, env=None, config="cpu_2proc", processes=None, timeout=600):
+    """`accelerate launch --config_file configs/accelerate/CONFIG.yaml algos/SCRIPT flags`, its processes forked from
+    the test zygote (tests/zygote.py: the imports done once, and no launcher process) with the environment the launch
+    would give each (accelerate_ranks); a fresh `accelerate launch` where the zygote cannot serve it (an import-time
+    variable differs; CLEANRLHF_TEST_ZYGOTE=0). Returns the CompletedProcess (every rank's output; the first
+    failure's code). A 2-process launch of the tests spent ~16 of its ~27 CPU seconds starting: the launcher's
+    imports and each worker's."""
+    cmd = [*accelerate_launch(config, processes), str(REPO / "algos" / script), *map(str, flags)]
+    full = {**os.environ, **(env or {})}
+    if _UNTIERED:
+        _UNTIERED[0](cmd)
+    deepspeed = "DEEPSPEED" in (REPO / f"configs/accelerate/{config}.yaml").read_text()  # its launcher adds PYTHONPATH
+    if os.environ.get("CLEANRLHF_TEST_ZYGOTE", "1") != "0" and not deepspeed:
+        from zygote import Zygote, import_env
+
+        ranks = accelerate_ranks(config, processes, env)
+        key = import_env(full)
+        if key not in _ZYGOTE and len(_ZYGOTE) < 3:
+            import atexit
+            import tempfile
+
+            _ZYGOTE[key] = Zygote(Path(tempfile.mkdtemp(prefix="zygote-")), full)
+            atexit.register(_ZYGOTE[key].close)
+        z = _ZYGOTE.get(key)
+        argv = [sys.executable, str(REPO / "algos" / script), *map(str, flags)]
+        if z is not None and all(z.serves(argv, r, Path.cwd()) for r in ranks):
+            if os.environ.get("CLEANRLHF_ZYGOTE_LOG"):
+                with open(os.environ["CLEANRLHF_ZYGOTE_LOG"], "a") as f:
+                    f.write(f"served {script} ranks={len(ranks)}\n")
+            return z.run_ranks(argv, ranks, timeout, Path.cwd())
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full)
+
+
 TIERS = ("smoke", "e2e", "distributed", "vllm", "slow")
 
 
@@ -157,7 +217,7 @@ def pytest_collection_modifyitems(config, items):
         if "served" in names:  # test_vllm_server.py: its module's server (a process of its own, beside the engines)
             item.add_marker(pytest.mark.xdist_group("vllm_server"))
             continue
-        for marker, group in (("vllm", "vllm"), ("slow", "smollm2")):
+        for marker, group in (("vllm", "vllm"), ("slow", "smollm2"), ("smoke", "smoke")):
             if item.get_closest_marker(marker):
                 item.add_marker(pytest.mark.xdist_group(group))
                 break

@@ -193,6 +193,76 @@ def test_the_generator_does_not_outlive_a_killed_trainer(tmp_path):
     assert gone() and time.time() - t0 < 1.5, time.time() - t0
 
 
+def _descendants(pid: int) -> set[int]:
+    """The live processes below `pid` (by each process's parent in /proc)."""
+    import os
+
+    parent = {}
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if stat[0] not in ("Z", "X"):
+            parent[int(p)] = int(stat[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("how", ["SIGTERM", "double Ctrl-C"])
+def test_a_stopped_trainer_takes_its_generator_and_the_generators_helpers_with_it(how, tiny_peaky, toy_prompts,
+                                                                                  tmp_path):  # fmt: skip
+    """async_grpo.py stopped at step 2, by SIGTERM (a scheduler's stop: the step finishes, then its checkpoint) or
+    by Ctrl-C twice (the second one means "stop now": no checkpoint): it ends within seconds, with no traceback, and
+    no process it started is left: the generator, its reward workers (--reward-workers 2) or their children."""
+    import os
+    import signal
+    import sys
+
+    flags = _flags(tiny_peaky, toy_prompts, tmp_path / "out", "--total-steps", 50, "--reward-workers", 2)
+    trainer = subprocess.Popen([sys.executable, str(REPO / "algos/async_grpo.py"), *map(str, flags)], text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "TOY_MODEL": tiny_peaky})  # fmt: skip
+    try:
+        for line in trainer.stdout:
+            if line.startswith("step 2:"):
+                break
+        helpers = _descendants(trainer.pid)
+        assert len(helpers) >= 3, helpers  # the generator and its 2 reward workers (at least)
+        if how == "SIGTERM":
+            trainer.send_signal(signal.SIGTERM)
+        else:
+            trainer.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+            trainer.send_signal(signal.SIGINT)
+        t0 = time.time()
+        out, err = trainer.communicate(timeout=120)
+    finally:
+        trainer.kill()
+    assert trainer.returncode != 0 and time.time() - t0 < 60, err[-2000:]
+    assert "Traceback" not in err, err[-3000:]
+    deadline = time.time() + 5
+    while _descendants_alive(helpers) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _descendants_alive(helpers), _descendants_alive(helpers)
+    saved = list((only_run(tmp_path / "out") / "checkpoints").glob("step_*"))
+    assert bool(saved) == (how == "SIGTERM"), (saved, err[-2000:])  # SIGTERM: the step it stopped, saved
+
+
+def _descendants_alive(pids) -> set[int]:
+    alive = set()
+    for p in pids:
+        try:
+            if open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                alive.add(p)
+        except OSError:
+            pass
+    return alive
+
+
 def _slow_to_start(put, setup_s, then_hang):
     """A generator target: `setup_s` seconds of setup (imports, model load), one batch, then silence if `then_hang`."""
     time.sleep(setup_s)

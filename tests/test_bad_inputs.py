@@ -158,6 +158,9 @@ if not __import__("torch").cuda.is_available():  # the refusal of a machine with
     CASES.append(("sft_llm.py", ["--load-in-4bit", "--lora-r", "4"], "--load-in-4bit: QLoRA needs a CUDA GPU"))
     CASES.append(("grpo_llm.py", ["--rollout-engine", "vllm-server", "--vllm-server-transfer", "nccl"],
                   "--vllm-server-transfer nccl needs GPUs"))  # fmt: skip
+CASES += [  # a generator device this machine lacks: refused before the run folder exists (it was left empty)
+    ("async_grpo.py", ["--generator-device", "cuda:3"], "--generator-device cuda:3: the trainer runs on cpu")
+]
 CASES += [  # a vLLM server that is not there (port 9: nothing listens), or is not vLLM (checked before any model work)
     ("ppo_llm.py", ["--rollout-engine", "vllm-server", "--vllm-server-url", "http://127.0.0.1:9"],
      "--vllm-server-url http://127.0.0.1:9: no vLLM server answers"),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, accelerate_launch, only_run, read_metrics, run_script
+from conftest import REPO, accelerate_launch, launch_ranks, only_run, read_metrics, run_script
 
 TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
 
@@ -24,12 +24,12 @@ RUN_ALL_SCRIPTS = ("DDP", "FSDP", "ZERO3")  # every script under these; ZeRO-2 i
 
 
 def launch(script, *flags, env=None, config="cpu_2proc", processes=None):
-    cmd = [*accelerate_launch(config, processes), str(REPO / "algos" / script), *map(str, flags)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    """`accelerate launch` of a script that must succeed (conftest.launch_ranks: its ranks forked warm)."""
+    proc = launch_ranks(script, *flags, env=env, config=config, processes=processes)
     if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
         # seen once in CI (1 of ~50 launches, a ZeRO-3 child, after its outputs were written; 4 of 4 reruns
         # passed): a C++ thread aborting the interpreter's exit. Rerun once; any other failure fails at once.
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+        proc = launch_ranks(script, *flags, env=env, config=config, processes=processes)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 
@@ -163,21 +163,9 @@ def test_two_processes_offline_scripts(script, flags, kind, tiny, tmp_path):
 
 @pytest.mark.distributed
 def test_batch_not_divisible_by_processes_names_the_flag(tiny, tmp_path):
-    cmd = [
-        *accelerate_launch("cpu_2proc"),
-        str(REPO / "algos/ppo_llm.py"),
-        "--model-name-or-path",
-        tiny,
-        "--output-dir",
-        str(tmp_path),
-        "--batch-size",
-        "3",
-        "--mini-batch-size",
-        "3",
-        "--micro-batch-size",
-        "1",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    flags = ["--model-name-or-path", tiny, "--output-dir", tmp_path, "--batch-size", 3, "--mini-batch-size", 3,
+             "--micro-batch-size", 1]  # fmt: skip
+    proc = launch_ranks("ppo_llm.py", *flags)
     assert proc.returncode != 0 and "--batch-size over the number of processes: 3 is not divisible by 2" in proc.stderr
 
 

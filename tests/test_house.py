@@ -185,6 +185,65 @@ def test_the_fast_tier_guard_fails_an_unmarked_launch():
     assert subprocess.run(["git", "--version"], capture_output=True).returncode == 0
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("config", ["cpu_2proc", "cpu_2proc_fsdp2"])
+def test_warm_launched_ranks_get_the_environment_accelerate_launch_gives(config, tmp_path):
+    """conftest.launch_ranks forks a launch's processes from the test zygote instead of running `accelerate launch`:
+    each gets the environment a real launch gives its workers (a script that records it, under both), but for
+    the rendezvous port (free, per launch), the agent's store (hosted by rank 0: no agent) and its error files."""
+    import subprocess
+
+    from conftest import accelerate_launch, accelerate_ranks
+
+    probe = tmp_path / "envdump.py"
+    probe.write_text("import json, os, sys\nopen(os.path.join(sys.argv[1], os.environ['RANK']), 'w').write("
+                     "json.dumps(dict(os.environ)))\n")  # fmt: skip
+    proc = subprocess.run([*accelerate_launch(config), str(probe), str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ours = accelerate_ranks(config)
+    assert len(ours) == 2
+    for rank, env in enumerate(ours):
+        real = json.loads((tmp_path / str(rank)).read_text())
+        differ = {k for k in set(real) | set(env) if real.get(k) != env.get(k)} - {"COLUMNS", "LINES"}  # a terminal's
+        assert differ == {"MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE"}, differ
+    assert ours[0]["ACCELERATE_USE_FSDP" if "fsdp" in config else "ACCELERATE_MIXED_PRECISION"]
+
+
+@pytest.mark.e2e
+def test_the_zygote_runs_ranks_together_and_ends_them_as_torchrun_does(tmp_path):
+    """Zygote.run_ranks: the ranks run at once (each waits for the other's file), every rank's output comes back,
+    and when one fails the others are ended (SIGTERM) with the failure's exit code, not left waiting."""
+    import os
+    import sys
+    import time
+
+    from zygote import Zygote
+
+    from conftest import REPO as repo
+
+    z = Zygote(tmp_path / "z")
+    try:
+        script = repo / "algos" / "_rank_probe.py"  # the zygote serves scripts of algos/ only: a temporary one
+        script.write_text(
+            "import os, sys, time, pathlib\nd = pathlib.Path(sys.argv[1]); r = os.environ['RANK']\n"
+            "(d / r).write_text(r)\nfor _ in range(100):\n    if len(list(d.iterdir())) == 2: break\n"
+            "    time.sleep(0.05)\nelse: sys.exit(3)\nprint('rank', r, 'saw both')\n"
+            "if r == '1' and len(sys.argv) > 2: sys.exit(5)\nif len(sys.argv) > 2: time.sleep(60)\n"
+        )
+        envs = [{**os.environ, "RANK": str(r)} for r in range(2)]
+        (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+        argv = [sys.executable, str(script), str(tmp_path / "a")]
+        proc = z.run_ranks(argv, envs, 60, repo)
+        assert proc.returncode == 0 and "rank 0 saw both" in proc.stdout and "rank 1 saw both" in proc.stdout
+        t0 = time.monotonic()
+        proc = z.run_ranks([*argv[:2], str(tmp_path / "b"), "fail"], envs, 60, repo)
+        assert proc.returncode == 5 and time.monotonic() - t0 < 20  # rank 0's 60 s sleep was ended
+    finally:
+        script.unlink(missing_ok=True)
+        z.close()
+
+
 def test_accelerate_launches_take_a_free_port():
     """Tests launch `accelerate launch` only through conftest.accelerate_launch (`--main_process_port 0`): with the
     launcher's default port, two launches starting at once on two xdist workers both took 29500 and one failed

@@ -118,23 +118,32 @@ def _renamed_fork_exec(shell_command):
     )
 
 
-def _sandbox_processes() -> set[int]:
-    """Host pids of the tool's processes (their command line names the sandbox's mount point)."""
-    found = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if b"cleanrlhf_tool_" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.add(int(pid))
-        except OSError:
-            pass
-    return found
+@pytest.fixture
+def sandbox_processes(monkeypatch, request):
+    """This test's tool processes, as host pids: their command line names the sandbox's mount point, which gets a
+    prefix of this test's own here (under xdist the other worker's calls are not this test's)."""
+    tag = f"cleanrlhf_tool_{os.getpid()}_{abs(hash(request.node.nodeid))}_"
+    real = sandbox.tempfile.mkdtemp
+    monkeypatch.setattr(sandbox.tempfile, "mkdtemp", lambda prefix=None, **kw: real(prefix=tag, **kw))
+
+    def scan() -> set[int]:
+        found = set()
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if tag.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.add(int(pid))
+            except OSError:
+                pass
+        return found
+
+    return scan
 
 
 @pytest.mark.parametrize("kw", LAYERS)
-def test_no_process_gets_out_or_outlives_the_call(kw, tmp_path):
+def test_no_process_gets_out_or_outlives_the_call(kw, tmp_path, sandbox_processes):
     """A process started through a renamed _posixsubprocess (no audit event), one left behind in a new session, a
     fork bomb: none writes outside, none is left after the call, the bomb stops at RLIMIT_NPROC."""
-    before = _sandbox_processes()
+    before = sandbox_processes()
     target = tmp_path / "by_shell.txt"
     out = tool(_renamed_fork_exec(f"echo x > {target}"), **kw)
     assert out.count("refused") == out.count("OSError:2:") == 3 and "started" not in out, (
@@ -153,7 +162,7 @@ def test_no_process_gets_out_or_outlives_the_call(kw, tmp_path):
         )
         assert out.startswith("stopped after") and int(out.split()[2]) <= 32, out
     time.sleep(0.5)
-    assert _sandbox_processes() <= before  # every process of the call died with its PID namespace
+    assert sandbox_processes() <= before  # every process of the call died with its PID namespace
 
 
 @pytest.mark.parametrize("kw", LAYERS)
@@ -227,12 +236,12 @@ def test_where_namespaces_are_refused_the_tool_names_the_weaker_mode(monkeypatch
     assert ok and out == "1"
 
 
-def test_a_killed_call_takes_its_whole_namespace_with_it():
-    before = _sandbox_processes()
+def test_a_killed_call_takes_its_whole_namespace_with_it(sandbox_processes):
+    before = sandbox_processes()
     out, ok = run_python("import os, time\nfor _ in range(3):\n    os.fork()\ntime.sleep(30)", timeout=1.0, _hook=False)
     assert not ok and "timed out" in out
     time.sleep(0.5)
-    assert _sandbox_processes() <= before  # SIGKILL to its process group; pid 1's death ended the rest
+    assert sandbox_processes() <= before  # SIGKILL to its process group; pid 1's death ended the rest
 
 
 @pytest.mark.parametrize("kw", LAYERS)

@@ -20,7 +20,7 @@ from test_distributed import (
     ppo_one_update_flags,
 )
 
-from conftest import REPO, accelerate_launch, only_run, read_metrics, run_script
+from conftest import REPO, accelerate_launch, launch_ranks, only_run, read_metrics, run_script
 
 pytestmark = pytest.mark.distributed
 
@@ -218,8 +218,9 @@ def test_tp_refusals_name_the_flag(tiny, tmp_path):
     line = next(x for x in lora.stderr.splitlines() if "--tp-size 2 with --lora-r" in x)
     assert lora.stderr.count(line) >= 2 and sum(x == line for x in lora.stderr.splitlines()) == 1
     assert "error_file: <N/A>" not in lora.stderr, lora.stderr[-3000:]
-    vllm = launch_unchecked("grpo_llm.py", *base, "--tp-size", 2, "--rollout-engine", "vllm")
+    # (the launcher's part checked once, above: these two as conftest.launch_ranks forks the ranks)
+    vllm = launch_ranks("grpo_llm.py", *base, "--tp-size", 2, "--rollout-engine", "vllm")
     assert vllm.returncode != 0 and "--rollout-engine vllm with --tp-size 2" in vllm.stderr
-    fsdp = launch_unchecked("grpo_llm.py", *base, "--tp-size", 2, config="cpu_2proc_fsdp2")
+    fsdp = launch_ranks("grpo_llm.py", *base, "--tp-size", 2, config="cpu_2proc_fsdp2")
     assert fsdp.returncode != 0 and "--tp-size 2 under FSDP: with more processes than --tp-size" in fsdp.stderr
     assert not any(tmp_path.iterdir())

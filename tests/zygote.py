@@ -28,6 +28,12 @@ REPO = Path(__file__).resolve().parents[1]
 IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA",
                         "NCCL", "PYTHON", "LD_", "TOKENIZERS", "XDG_", "HOME", "TMPDIR", "SAFETENSORS", "DATASETS",
                         "NUMEXPR", "OPENBLAS", "CLEANRLHF_CACHE")  # fmt: skip
+# What torchrun's agent sets for each rank (torch.distributed.elastic's local agent), read when a process group is
+# made, not at import: a rank of a launch (run_ranks) may differ from the zygote in these.
+ELASTIC = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+           "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+           "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+           "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_SIGNALS_TO_HANDLE")  # fmt: skip
 
 
 def _child(req: dict) -> None:
@@ -169,39 +175,72 @@ class Zygote:
         ours = ours or (argv[1] != "-m" and Path(argv[1]).resolve().parent == REPO / "algos")
         if self.proc.poll() is not None or not ours:
             return False
-        differ = {k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k)}
+        differ = {k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k)} - set(ELASTIC)
         return not any(k.startswith(IMPORT_TIME_PREFIXES) for k in differ)
 
     def run(self, argv: list[str], env: dict, timeout: float, cwd: Path):
         """`argv` run by a child: a subprocess.CompletedProcess; subprocess.TimeoutExpired after `timeout` s (the
         child killed, as subprocess.run does)."""
+        return self.run_ranks(argv, [env], timeout, cwd)
+
+    def run_ranks(self, argv: list[str], envs: list[dict], timeout: float, cwd: Path):
+        """`argv` run by one child per environment at once (the ranks of a launch: conftest.launch_ranks), as
+        torchrun's agent runs them: when one fails, the others get SIGTERM, then SIGKILL 10 s later. A
+        CompletedProcess whose output is every child's in rank order, its code the first failure's (0 if none)."""
         import signal
         import subprocess
+        import time
 
-        self.n += 1
-        out, err = self.dir / f"{self.n}.out", self.dir / f"{self.n}.err"
-        req = dict(argv=argv, env=env, cwd=str(cwd), stdout=str(out), stderr=str(err))
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(self.path)
-        conn.sendall(json.dumps(req).encode() + b"\n")
-        reader = conn.makefile("r")
-        pid = int(reader.readline())
-        conn.settimeout(timeout)
-        try:
-            code = int(reader.readline())
-        except (TimeoutError, socket.timeout, ValueError):
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            conn.close()
-            raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text()) from None
-        finally:
-            reader.close()
-        conn.close()
-        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
-        out.unlink(), err.unlink()
-        return subprocess.CompletedProcess(argv, code, stdout, stderr)
+        children = []
+        for env in envs:
+            self.n += 1
+            out, err = self.dir / f"{self.n}.out", self.dir / f"{self.n}.err"
+            req = dict(argv=argv, env=env, cwd=str(cwd), stdout=str(out), stderr=str(err))
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(self.path)
+            conn.sendall(json.dumps(req).encode() + b"\n")
+            c = dict(conn=conn, buf=b"", out=out, err=err, code=None)
+            while b"\n" not in c["buf"]:  # its pid (unbuffered reads: the code line may follow in the same recv)
+                c["buf"] += conn.recv(64) or b"-9\n"
+            line, c["buf"] = c["buf"].split(b"\n", 1)
+            children.append(c | dict(pid=int(line)))
+
+        def kill(sig):
+            for c in children:
+                if c["code"] is None:
+                    try:
+                        os.killpg(c["pid"], sig)
+                    except ProcessLookupError:
+                        pass
+
+        deadline, stop_at, first = time.monotonic() + timeout, None, 0  # first: the first failure's exit code
+        while any(c["code"] is None for c in children):
+            pending = [c for c in children if c["code"] is None]
+            ready, _, _ = select.select([c["conn"] for c in pending if b"\n" not in c["buf"]], [], [], 0.5)
+            for c in pending:
+                if c["conn"] in ready:
+                    c["buf"] += c["conn"].recv(64) or b"-9\n"  # a closed socket: the zygote died
+                if b"\n" in c["buf"]:
+                    c["code"] = int(c["buf"].split(b"\n", 1)[0])
+                    first = first if first or not c["code"] else c["code"]
+            if first and stop_at is None:
+                kill(signal.SIGTERM)
+                stop_at = time.monotonic() + 10
+            if stop_at is not None and time.monotonic() > stop_at:
+                kill(signal.SIGKILL)
+            if time.monotonic() > deadline:
+                kill(signal.SIGKILL)
+                for c in children:
+                    c["conn"].close()
+                text = lambda key: "".join(c[key].read_text(errors="replace") for c in children)  # noqa: E731
+                raise subprocess.TimeoutExpired(argv, timeout, text("out"), text("err"))
+        stdout = stderr = ""
+        for c in children:
+            c["conn"].close()
+            stdout += c["out"].read_text(errors="replace")
+            stderr += c["err"].read_text(errors="replace")
+            c["out"].unlink(), c["err"].unlink()
+        return subprocess.CompletedProcess(argv, first, stdout, stderr)
 
     def close(self) -> None:
         self.proc.kill()
