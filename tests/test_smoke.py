@@ -120,7 +120,7 @@ def test_a_copied_and_edited_script_passes_the_suite(tiny_peaky, toy_prompts, tm
 
     (tree / "algos" / "ppo_no_critic.py").write_text(strip_marked((tree / "algos" / "ppo_llm.py").read_text()))
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "tests/test_house.py",
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-n", "0", "-p", "no:cacheprovider", "tests/test_house.py",
          "tests/test_smoke.py::test_script_runs_two_steps[grpo_idea.py]",
          "tests/test_smoke.py::test_script_runs_two_steps[ppo_no_critic.py]"],
         cwd=tree, capture_output=True, text=True, timeout=900,
