@@ -251,9 +251,8 @@ def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
     accelerator = make_accelerator(args.model)  # as launched: DDP (a generator per process); --mixed-precision
     device, W, G, K = accelerator.device, accelerator.num_processes, args.group_size, args.max_off_policy_steps
-    # the checks (before the run folder exists), the generator's torch threads and its CUDA_VISIBLE_DEVICES
     generator_threads, generator_env = async_launch(accelerator, args.dynamic_sampling, K, args.generator_threads,
-        args.gen, args.generator_device, args.weight_sync)  # fmt: skip
+        args.gen, args.generator_device, args.weight_sync)  # checks; the generator's threads and devices  # fmt: skip
     exact_div(args.num_prompts, W, "--num-prompts over the number of processes")
     local_mini_batch_size = exact_div(args.mini_batch_size, W, "--mini-batch-size over the number of processes")
     exact_div(args.num_prompts * G, args.mini_batch_size, "--num-prompts x --group-size over --mini-batch-size")
