@@ -13,7 +13,8 @@ pickle payload). Outcomes:
     silent       exit code 0: the mistake was accepted (the run did something else than asked)
     hang         no exit within the time limit
     lost run     a fault left no resumable checkpoint (the work of the run is gone)
-    left processes  a process the run started outlived it (async_grpo.py's generator, its reward workers)
+    left processes  a process the run started outlived it (any case: each runs with a marker in its environment,
+                 looked for in /proc after it ends)
     code ran     a planted pickle payload executed (it creates a marker file)
 and, besides, `left a folder`: a failed start that still created a run folder. The tiny model and
 files are made here; cases from tests/test_bad_inputs.py are reused as they are.
@@ -503,7 +504,32 @@ def for_revision(repo: Path, argv: list[str]) -> list[str]:
     return out
 
 
+def marked(marker: str) -> list[int]:
+    """The processes whose environment holds `marker` (each case's processes inherit it): what a case left."""
+    found = []
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        try:
+            if marker.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") and alive(pid):
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
 def run_case(repo: Path, case: dict, cwd: Path, env: dict) -> dict:
+    marker = f"CLEANRLHF_BAD_INPUT_CASE={cwd}"
+    result = _run_case(repo, case, cwd, {**env, "CLEANRLHF_BAD_INPUT_CASE": str(cwd)})
+    time.sleep(1)  # what dies with the run (PR_SET_PDEATHSIG, a pool's shutdown) has a second
+    left = marked(marker)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    if left:  # (a hang stays a hang: its processes were killed at the time limit's end, not by the run)
+        outcome = result["outcome"] if result["outcome"] == "hang" else "left processes"
+        result |= {"outcome": outcome, "detail": f"{len(left)} processes left: {result['detail']}"}
+    return result
+
+
+def _run_case(repo: Path, case: dict, cwd: Path, env: dict) -> dict:
     case = {**case, "argv": for_revision(repo, case["argv"])}
 
     def call(argv, timeout=case.get("timeout", 150)):

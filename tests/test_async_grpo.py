@@ -216,7 +216,7 @@ def _descendants(pid: int) -> set[int]:
 @pytest.mark.parametrize("how", ["SIGTERM", "double Ctrl-C"])
 def test_a_stopped_trainer_takes_its_generator_and_the_generators_helpers_with_it(how, tiny_peaky, toy_prompts,
                                                                                   tmp_path):  # fmt: skip
-    """async_grpo.py stopped at step 2, by SIGTERM (a scheduler's stop: the step finishes, then its checkpoint) or
+    """async_grpo.py stopped after step 1, by SIGTERM (a scheduler's stop: the step finishes, then its checkpoint) or
     by Ctrl-C twice (the second one means "stop now": no checkpoint): it ends within seconds, with no traceback, and
     no process it started is left: the generator, its reward workers (--reward-workers 2) or their children."""
     import os
@@ -228,7 +228,7 @@ def test_a_stopped_trainer_takes_its_generator_and_the_generators_helpers_with_i
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "TOY_MODEL": tiny_peaky})  # fmt: skip
     try:
         for line in trainer.stdout:
-            if line.startswith("step 2:"):
+            if line.startswith("step 1:"):
                 break
         helpers = _descendants(trainer.pid)
         assert len(helpers) >= 3, helpers  # the generator and its 2 reward workers (at least)

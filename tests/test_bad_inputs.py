@@ -811,3 +811,88 @@ def test_a_damaged_json_file_in_a_model_folder_is_one_line(tiny, tmp_path, name)
     for load in loaders:
         with pytest.raises(UserError, match=rf"model .*bad: {name} is damaged \(not valid JSON"):
             load(str(bad))
+
+
+HUNG_ENV = """import signal, time
+
+from common.envs import Environment
+
+
+class Env(Environment):
+    def step(self, text, ids):  # deaf to the timeout's signals, then asleep for good
+        for s in (signal.SIGALRM, signal.SIGRTMIN + 3):
+            signal.signal(s, signal.SIG_IGN)
+        time.sleep(10000)
+"""
+
+
+def processes_marked(marker: str) -> list[int]:
+    """The live processes whose environment holds `marker` (a run's processes inherit its environment)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker.encode() in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"):
+                if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.e2e
+def test_runs_on_a_hung_environment_or_a_hung_service_leave_no_process(tiny, toy_prompts, tmp_path):
+    """A GRPO run whose environment hangs in its step, deaf to signals (in a worker: killed at --env-timeout),
+    and one whose reward service accepts and never answers (each request bounded by --service-timeout, then
+    --reward-fallback): each finishes its step, and no process it started outlives it. Each run's environment
+    carries a marker, looked for in /proc after it ends (a fresh process: a zygote child's /proc environ is the
+    zygote's)."""
+    import socket
+    import threading
+    import time
+
+    (tmp_path / "hung.py").write_text(HUNG_ENV)
+    server, held = socket.socket(), []
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    threading.Thread(target=lambda: [held.append(server.accept()) for _ in iter(int, 1)], daemon=True).start()
+    url = f"http://127.0.0.1:{server.getsockname()[1]}/score"
+    base = ["--model-name-or-path", tiny, "--train-files", toy_prompts, "--num-prompts", 2, "--group-size", 2,
+            "--mini-batch-size", 4, "--micro-batch-size", 4, "--max-new-tokens", 4, "--eval-every", 0,
+            "--total-steps", 1]  # fmt: skip
+    runs = {
+        "environment": [
+            "--reward-fn",
+            TOY_REWARD,
+            "--env",
+            f"{tmp_path}/hung.py:Env",
+            "--env-timeout",
+            1,
+            "--max-turns",
+            2,
+        ],  # fmt: skip
+        "service": [
+            "--reward",
+            "remote:1.0",
+            "--reward-url",
+            url,
+            "--service-timeout",
+            1,
+            "--service-retries",
+            0,
+            "--reward-fallback",
+            0,
+        ],  # fmt: skip
+    }
+    try:
+        for name, flags in runs.items():
+            marker = f"CLEANRLHF_TEST_RUN={tmp_path / name}"
+            proc = run_script("grpo_llm.py", *base, *flags, "--output-dir", tmp_path / name, fresh=True,
+                              env={"TOY_MODEL": tiny, "CLEANRLHF_TEST_RUN": str(tmp_path / name)})  # fmt: skip
+            metrics = read_metrics(only_run(tmp_path / name))
+            errors = metrics[-1]["env/errors" if name == "environment" else "reward/errors"]
+            assert metrics[-1]["step"] == 1 and errors > 0, (name, metrics[-1])
+            time.sleep(1)
+            assert not processes_marked(marker), (name, processes_marked(marker), proc.stderr[-2000:])
+        assert held  # the service was called (and never answered)
+    finally:
+        server.close()
