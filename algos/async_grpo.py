@@ -235,7 +235,7 @@ def generate_batches(put, args: Args, rank: int, W: int, first_step: int, first_
     def sample_groups(step, round_) -> Rollout:
         """One global draw of prompts; this rank's share, each repeated G times, sampled and scored."""
         rows, seeds = draw_rows(sampler, train_rows, args.num_prompts, rank, W, args.run.seed, step, G, round_)
-        with unwrap_for_generation(accelerator, policy) as gen_model:  # one turn, or --env's trajectories
+        with unwrap_for_generation(accelerator, policy, engine) as gen_model:  # one turn, or --env's trajectories
             return sample(gen_model, tok, rows, reward, episodes, policy.device, seeds, engine, **args.gen.sampling())
 
     def sample_batch(step):  # -> (Rollout, rounds, n_filled); DAPO's dynamic sampling: one trainer process

@@ -224,6 +224,7 @@ def main(args: Args):
                 "off-policy steps, need the whole vocabulary)"
             )
         teacher = VLLMEngine(str(M.resolve_model_path(args.teacher)), tok, max_len, args.run.seed,
+                             dtype=M.default_dtype(), enforce_eager=args.gen.enforce_eager(),
                              gpu_memory_utilization=args.gen.vllm_gpu_memory_utilization,
                              kv_cache_gb=args.gen.vllm_kv_cache_gb, trust_remote_code=args.model.trust_remote_code)  # fmt: skip
     opt, sched = adamw(policy, args.optim, args.run.total_steps)
@@ -259,7 +260,7 @@ def main(args: Args):
         )
         if on_policy:
             seeds = [mix_seed(args.run.seed, step, r * local_batch + j) for j in range(len(rows))]
-            with unwrap_for_generation(accelerator, policy) as gen_model:
+            with unwrap_for_generation(accelerator, policy, engine) as gen_model:
                 rollout = generate(
                     gen_model, tok, queries, query_mask, **args.gen.sampling(), seeds=seeds, engine=engine
                 )

@@ -306,7 +306,7 @@ def main(args: Args):
             seeds = [
                 mix_seed(args.run.seed, step, r * local_batch_size * args.group_size + j) for j in range(len(rows))
             ]
-            with unwrap_for_generation(accelerator, policy) as gen_model:
+            with unwrap_for_generation(accelerator, policy, engine) as gen_model:
                 rollout = generate(gen_model, tok, q, qm, **args.gen.sampling(), seeds=seeds, engine=engine)
             texts = tok.batch_decode(rollout.responses, skip_special_tokens=True)
             # the pairs train on the generated ids (EOS only where the policy emitted it), not on re-tokenised text

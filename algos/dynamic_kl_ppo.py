@@ -273,7 +273,9 @@ def main(args: Args):
         rows = [train_rows[i] for i in ids]
         seeds = [mix_seed(args.run.seed, step, r * local_batch_size + j) for j in range(len(rows))]
         t_gen = time.time()
-        with unwrap_for_generation(accelerator, policy) as gen_model:  # one turn, or --env's trajectories (observations
+        with unwrap_for_generation(
+            accelerator, policy, engine
+        ) as gen_model:  # one turn, or --env's trajectories (observations
             # get mask 0: no loss, GAE skips them); pi_old reuses the prompts' KV cache (checkpointed layers take none)
             rollout = sample(gen_model, tok, rows, reward, episodes, device, seeds, engine, **args.gen.sampling(),
                              keep_prompt_cache=not args.model.gradient_checkpointing)  # fmt: skip

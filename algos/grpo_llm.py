@@ -276,7 +276,7 @@ def main(args: Args):
         """One global draw of prompts; this rank's share, each repeated G times, sampled and scored."""
         rows, seeds = draw_rows(sampler, train_rows, args.num_prompts, accelerator.process_index, W, args.run.seed,
                                 step, G, round_)  # (N*G,) a prompt's samples adjacent; each row's own seed  # fmt: skip
-        with unwrap_for_generation(accelerator, policy) as gen_model:  # one turn, or --env's trajectories
+        with unwrap_for_generation(accelerator, policy, engine) as gen_model:  # one turn, or --env's trajectories
             return sample(gen_model, tok, rows, reward, episodes, device, seeds, engine, **args.gen.sampling())
 
     for step in run.steps():  # after each: checkpoints (periodic, final, on a signal), --max-wall-minutes

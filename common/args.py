@@ -311,7 +311,11 @@ class GenerationArgs:
     vllm_tensor_parallel_size: PositiveInt = 1
     """vllm on GPUs: devices one engine spans (tensor-parallel generation)"""
     vllm_sleep: bool = False
-    """vllm on GPUs: free the engine's memory during each update (sleep after a rollout, wake before the next)"""
+    """vllm on GPUs: free the engine's memory during each update (asleep after each rollout phase, woken once before
+    the next: weights, then the push, then the KV cache; `perf/vllm_wakes` counts)"""
+    vllm_enforce_eager: Literal["auto", "on", "off"] = "auto"
+    """vllm engines: eager mode (no CUDA graphs, no torch.compile: start-up in seconds, decoding 1.5-3x slower for
+    0.5-3B models). auto: on on CPU, off on GPUs"""
     vllm_lora_sync: Literal["adapter", "merged"] = "adapter"
     """vllm engines with --lora-r: push the adapter alone (a few MB; vLLM applies it) or the merged weights (the
     fallback: also where the adapter has modules_to_save or DoRA)"""
@@ -330,9 +334,20 @@ class GenerationArgs:
     """vllm-server: how weights go to the server. folder: a safetensors file the server reloads (CPU and GPU);
     nccl: vLLM's NCCL weight transfer from trainer process 0 (GPUs; docs/distributed.md)"""
     vllm_server_timeout: Annotated[PositiveFloat, RESUME_MAY_CHANGE] = 300.0
-    """vllm-server: seconds each request and each weight push may take before the run ends (checkpointed)"""
+    """vllm-server: seconds each request and each weight push may take before the run ends (checkpointed); a
+    batch of many rows may take longer in all, as long as each request answers within its own deadline"""
+    vllm_server_concurrency: Annotated[PositiveInt, RESUME_MAY_CHANGE] = 64
+    """vllm-server: requests in flight at once per training process (the rest wait their turn, their deadlines not
+    started)"""
+    vllm_server_host: Annotated[str, RESUME_MAY_CHANGE] = "127.0.0.1"
+    """vllm-server started here: the address it binds (0.0.0.0 when trainer processes on other nodes use it; they
+    then need --vllm-server-url with this node's address)"""
     vllm_server_start_timeout: Annotated[PositiveFloat, RESUME_MAY_CHANGE] = 600.0
     """vllm-server started here: seconds to wait for it to answer /health"""
+
+    def enforce_eager(self) -> bool | None:
+        """--vllm-enforce-eager as the engines take it (None: auto, on on CPU only)."""
+        return {"auto": None, "on": True, "off": False}[self.vllm_enforce_eager]
 
     def sampling(self) -> dict:
         """The keywords of common.rollout.generate that these flags set."""

@@ -527,8 +527,12 @@ class UpdateGuard:
 # Full weights for generation (DDP, FSDP2, ZeRO-3)
 # ---------------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def unwrap_for_generation(accelerator, model):
+def unwrap_for_generation(accelerator, model, engine=None):
     """The plain module to call `generate` on, with full weights while inside the block.
+
+    With a vLLM `engine` (--rollout-engine vllm / vllm-server) nothing is gathered: the engine samples, and its
+    push (`engine.begin_phase`, once for the block) streams the weights one parameter at a time from where they
+    rest (common.weight_stream); on exit the engine may sleep (--vllm-sleep).
 
     DDP / single process: the unwrapped module. DeepSpeed ZeRO-3: parameters gathered once for the
     whole rollout phase and released on exit (what verl calls the hybrid engine). FSDP2
@@ -537,6 +541,14 @@ def unwrap_for_generation(accelerator, model):
     for the whole rollout (autocast caches them within a region), not in every decoding step's forward
     (each forward's own region would cast all weights again: SmolLM2, 0.54 GB read per token step)."""
     unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
+    if engine is not None:
+        with torch.autocast(unwrapped.device.type if hasattr(unwrapped, "device") else "cpu", enabled=False):
+            engine.begin_phase(unwrapped)
+        try:
+            yield unwrapped
+        finally:
+            engine.end_phase()
+        return
     was_training = unwrapped.training
     unwrapped.eval()  # in train mode, gradient checkpointing would switch the KV cache off
     region = contextlib.ExitStack()

@@ -47,6 +47,7 @@ def make_engine(gen, model, tok, policy, accelerator=None, max_model_len: int | 
         tensor_parallel_size=gen.vllm_tensor_parallel_size,
         sleep=gen.vllm_sleep,
         trust_remote_code=model.trust_remote_code,
+        enforce_eager=gen.enforce_eager(),
     )
 
 

@@ -130,7 +130,7 @@ def evaluate_policy(accelerator, policy, tok, reward: Reward, rows, max_new_toke
     rows = rows[: max(len(rows) // world, 1) * world]  # equal shares, so the gather below lines up
     local = rows[accelerator.process_index :: world]
     scores, accs, samples = [], [], []
-    with unwrap_for_generation(accelerator, policy) as model:
+    with unwrap_for_generation(accelerator, policy, engine) as model:
         for i in range(0, len(local), batch_size):
             batch = local[i : i + batch_size]
             q, qm = tokenize_queries(tok, [x.text for x in batch], accelerator.device)

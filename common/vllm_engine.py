@@ -13,8 +13,10 @@ Choices (docs/rollout.md has the why and the measurements):
   replaces the parameters it processed by plain ones. The engine runs in this process
   (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the iterator is passed by reference. The prefix cache is
   reset after each sync (its KV entries came from the old weights).
-- Under LoRA the engine receives merged weights (W + scale * B A); under FSDP2 / ZeRO-3 the weights
-  are read inside `unwrap_for_generation`, which gathers them once for the rollout phase.
+- What is pushed: `common.weight_stream.engine_weights`, a stream of one tensor at a time in the engine's dtype
+  (LoRA merged per layer, a 4-bit base dequantised, FSDP2 / ZeRO-3 shards gathered one parameter at a time where
+  the policy rests: with an engine, `unwrap_for_generation` gathers nothing), and only when the trainable weights'
+  fingerprint changed. One rollout phase = one wake (--vllm-sleep) and one push (`begin_phase` / `end_phase`).
 - Seeds: each request carries its sample's seed (`SamplingParams(seed=...)`, the same
   `mix_seed(seed, step, uid)` as the hf engine), so a response depends on its own seed, not on the
   batch around it. The draws differ from the hf engine's: same seed, different (equally valid) sample.
@@ -34,6 +36,7 @@ from pathlib import Path
 import torch
 
 from common.errors import UserError
+from common.weight_stream import engine_weights, sum_and_squares, trainable_fingerprint
 
 
 def require_vllm():
@@ -47,24 +50,9 @@ def require_vllm():
 
 
 def merged_state_dict(model, base_only: bool = False) -> dict:
-    """The full weights a plain (non-LoRA) copy of `model` would have: a peft model's adapters merged into
-    their base weights (W + scaling * B @ A), names without peft's prefixes; any other model's state_dict.
-    Full tensors: sharded (FSDP2 DTensor) entries are gathered. `base_only`: the frozen base alone (scaling 0)."""
-    try:
-        from peft import PeftModel
-    except ImportError:  # pragma: no cover
-        PeftModel = ()
-    from torch.distributed.tensor import DTensor
-
-    # FSDP2: the state dict holds DTensor shards even inside unshard(); gathered here, one parameter at a
-    # time, on every rank in the same order (each rank pushes into its own engine)
-    sd = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
-    if not isinstance(model, PeftModel):
-        return sd
-    from common.models import merge_lora_state_dict
-
-    cfg = model.peft_config["default"]
-    return merge_lora_state_dict(sd, 0.0 if base_only else cfg.lora_alpha / cfg.r)
+    """The full weights a plain (non-LoRA) copy of `model` would have, all at once (tests and small tools; the engines
+    stream them: common.weight_stream.engine_weights). Names without peft's prefixes."""
+    return dict(engine_weights(model, None, base_only))
 
 
 def adapter_only(model) -> bool:
@@ -95,14 +83,17 @@ class AdapterPush:
         from safetensors.torch import save_file
         from torch.distributed.tensor import DTensor
 
-        sd = {
-            k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items() if ".lora_" in k
-        }
-        fingerprint = weights_fingerprint(sd)
+        fingerprint = trainable_fingerprint(model)  # the adapters are what trains
         if not force and self.fingerprint is not None and torch.equal(fingerprint, self.fingerprint):
             return None
         self.version, self.fingerprint = self.version + 1, fingerprint
         folder = self.root / f"adapter_v{self.version}"
+        # the adapter's tensors only (a few MB), gathered one at a time; never model.state_dict() (FSDP2 reshards)
+        sd = {
+            k: v.full_tensor() if isinstance(v, DTensor) else v.data
+            for k, v in model.named_parameters()
+            if ".lora_" in k
+        }
         if write:
             folder.mkdir(parents=True, exist_ok=True)
             tensors = get_peft_model_state_dict(model, state_dict=sd)
@@ -153,18 +144,8 @@ def weights_fingerprint(state_dict: dict) -> torch.Tensor:
     """(n tensors, 2) float64 on CPU: each tensor's sum and sum of squares, in name order. Equal fingerprints:
     the same weights, for any change an optimizer makes (a step that kept every tensor's sum and sum of squares
     is not one that happens); computed where the weights live, one small copy back."""
-    rows = [_sum_and_squares(t) for _, t in sorted(state_dict.items())]
+    rows = [sum_and_squares(t) for _, t in sorted(state_dict.items())]
     return torch.stack(rows).cpu() if rows else torch.zeros(0, 2, dtype=torch.float64)
-
-
-def _sum_and_squares(t: torch.Tensor, chunk: int = 1 << 22) -> torch.Tensor:
-    """(2,) float64: t's sum and sum of squares, `chunk` elements at a time (a float64 copy of a whole large
-    embedding would take GBs where the weights live: 32 MB a chunk instead)."""
-    out = torch.zeros(2, dtype=torch.float64, device=t.device)
-    for part in t.detach().reshape(-1).split(chunk):
-        d = part.double()
-        out += torch.stack([d.sum(), d.square().sum()])
-    return out
 
 
 def as_generation(queries, ids: list[list[int]], logprobs: list[list[float]], stopped: list[bool], max_new_tokens: int,
@@ -206,9 +187,12 @@ class VLLMEngine:
         sleep: bool = False,
         trust_remote_code: bool = False,
         lora_rank: int = 0,
+        enforce_eager: bool | None = None,
     ):
         require_vllm()
         cuda = torch.cuda.is_available()
+        # eager (no CUDA graphs, no compile) by default on CPU only: on GPUs graphs decode 1.5-3x faster
+        enforce_eager = (not cuda) if enforce_eager is None else enforce_eager
         if sleep and not cuda:
             raise UserError(
                 "--vllm-sleep frees GPU memory during the update: it needs a GPU (vLLM's CPU backend has no sleep mode)"
@@ -236,8 +220,10 @@ class VLLMEngine:
         if multi:
             # one engine per training process, in the process group the launcher made (as TRL's colocate mode)
             kw["distributed_executor_backend"] = "external_launcher"
-        self.tok = tok
-        self.fingerprint = None  # weights_fingerprint of the weights pushed last (None: never synced)
+        self.tok, self.dtype = tok, dtype
+        self.fingerprint = None  # trainable_fingerprint of the weights pushed last (None: never synced)
+        self.in_phase = False  # inside a rollout phase (`begin_phase`): synced and awake until it ends
+        self.wakes = 0  # --vllm-sleep: times woken (once per rollout phase: a step's sampling, an evaluation)
         try:
             self.llm = LLM(
                 model=model_path,
@@ -245,7 +231,7 @@ class VLLMEngine:
                 dtype=dtype,
                 seed=seed,
                 max_model_len=max_model_len,
-                enforce_eager=True,  # CUDA graphs / torch.compile: minutes of start-up for a few rollouts
+                enforce_eager=enforce_eager,
                 gpu_memory_utilization=gpu_memory_utilization,
                 tensor_parallel_size=tensor_parallel_size,
                 enable_sleep_mode=sleep,
@@ -265,55 +251,98 @@ class VLLMEngine:
                 f"--rollout-engine vllm: vLLM could not start an engine for {model_path} ({type(e).__name__}: "
                 f"{first[:300]}); use --rollout-engine hf (CLEANRLHF_DEBUG=1 shows vLLM's traceback)"
             ) from e
-        self.sleep, self.asleep = sleep, False
+        self.sleep, self.asleep = sleep, set()  # asleep: the parts released
         # --vllm-lora-sync adapter: the adapter alone goes to the engine (a LoRARequest per version)
         self.adapters = AdapterPush(Path(tempfile.mkdtemp(prefix="cleanrlhf-adapters-"))) if lora_rank else None
         self.lora_request = None
+        self._log_kv_cache(cuda, gpu_memory_utilization)
         self._sleep()
 
-    def _sleep(self):
-        """--vllm-sleep (GPU): release the engine's weights and KV cache while the trainer works."""
-        if self.sleep and not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
+    def _log_kv_cache(self, cuda: bool, share: float) -> None:
+        """One line at start: what the engine holds for the KV cache (GPU: what --vllm-gpu-memory-utilization left
+        after its weights), so the share can be chosen from a number rather than guessed."""
+        try:
+            cfg = self.llm.llm_engine.vllm_config.cache_config
+            blocks, size = cfg.num_gpu_blocks, cfg.block_size
+        except Exception:  # another vLLM layout: nothing to say
+            return
+        if blocks:
+            where = f"--vllm-gpu-memory-utilization {share:g}" if cuda else "--vllm-kv-cache-gb"
+            print(f"[cleanrlhf] vllm engine: KV cache of {blocks * size} tokens ({blocks} blocks; {where})", flush=True)
 
-    def _wake(self):
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+    def _sleep(self):
+        """--vllm-sleep (GPU): level 2, weights and KV cache released (the weights are pushed again at the wake)."""
+        if self.sleep and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = {"weights", "kv_cache"}
+            self.fingerprint = None  # the engine's weights are gone: the next phase pushes them
+            if self.adapters is not None:
+                self.adapters.base_pushed, self.adapters.fingerprint = False, None
+
+    def _wake(self, tags: list[str] | None = None):
+        """Wake the parts in `tags` ("weights", "kv_cache"; None: both) that are asleep."""
+        want = set(tags or ("weights", "kv_cache")) & self.asleep
+        if not want:
+            return
+        self.wakes += "weights" in want
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # what the update freed goes back before vLLM allocates again
+        self.llm.wake_up(tags=sorted(want))
+        self.asleep -= want
+
+    def begin_phase(self, model) -> None:
+        """A rollout phase starts (common.distributed.unwrap_for_generation): woken once (weights first, then the
+        push into them, then the KV cache: TRL's order, so the push never competes with the cache for memory) and
+        synced once; every generate call until `end_phase` uses the engine as it is."""
+        self._wake(["weights"])
+        self.sync(model)
+        self._wake(["kv_cache"])
+        self.in_phase = True
+
+    def end_phase(self) -> None:
+        """The phase ended: asleep under --vllm-sleep until the next one."""
+        self.in_phase = False
+        self._sleep()
 
     @torch.no_grad()
     def sync(self, model, force: bool = False) -> bool:
-        """Push `model`'s current weights into the engine if they differ from the last push. `model`: the plain
-        module (inside `unwrap_for_generation`, full weights). Returns whether it pushed.
+        """Push `model`'s current weights into the engine if they differ from the last push. `model`: the policy as it
+        rests (sharded under FSDP2 / ZeRO-3: `engine_weights` gathers one tensor at a time). Returns whether it
+        pushed. Inside a rollout phase (`begin_phase`) the phase's push stands: nothing is read again.
 
-        "Differ" is decided from the weights themselves (`weights_fingerprint` of what the engine would receive),
-        not from how they were written: DeepSpeed ZeRO-1/2 steps its own flat float32 partitions and copies them
-        into the module, ZeRO-3 re-gathers them, a fused AdamW writes without bumping tensor versions (issue
-        32.2). Cost: one read of the weights per rollout phase (SmolLM2: ~0.05 s on this CPU)."""
+        "Differ" is decided from the weights themselves (`trainable_fingerprint`), not from how they were written:
+        DeepSpeed ZeRO-1/2 steps its own flat float32 partitions and copies them into the module, ZeRO-3 re-gathers
+        them, a fused AdamW writes without bumping tensor versions (issue 32.2). Cost: one read of this rank's
+        trainable shards per rollout phase and one all-reduce of (n, 2) numbers; nothing gathered when unchanged."""
+        if self.in_phase and not force:
+            return False
         if self.adapters is not None and adapter_only(model):
             return self._sync_adapter(model, force)
-        sd = merged_state_dict(model)
-        fingerprint = weights_fingerprint(sd)
+        fingerprint = trainable_fingerprint(model)
         if not force and self.fingerprint is not None and torch.equal(fingerprint, self.fingerprint):
             return False
         self.lora_request = None
-        self._wake()
-        # a list, not a generator: with worker processes (GPU tensor parallelism) the argument is pickled
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(sd.items())})
+        self._wake(["weights"])
+        self._reload(engine_weights(model, self.dtype))
         self.llm.reset_prefix_cache()  # cached prompt KV came from the old weights
         self.fingerprint = fingerprint
         return True
+
+    def _reload(self, weights) -> None:
+        """vLLM's in-place reload from a stream of (name, tensor): consumed one tensor at a time in this process. With
+        worker processes (--vllm-tensor-parallel-size > 1) the argument is pickled: a list then (the whole model in
+        host memory for the push; docs/distributed.md)."""
+        several = getattr(self.llm.llm_engine.vllm_config.parallel_config, "tensor_parallel_size", 1) > 1
+        weights = [(k, v.cpu()) for k, v in weights] if several else weights
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
 
     def _sync_adapter(self, model, force: bool) -> bool:
         """The base once (full route, adapters off), then each changed adapter as a new LoRARequest."""
         from vllm.lora.request import LoRARequest
 
         if not self.adapters.base_pushed:
-            self._wake()
-            self.llm.collective_rpc(
-                "reload_weights", kwargs={"weights_iterator": list(merged_state_dict(model, True).items())}
-            )
+            self._wake(["weights"])
+            self._reload(engine_weights(model, self.dtype, base_only=True))
             self.adapters.base_pushed = True
         folder = self.adapters.prepare(model, force)
         if folder is None:
@@ -357,11 +386,8 @@ class VLLMEngine:
                 SamplingParams(temperature=temperature, top_k=top_k if top_k > 0 else -1, top_p=top_p, seed=s, **common)
                 for s in seeds
             ]
-        self._wake()
-        try:
-            outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
-        finally:
-            self._sleep()
+        self._wake()  # outside a phase (a tool's direct call); inside one the engine is awake already
+        outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         ids, lps, stopped = [], [], []
         for o in outs:
             c = o.outputs[0]
@@ -381,10 +407,7 @@ class VLLMEngine:
                 for q, qm, r, rm in zip(queries.cpu(), query_mask.cpu(), responses.cpu(), response_mask.cpu())]  # fmt: skip
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=top_k, detokenize=False)
         self._wake()
-        try:
-            outs = self.llm.generate([{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
-        finally:
-            self._sleep()
+        outs = self.llm.generate([{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
         token_lp, top_lp, top_ids = (
             torch.zeros(B, T),
             torch.zeros(B, T, top_k),

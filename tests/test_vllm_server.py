@@ -159,7 +159,7 @@ def test_a_response_sampled_by_another_weight_version_is_refused(tmp_path):
     fake = _Fake()
     engine = ServerEngine(fake.url, TOK, timeout=5, weights_dir=str(tmp_path))
     assert engine.sync(_model()) and engine.version == 1
-    assert (tmp_path / "v1" / "model.safetensors").exists()
+    assert (tmp_path / "v1" / "model-00001.safetensors").exists()
     fake.routes["/inference/v1/generate"] = lambda b: (200, _answer([5, 2], "1"), 0, 0)
     g = engine.generate(*_queries(), 4, seeds=[1, 2])
     assert g.responses.tolist() == [[5, 2], [5, 2]] and g.response_mask.tolist() == [[1, 1], [1, 1]]
@@ -182,7 +182,7 @@ def test_each_push_is_a_new_version_only_when_the_weights_changed(tmp_path):
     with torch.no_grad():
         model.weight.add_(0.1)
     assert engine.sync(model) and seen == ["1", "2"]
-    assert not (tmp_path / "v1").exists() and (tmp_path / "v2" / "model.safetensors").exists()
+    assert not (tmp_path / "v1").exists() and (tmp_path / "v2" / "model-00001.safetensors").exists()
     fake.close()
 
 
@@ -195,11 +195,27 @@ def test_tied_weights_are_written_under_both_names(tmp_path):
 
     emb = torch.randn(4, 3)
     write_weights({"model.embed_tokens.weight": emb, "lm_head.weight": emb, "step": torch.tensor(3)},
-                  tmp_path / "m.safetensors", torch.bfloat16)  # fmt: skip
-    out = load_file(str(tmp_path / "m.safetensors"))
+                  tmp_path / "m", torch.bfloat16)  # fmt: skip
+    out = load_file(str(tmp_path / "m" / "model-00001.safetensors"))
     assert set(out) == {"model.embed_tokens.weight", "lm_head.weight", "step"}
     assert out["lm_head.weight"].dtype == torch.bfloat16 and out["step"].dtype == torch.int64
     assert torch.equal(out["lm_head.weight"], emb.to(torch.bfloat16))
+
+
+def test_pushed_weights_are_written_in_buckets(tmp_path):
+    """A push holds at most one bucket in memory: 5 tensors of 4 KB (fp32) with 10 KB buckets make 3 files of 2, 2
+    and 1 tensors, every tensor exactly once, and the folder appears whole (no .tmp left behind)."""
+    from safetensors.torch import load_file
+
+    from common.vllm_server import write_weights
+
+    ws = [(f"w{i}", torch.full((1024,), float(i))) for i in range(5)]
+    assert write_weights(iter(ws), tmp_path / "v1", torch.float32, bucket_bytes=10_000) == 5 * 4096
+    files = sorted(p.name for p in (tmp_path / "v1").iterdir())
+    assert files == [f"model-0000{i}.safetensors" for i in (1, 2, 3)] and not (tmp_path / "v1.tmp").exists()
+    parts = [load_file(str(tmp_path / "v1" / f)) for f in files]
+    assert [sorted(p) for p in parts] == [["w0", "w1"], ["w2", "w3"], ["w4"]]
+    assert all(torch.equal(p[k], torch.full((1024,), float(k[1:]))) for p in parts for k in p)
 
 
 # ---------------------------------------------------------------------------------------------
