@@ -54,7 +54,7 @@ from common.rollout import (
 )
 from common.run import Run
 from common.tasks import load_rl_prompts
-from common.engines import make_engine
+from common.engines import engine_perf, make_engine
 from common.vllm_engine import VLLMEngine
 # fmt: on
 
@@ -343,6 +343,7 @@ def main(args: Args):
                 "loss/policy": per("loss", tokens),
                 "loss/total": per("loss", tokens),
                 **{"perf/step_s": step_s, "perf/gen_s": gen_s, "perf/train_s": train_s},
+                **engine_perf(engine),
                 "perf/tokens_per_s": tokens.item() / step_s,
                 "perf/peak_mem_gb": peak_mem_gb(device),
             }

@@ -52,7 +52,7 @@ from common.rewards import Reward, reward_from_args
 from common.rollout import can_share_prompts, forward_logprobs, generate, rows_as_rollout, token_logprobs, tokenize_queries
 from common.run import Run
 from common.tasks import default_preference_files, default_task_files
-from common.engines import make_engine
+from common.engines import engine_perf, make_engine
 # fmt: on
 
 
@@ -383,6 +383,7 @@ def main(args: Args):
                 "train/lr": sched.get_last_lr()[0],
                 "train/pairs": accelerator.reduce(torch.tensor(float(len(pairs)), device=device), "sum").item(),
                 "perf/step_s": step_s,
+                **engine_perf(engine),
                 "perf/gen_s": gen_s,
                 "perf/train_s": train_s,
                 "perf/peak_mem_gb": peak_mem_gb(device),

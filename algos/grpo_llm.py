@@ -58,7 +58,7 @@ from common.rewards import reward_by_data_source
 from common.rollout import can_share_prompts, forward_by_micro_batch, forward_logprobs, micro_batches, padding_counts, reference_logprobs
 from common.run import Run
 from common.sampling import Rollout, draw_rows, dynamic_sampling, group_metrics, rl_inputs, sample
-from common.engines import make_engine
+from common.engines import engine_perf, make_engine
 # fmt: on
 
 
@@ -375,6 +375,7 @@ def main(args: Args):
                 "loss/kl": mean(stats["kl"]),
                 "loss/total": mean(stats["pg"]) + args.kl_coef * mean(stats["kl"]),
                 "perf/step_s": step_s,
+                **engine_perf(engine),
                 "perf/gen_s": gen_s,
                 "perf/train_s": train_s,
                 "perf/tokens_per_s": accelerator.gather(lengths).sum().item() / step_s,

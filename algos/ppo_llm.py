@@ -62,7 +62,7 @@ from common.rollout import (
 )
 from common.run import Run
 from common.sampling import rl_inputs, sample
-from common.engines import make_engine
+from common.engines import engine_perf, make_engine
 # fmt: on
 
 
@@ -362,6 +362,7 @@ def main(args: Args):
                 "loss/value": mean(stats["vf"]),  # CRITIC
                 "loss/total": mean(stats["pg"]) - args.ent_coef * mean(stats["ent"]),  # + the value term below
                 "perf/step_s": step_s,
+                **engine_perf(engine),
                 "perf/gen_s": gen_s,
                 "perf/train_s": train_s,
                 "perf/tokens_per_s": accelerator.gather(rollout.lengths).sum().item() / step_s,

@@ -313,7 +313,7 @@ class GenerationArgs:
     vllm_sleep: bool = False
     """vllm on GPUs: free the engine's memory during each update (asleep after each rollout phase, woken once before
     the next: weights, then the push, then the KV cache; `perf/vllm_wakes` counts)"""
-    vllm_enforce_eager: Literal["auto", "on", "off"] = "auto"
+    vllm_enforce_eager: Annotated[Literal["auto", "on", "off"], RESUME_MAY_CHANGE] = "auto"
     """vllm engines: eager mode (no CUDA graphs, no torch.compile: start-up in seconds, decoding 1.5-3x slower for
     0.5-3B models). auto: on on CPU, off on GPUs"""
     vllm_lora_sync: Literal["adapter", "merged"] = "adapter"

@@ -325,12 +325,15 @@ def resolve_checkpoint(path: str) -> Path:
 
 
 def _non_finite(state_dict: dict) -> list[str]:
-    """Names of floating tensors with a NaN or inf (a DTensor: this process's shard)."""
+    """Names of floating tensors with a NaN or inf (a DTensor: this process's shard). A QLoRA base weight (its
+    bitsandbytes quant state beside it) holds packed 4-bit codes in a float dtype (bnb_4bit_quant_storage): bytes,
+    not numbers, so it is not checked."""
     from torch.distributed.tensor import DTensor
 
     local = lambda v: v.to_local() if isinstance(v, DTensor) else v  # noqa: E731
-    return [k for k, v in state_dict.items()
-            if torch.is_tensor(v) and v.is_floating_point() and not local(v).isfinite().all()]  # fmt: skip
+    packed = {k.split(".quant_state.")[0] for k in state_dict if ".quant_state." in k}
+    return [k for k, v in state_dict.items() if k not in packed
+            and torch.is_tensor(v) and v.is_floating_point() and not local(v).isfinite().all()]  # fmt: skip
 
 
 def sharded_state(models: dict, optimizers: dict) -> dict:
@@ -482,7 +485,7 @@ def load_weights(model, folder: Path) -> None:
             raise UserError(
                 f"{f}: damaged weights file ({type(e).__name__}: {e}); resume from an earlier checkpoint"
             ) from e
-    bad = [k for k, v in sd.items() if v.is_floating_point() and not v.isfinite().all()]
+    bad = _non_finite(sd)
     if bad:
         raise UserError(f"{folder}: {len(bad)} weight tensors are not finite (e.g. {bad[0]}); not loaded")
     if hasattr(model, "peft_config"):

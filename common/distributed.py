@@ -62,7 +62,7 @@ def make_accelerator(model=None, tp_size: int = 1):
     if tp_size > 1:
         return _tensor_parallel_accelerator(tp_size, **kw)
     if torch.cuda.is_available():
-        return Accelerator(**kw)
+        return _fp32_reduction(Accelerator(**kw))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it, rather than DeepSpeed warning that it guessed
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         # cpu=True would skip DeepSpeed; naming the gloo backend lets DeepSpeed's CPU accelerator
@@ -79,6 +79,31 @@ def make_accelerator(model=None, tp_size: int = 1):
         # both shared states, as Accelerate's own init does (a later AcceleratorState() copies PartialState's)
         accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         accelerator.state.fsdp_plugin = plugin
+    return _fp32_reduction(accelerator)
+
+
+def _mp_policy(policy):
+    """FSDP2's MixedPrecisionPolicy with gradients reduced in float32: Accelerate's `mixed_precision: bf16` sets
+    reduce_dtype=bf16 (the reduce-scatter sums N ranks' bf16 gradients in bf16: 8 bits of mantissa lost per
+    sum), while the weights and Adam states this project keeps are float32 (verl and torchtitan reduce in
+    float32 too). Parameters are still gathered and computed in the policy's param_dtype; the cost is float32
+    gradient traffic (2x bf16's). None (no mixed precision) -> reduce_dtype float32 as well."""
+    import dataclasses
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if policy is None:
+        return MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    if not isinstance(policy, MixedPrecisionPolicy):  # FSDP1's MixedPrecision: left as the user configured it
+        return policy
+    return dataclasses.replace(policy, reduce_dtype=torch.float32)
+
+
+def _fp32_reduction(accelerator):
+    """Float32 gradient reduction under FSDP2 (`_mp_policy`), applied before any model is prepared."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is not None and getattr(plugin, "fsdp_version", 1) == 2:
+        plugin.mixed_precision_policy = _mp_policy(plugin.mixed_precision_policy)
     return accelerator
 
 

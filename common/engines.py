@@ -10,6 +10,12 @@ from common.vllm_engine import VLLMEngine
 from common.vllm_server import ServerEngine, ServerProcess, free_port, make_server_engine
 
 
+def engine_perf(engine) -> dict:
+    """perf/vllm_wakes: times the colocated engine woke from --vllm-sleep since the last log (one per rollout phase:
+    1 a step, 2 with an evaluation); nothing for the other engines."""
+    return {"perf/vllm_wakes": engine.take_wakes()} if isinstance(engine, VLLMEngine) and engine.sleep else {}
+
+
 def make_engine(gen, model, tok, policy, accelerator=None, max_model_len: int | None = None, seed: int = 0):
     """The scripts' --rollout-engine, from GenerationArgs `gen` and ModelArgs `model` (common.args): None for hf
     (our decoding loop), else a VLLMEngine for --model-name-or-path's architecture (its weights are replaced at the

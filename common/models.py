@@ -535,21 +535,26 @@ def _vocab_parallel_head(head: nn.Linear, mesh) -> None:
     head.forward = forward
 
 
-def _quantization_config(load_in_4bit: bool):
+def _quantization_config(load_in_4bit: bool, dtype: torch.dtype | None = None):
+    """QLoRA's bitsandbytes config: NF4 with double quantisation, computing in `dtype` (the weights' dtype) and
+    storing the packed bytes in that dtype too (bnb_4bit_quant_storage): FSDP2 and ZeRO-3 flatten and shard each
+    unit's tensors as one dtype, so uint8 storage beside bf16 norms cannot be sharded. bitsandbytes >= 0.48 has a
+    CPU backend: QLoRA loads and trains on CPU too (slowly: each matmul dequantises)."""
     if not load_in_4bit:
         return None
-    if not torch.cuda.is_available():
-        raise UserError(
-            "--load-in-4bit: QLoRA needs a CUDA GPU for bitsandbytes 4-bit weights; this machine has none. "
-            "Use plain LoRA (--lora-r 16 without --load-in-4bit) on CPU."
-        )
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as e:
+        raise UserError(f"--load-in-4bit: bitsandbytes does not import ({e}); pip install bitsandbytes") from e
     from transformers import BitsAndBytesConfig
 
+    dtype = dtype or default_dtype()
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=default_dtype(),
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_storage=dtype,
     )
 
 
@@ -654,7 +659,7 @@ def load_causal_lm(
             config=_config(path, trust_remote_code),
             dtype=default_dtype(override=dtype),
             trust_remote_code=trust_remote_code,
-            quantization_config=_quantization_config(load_in_4bit),
+            quantization_config=_quantization_config(load_in_4bit, default_dtype(override=dtype)),
             **_tp_kwargs(path, lora_r, load_in_4bit),
         )
     model.generation_config.pad_token_id = tok.pad_token_id if tok is not None else None
@@ -710,7 +715,7 @@ def load_value_model(
             config=config,
             dtype=default_dtype(override=dtype),
             trust_remote_code=trust_remote_code,
-            quantization_config=_quantization_config(load_in_4bit),
+            quantization_config=_quantization_config(load_in_4bit, default_dtype(override=dtype)),
             **_tp_kwargs(path, lora_r, load_in_4bit),
         )
     if fresh_head:
@@ -758,7 +763,7 @@ def load_reward_model(name_or_path: str, tok=None, dtype: str = "auto", trust_re
             config=config,
             dtype=default_dtype(override=dtype),
             trust_remote_code=trust_remote_code,
-            quantization_config=_quantization_config(load_in_4bit),
+            quantization_config=_quantization_config(load_in_4bit, default_dtype(override=dtype)),
             **_tp_kwargs(path, lora.get("lora_r", 0), load_in_4bit),
         )
     if lora:

@@ -290,6 +290,18 @@ class VLLMEngine:
         self.llm.wake_up(tags=sorted(want))
         self.asleep -= want
 
+    def _awake_for_a_call(self) -> None:
+        """generate/score: inside a phase the engine is awake; outside one (a sleeping engine called directly) its
+        weights were discarded at level 2, so a call without `begin_phase` would sample from garbage."""
+        if "weights" in self.asleep:
+            raise RuntimeError("VLLMEngine asleep (--vllm-sleep): generate inside begin_phase(model) / end_phase()")
+        self._wake(["kv_cache"])
+
+    def take_wakes(self) -> int:
+        """Wakes since the last call (perf/vllm_wakes)."""
+        n, self._wakes_taken = self.wakes - getattr(self, "_wakes_taken", 0), self.wakes
+        return n
+
     def begin_phase(self, model) -> None:
         """A rollout phase starts (common.distributed.unwrap_for_generation): woken once (weights first, then the
         push into them, then the KV cache: TRL's order, so the push never competes with the cache for memory) and
@@ -386,7 +398,7 @@ class VLLMEngine:
                 SamplingParams(temperature=temperature, top_k=top_k if top_k > 0 else -1, top_p=top_p, seed=s, **common)
                 for s in seeds
             ]
-        self._wake()  # outside a phase (a tool's direct call); inside one the engine is awake already
+        self._awake_for_a_call()
         outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         ids, lps, stopped = [], [], []
         for o in outs:
@@ -406,7 +418,7 @@ class VLLMEngine:
         seqs = [q[qm.bool()].tolist() + r[rm.bool()].tolist()
                 for q, qm, r, rm in zip(queries.cpu(), query_mask.cpu(), responses.cpu(), response_mask.cpu())]  # fmt: skip
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=top_k, detokenize=False)
-        self._wake()
+        self._awake_for_a_call()
         outs = self.llm.generate([{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
         token_lp, top_lp, top_ids = (
             torch.zeros(B, T),

@@ -129,15 +129,24 @@ class Http:
             except queue.Empty:
                 late = [j for j, t0 in list(started.items()) if j not in finished and time.time() - t0 > timeout]
                 if late:
-                    raise EngineFailed(
-                        f"--rollout-engine vllm-server: {self.url}{calls[late[0]][0]} did not answer within "
-                        f"{timeout:g} s (--vllm-server-timeout; {len(finished)} of {len(calls)} requests answered)"
-                    ) from None
+                    raise self._late(calls[late[0]][0], timeout, len(finished), len(calls)) from None
                 continue
+            if isinstance(err, TimeoutError):  # the socket's own timeout (a silent server) came first
+                raise self._late(calls[i][0], timeout, len(finished), len(calls)) from None
             if err is not None:
                 raise EngineFailed(f"--rollout-engine vllm-server: {self.url}{calls[i][0]}: {_why(err)}") from err
             finished.add(i)
         return out
+
+    def _late(self, path: str, timeout: float, answered: int, total: int) -> EngineFailed:
+        return EngineFailed(
+            f"--rollout-engine vllm-server: {self.url}{path} did not answer within {timeout:g} s "
+            + (
+                f"(--vllm-server-timeout; {answered} of {total} requests answered)"
+                if total > 1
+                else "(--vllm-server-timeout)"
+            )
+        )
 
 
 def _why(e: Exception) -> str:

@@ -66,6 +66,7 @@ def _gathered(t: torch.Tensor, dtype: torch.dtype | None):
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
+        t = t.detach()  # no autograd graph through the gather (a trainable LoRA factor would get one)
         local_cast = dtype is not None and t.is_floating_point() and not _is_4bit(t)
         yield (t.to(dtype) if local_cast else t).full_tensor(), "own"
     elif hasattr(t, "ds_id"):  # DeepSpeed ZeRO-3: this parameter alone, partitioned again on exit

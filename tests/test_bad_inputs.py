@@ -155,9 +155,9 @@ def make_bad_files(d):
 
 
 if not __import__("torch").cuda.is_available():  # the refusal of a machine without CUDA
-    CASES.append(("sft_llm.py", ["--load-in-4bit", "--lora-r", "4"], "--load-in-4bit: QLoRA needs a CUDA GPU"))
     CASES.append(("grpo_llm.py", ["--rollout-engine", "vllm-server", "--vllm-server-transfer", "nccl"],
                   "--vllm-server-transfer nccl needs GPUs"))  # fmt: skip
+CASES.append(("sft_llm.py", ["--load-in-4bit"], "--load-in-4bit (QLoRA) trains LoRA adapters only: set --lora-r > 0"))
 CASES += [  # a generator device this machine lacks: refused before the run folder exists (it was left empty)
     ("async_grpo.py", ["--generator-device", "cuda:3"], "--generator-device cuda:3: the trainer runs on cpu")
 ]

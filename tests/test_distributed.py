@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import REPO, accelerate_launch, launch_ranks, only_run, read_metrics, run_script
 
@@ -442,6 +443,37 @@ def test_fsdp_param_groups_on_either_torch():
     assert _param_groups(SimpleNamespace(_fsdp_param_groups=["a", "b"], _fsdp_param_group="a")) == ["a", "b"]
     assert _param_groups(SimpleNamespace(_fsdp_param_group="a")) == ["a"]
     assert _param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
+
+
+def test_fsdp2_reduces_gradients_in_float32():
+    """Accelerate's `mixed_precision: bf16` gives FSDP2 MixedPrecisionPolicy(reduce_dtype=bf16); make_accelerator
+    keeps param_dtype and output_dtype and reduces in float32 (issue 64). No mixed precision: float32 reduction too."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from common.distributed import _fp32_reduction, _mp_policy
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    plugin.set_mixed_precision("bf16")  # what accelerate launch --mixed_precision bf16 does
+    assert plugin.mixed_precision_policy.reduce_dtype == torch.bfloat16
+    _fp32_reduction(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)))
+    got = plugin.mixed_precision_policy
+    assert (got.param_dtype, got.reduce_dtype, got.output_dtype) == (torch.bfloat16, torch.float32, torch.bfloat16)
+    assert _mp_policy(None) == MixedPrecisionPolicy(reduce_dtype=torch.float32)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_fsdp2_weight_stream_equals_unsharded(tiny, kind):
+    """Accelerate's FSDP2 over 2 gloo processes: the engine's weights streamed one tensor at a time from the shards
+    equal the unsharded model's (LoRA merged), the fingerprint agrees across ranks, and the prepared model reduces
+    in float32 (tests/fsdp2_stream_check.py)."""
+    cmd = [*accelerate_launch("cpu_2proc_fsdp2"), str(REPO / "tests" / "fsdp2_stream_check.py"), tiny, kind]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("FSDP2 stream OK") == 2
 
 
 @pytest.mark.distributed

@@ -267,7 +267,7 @@ LAYERS = [
         "floor: errors, seeds, process groups, the tools' sandbox, defaults",
         {"errors", "parallel", "health", "sandbox", "defaults"},
     ),
-    ("tensor functions", {"ops", "attention", "optim"}),
+    ("tensor functions", {"ops", "attention", "optim", "weight_stream"}),
     ("models and data files", {"models", "data"}),
     ("placement, generation, tasks", {"distributed", "rollout", "tasks", "vllm_engine", "vllm_server", "engines"}),
     (

@@ -418,6 +418,19 @@ def test_bf16_training_gets_a_bf16_engine(peaky_vllm, toy_prompts, tmp_path):
     assert all(1e-4 < g < 0.2 for g in gaps), gaps  # fp32 engine and trainer agree to < 1e-4 (above)
 
 
+@pytest.mark.parametrize("sync", ["adapter", "merged"])
+def test_qlora_policy_on_the_vllm_engine(peaky_vllm, toy_prompts, tmp_path, sync):
+    """QLoRA (--load-in-4bit, NF4 base) sampled by vLLM (issue 64): the engine gets the dequantised base (dense, the
+    plain names) and the adapter (or the merged weights); the sampler-trainer log-prob gap stays that of two float32
+    computations of the same weights, after updates too (packed bytes or an unmerged delta would be nats off)."""
+    flags = _grpo_flags(peaky_vllm, toy_prompts, tmp_path, "--total-steps", 2, "--eval-every", 0)
+    flags += ["--load-in-4bit", "--lora-r", 4, "--vllm-lora-sync", sync]
+    run_script("grpo_llm.py", *flags, env={"TOY_MODEL": peaky_vllm})
+    rows = read_metrics(only_run(tmp_path))
+    assert len(rows) == 2  # steps 1 and 2 (no evaluation)
+    assert all(r["train/sampler_logprob_diff"] < 1e-3 for r in rows), [r["train/sampler_logprob_diff"] for r in rows]
+
+
 def test_online_dpo_with_lora_and_dynamic_kl_ppo_run_on_the_vllm_engine(peaky_vllm, toy_prompts, tmp_path):
     """The other samplers: online DPO (LoRA policy: the adapter pushed alone) and dynamic-KL PPO, 2 steps each,
     with validation through the engine."""

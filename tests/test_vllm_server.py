@@ -116,6 +116,33 @@ def test_an_answer_dripped_a_byte_at_a_time_is_bounded_as_a_whole(tmp_path):
     fake.close()
 
 
+@pytest.mark.e2e  # seconds of waiting: beside the fast tier
+def test_a_healthy_slow_server_with_many_rows_is_not_ended(tmp_path):
+    """Each row its own request and its own deadline (issue 64): 12 rows answered in 0.6 s each, at most 3 in
+    flight, take ~2.4 s in all, longer than the 1.5 s --vllm-server-timeout; the run goes on (one deadline for the
+    whole batch ended it). At most `concurrency` requests are ever in flight."""
+    from common.vllm_server import ServerEngine
+
+    live, most, lock = [0], [0], threading.Lock()
+
+    def slow(body):
+        with lock:
+            live[0] += 1
+            most[0] = max(most[0], live[0])
+        time.sleep(0.6)
+        with lock:
+            live[0] -= 1
+        return 200, _answer([5, 2], "0"), 0, 0
+
+    fake = _Fake(**{"/inference/v1/generate": slow})
+    engine = ServerEngine(fake.url, TOK, timeout=1.5, weights_dir=str(tmp_path), concurrency=3)
+    q, qm = torch.zeros(12, 3, dtype=torch.long), torch.ones(12, 3, dtype=torch.long)
+    t = time.time()
+    out = engine.generate(q, qm, 4, seeds=list(range(12)))
+    assert out.responses.shape[0] == 12 and time.time() - t > 1.5 and most[0] == 3
+    fake.close()
+
+
 @pytest.mark.parametrize(
     "route,status,says",
     [("/weight_info", 404, "VLLM_SERVER_DEV_MODE=1"), ("/inference/v1/generate", 403, "--enable-scale-out")],
