@@ -481,8 +481,10 @@ def serve_batches(
 
 def split_threads(max_off_policy_steps: int, generator_threads: int) -> tuple[int, int]:
     """(trainer threads, generator threads). -1: synchronous (K = 0: one side waits while the other works) each side
-    uses every core; asynchronous, half each (the two sides run at once: more threads than cores slows both)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    uses every core; asynchronous, half each (the two sides run at once: more threads than cores slows both). The
+    cores are torch's thread budget (OMP_NUM_THREADS where set, else the cores torch uses), not the machine's: with
+    OMP_NUM_THREADS=1, K = 0 samples on one thread as grpo_llm.py does, and so draws the same tokens."""
+    cores = torch.get_num_threads()
     if generator_threads < 0:
         generator_threads = cores if max_off_policy_steps == 0 else max(1, cores // 2)
     trainer = cores if max_off_policy_steps == 0 else max(1, cores - generator_threads)

@@ -360,12 +360,15 @@ def test_a_checkpoint_keeps_the_next_k_batches_without_their_rows_and_restores_t
 
 
 def test_thread_split():
-    import os
-
-    cores = len(os.sched_getaffinity(0))
+    cores = torch.get_num_threads()  # OMP_NUM_THREADS where set
     assert split_threads(0, -1) == (cores, cores)  # synchronous: one side works at a time
     assert split_threads(1, -1) == (max(1, cores - max(1, cores // 2)), max(1, cores // 2))
     assert split_threads(2, 1) == (max(1, cores - 1), 1)
+    torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 leaves it: the budget, not the machine's cores
+    try:
+        assert split_threads(0, -1) == (1, 1) and split_threads(1, -1) == (1, 1)
+    finally:
+        torch.set_num_threads(cores)
 
 
 # ------------------------------------------------------------------ the script, end to end

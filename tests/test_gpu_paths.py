@@ -262,3 +262,22 @@ def test_a_push_leaves_dev_shm_when_it_has_no_room(tmp_path, monkeypatch):
     monkeypatch.setattr(S, "_shm", lambda need: None)  # a 15 GB push into a 4 GB /dev/shm
     moved = engine._folder(15 << 30)
     assert not str(moved).startswith("/dev/shm") and moved.is_dir()
+
+
+def test_the_lm_head_chunk_follows_the_devices_memory(monkeypatch):
+    """32 MB of (chunk, V) float32 temporaries on CPU; on a GPU 1/64 of its memory, capped at 2 GiB: an 80 GB card at
+    Qwen's 151,936 vocabulary takes 2,056 positions per chunk (the CPU's budget gave 55); the result is unchanged."""
+    from common.ops import head_chunk, head_logprobs
+
+    assert head_chunk(151_936, torch.device("cpu")) == 2**25 // (4 * 151_936) == 55
+    assert head_chunk(10**9, "cpu") == 1  # never zero
+    props = SimpleNamespace(total_memory=80 * 10**9)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    assert head_chunk(151_936, torch.device("cuda:0")) == (80 * 10**9 // 64) // (4 * 151_936) == 2056
+    props.total_memory = 200 * 2**30  # a budget over 2 GiB is capped
+    assert head_chunk(151_936, "cuda") == 2**31 // (4 * 151_936)
+    torch.manual_seed(0)
+    h, w, idx = torch.randn(2, 9, 16), torch.randn(50, 16), torch.randint(0, 50, (2, 9))
+    full = torch.log_softmax(h @ w.T, -1).gather(-1, idx[..., None])[..., 0]
+    assert torch.allclose(head_logprobs(h, w, idx, 1.0)[0], full, atol=1e-5)  # chunk from the budget: all 18 at once
+    assert torch.allclose(head_logprobs(h, w, idx, 1.0, chunk=4)[0], full, atol=1e-5)
