@@ -174,10 +174,10 @@ def reference_responses(tok, rows, device):
     """Off-policy steps (--lmbda < 1): each row's reference response (extra_info.response, else its ground truth)
     with EOS, right-padded. Returns (responses (B, T), mask (B, T))."""
     texts = [str(reference_text(x)) for x in rows]
-    ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] + [M.turn_end_id(tok)] for t in texts]
     T = max(len(x) for x in ids)
     responses = torch.tensor([x + [tok.pad_token_id] * (T - len(x)) for x in ids], device=device)  # (B, T)
-    return responses, response_masks(responses, tok.eos_token_id, tok.pad_token_id)[0]
+    return responses, response_masks(responses, M.stop_ids(tok), tok.pad_token_id)[0]
 
 
 def main(args: Args):

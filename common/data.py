@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from common.errors import UserError, mix_seed
-from common.models import apply_chat
+from common.models import apply_chat, turn_end_id
 
 FORMATS = (".parquet", ".jsonl", ".json", ".arrow")
 
@@ -253,7 +253,7 @@ def encode_prompt_response(
     for prompt, response, add_eos in zip(prompts, responses, eos):
         p = tok(prompt, add_special_tokens=False)["input_ids"]
         if isinstance(response, str):
-            c = tok(response, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if add_eos else [])
+            c = tok(response, add_special_tokens=False)["input_ids"] + ([turn_end_id(tok)] if add_eos else [])
         else:
             c = [int(t) for t in response]
         if max_completion_length is not None:
@@ -352,8 +352,8 @@ def load_sft(files, tok) -> list[dict]:
 # Conversations: the one rendering rule of multi-turn rollouts (common/envs.py) and multi-turn SFT
 # ---------------------------------------------------------------------------------------------
 def turn_glue(tok) -> str:
-    """What the template writes after an assistant turn's EOS token (e.g. '\\n' after <|im_end|>)."""
-    eos = tok.eos_token
+    """What the template writes after an assistant turn's end token (e.g. '\\n' after <|im_end|>): turn_end_id's."""
+    eos = tok.convert_ids_to_tokens(turn_end_id(tok))
     text = apply_chat(tok, [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], False)
     return text[text.rindex(eos) + len(eos) :] if eos and eos in text else ""
 
@@ -401,7 +401,7 @@ def encode_conversation(tok, messages: list[dict], tools=None, prompt_text: str 
             glue = turn_glue(tok) if glue is None else glue
             obs = observation_ids(tok, pending, glue)
             ids, mask, pending = ids + obs, mask + [0] * len(obs), []
-        turn = tok(m["content"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        turn = tok(m["content"], add_special_tokens=False)["input_ids"] + [turn_end_id(tok)]
         ids, mask = ids + turn, mask + [1] * len(turn)
     return ids, mask
 

@@ -46,13 +46,14 @@ class Step:
 class Environment:
     """One trajectory's environment. The harness sets, before `reset`: `score(text) -> float`, the run's reward
     (--reward on this row: rule, model or mix) for `text` as the answer; `max_turns`; `template_tools` (the chat
-    template renders `tools=` itself); before each `step`: `turn` (1-based) and `final` (this turn is the
-    trajectory's last: out of turns, or cut by a token budget; give the final reward now)."""
+    template renders `tools=` itself) and `tool_format` (how a call is written: resolve_tool_format); before each
+    `step`: `turn` (1-based) and `final` (this turn is the trajectory's last: out of turns, or cut by a token budget;
+    give the final reward now)."""
 
     tools: list[dict] = []  # JSON schemas passed to the chat template as tools= (when it supports them)
     info_keys: tuple[str, ...] = ()  # the Step.info keys logged (every process logs the same keys: declared here)
     score = staticmethod(lambda text: 0.0)
-    max_turns, turn, final, template_tools = 1, 0, False, False
+    max_turns, turn, final, template_tools, tool_format = 1, 0, False, False, "text"
 
     def reset(self, row) -> list[dict] | str:
         """The first messages of the conversation (a PromptRow's `messages`: the dataset prompt)."""
@@ -102,38 +103,91 @@ TOOL_SCHEMAS = {
 }
 
 
-def parse_tool_calls(text: str) -> list[dict | str]:
-    """The `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks of a model turn, each a dict, or an error
-    message (str) for a block that is not such JSON. A `<tool_call>` without its closing tag is one malformed call."""
+TOOL_FORMATS = ("hermes", "llama3", "text")
+
+
+def resolve_tool_format(tok, requested: str = "auto") -> str:
+    """How tool calls are written for `tok`'s chat template (--tool-format; auto: read from the template):
+    hermes (Qwen2.5/Qwen3, Hermes: the template lists tools= and asks for `<tool_call>{"name": ..., "arguments":
+    {...}}</tool_call>`; results are `tool` messages it wraps in <tool_response>), llama3 (Llama 3.1-3.3: the turn is
+    bare JSON `{"name": ..., "parameters": {...}}`, optionally after <|python_tag|>; results are `tool` (ipython)
+    messages), text (a template without tools=: ToolEnv's own protocol in the system message, `<tool_call>` JSON
+    with "arguments", results in a user message), or "unknown" (a template that renders tools= in another way)."""
+    template = tok.chat_template or ""
+    if requested != "auto":
+        if requested != "text" and "tools" not in template:
+            raise UserError(f"--tool-format {requested}: the chat template of {tok.name_or_path} renders no tools=; "
+                            "use --tool-format text (the tools listed in the system message)")  # fmt: skip
+        return requested
+    if "tools" not in template:
+        return "text"
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or '"parameters"' in template:
+        return "llama3"
+    return "unknown"
+
+
+def _tool_call(call, key: str = "arguments") -> dict | str:
+    """A decoded call object -> {name, arguments} or an error message (str); the arguments under `key`."""
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return f'error: a tool call is {{"name": ..., "{key}": {{...}}}}'
+    args = call.get(key, call.get("arguments", {}))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            args = None
+    if not isinstance(args, dict):
+        return f'error: "{key}" must be an object'
+    return {"name": call["name"], "arguments": args}
+
+
+def parse_tool_calls(text: str, fmt: str = "text") -> list[dict | str]:
+    """The calls of a model turn in format `fmt` (resolve_tool_format), each {name, arguments} or an error message (str) for
+    a call that is not such JSON; [] for an answer. hermes / text: the `<tool_call>{json}</tool_call>` blocks (a
+    `<tool_call>` without its closing tag is one malformed call). llama3: a turn that starts with `{` (after an
+    optional <|python_tag|>) is one or more JSON objects separated by `;` or white space."""
+    if fmt == "llama3":
+        return _json_calls(text)
     calls = []
     for body in TOOL_CALL.findall(text):
         try:
-            call = json.loads(body.strip())
+            calls.append(_tool_call(json.loads(body.strip())))
         except json.JSONDecodeError as e:
             calls.append(f"error: the tool call is not valid JSON ({e.msg} at character {e.pos})")
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            calls.append('error: a tool call is {"name": ..., "arguments": {...}}')
-            continue
-        args = call.get("arguments", {})
-        if isinstance(args, str):  # some models write the arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                args = None
-        if not isinstance(args, dict):
-            calls.append('error: "arguments" must be an object')
-            continue
-        calls.append({"name": call["name"], "arguments": args})
     if not calls and "<tool_call>" in text:
         calls.append("error: <tool_call> without </tool_call>")
     return calls
 
 
+def _json_calls(text: str) -> list[dict | str]:
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    calls, i, decoder = [], 0, json.JSONDecoder()
+    while i < len(body) and body[i] == "{":
+        try:
+            call, i = decoder.raw_decode(body, i)
+        except json.JSONDecodeError as e:
+            calls.append(f"error: the tool call is not valid JSON ({e.msg} at character {e.pos})")
+            break
+        calls.append(_tool_call(call, "parameters"))
+        while i < len(body) and body[i] in " \t\n;":
+            i += 1
+    return calls
+
+
+def format_tool_call(name: str, arguments: dict, fmt: str) -> str:
+    """A call as a model turn writes it in format `fmt` (tools.gen_demos' program demonstrations)."""
+    if fmt == "llama3":
+        return json.dumps({"name": name, "parameters": arguments})
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
 class ToolEnv(Environment):
-    """Tools for the policy: it calls them with `<tool_call>{json}</tool_call>` (the protocol below, in the system
-    message; or the template's own tools= rendering where it has one), gets `<tool_response>` observations, and ends
-    with an answer (a turn without a tool call), scored by the run's reward. A malformed call or an unknown tool gets
+    """Tools for the policy: it calls them in the chat template's format (`tool_format`, resolve_tool_format: Hermes/Qwen `<tool_call>`,
+    Llama 3.x JSON, both listed by the template's own tools= rendering) or, where the template renders no tools, with
+    `<tool_call>{json}</tool_call>` (the protocol below, in the system message); gets the results (`tool` messages
+    the template renders, or `<tool_response>` blocks in a user message), and ends with an answer (a turn without a tool call), scored by the run's reward. A malformed call or an unknown tool gets
     an error observation. A call on the last turn is not run: that turn is scored as the answer."""
 
     # per trajectory: calls, failed calls, seconds; the first call (0/1), the final answer (0/1) and whether a tool
@@ -165,7 +219,7 @@ class ToolEnv(Environment):
         self.call_cost, self.had_result = call_cost, False
 
     def reset(self, row):
-        if self.template_tools:
+        if self.tool_format != "text":  # the template lists the tools and says how to call them
             return super().reset(row)
         listing = "\n".join(f"- {t['function']['name']}: {json.dumps(t['function']['parameters'])}" for t in self.tools)
         name = self.tools[0]["function"]["name"]
@@ -186,19 +240,22 @@ class ToolEnv(Environment):
         return run_python(a[key], **self.python)
 
     def step(self, text, ids):
-        calls = parse_tool_calls(text)
+        calls = parse_tool_calls(text, self.tool_format)
         if not calls or self.final:  # an answer (or no turn left to read a tool's result)
             return Step(None, self.score(text), True, {"answered": 1, "answer_after_tool": float(self.had_result)})
         t0, outputs, errors = time.time(), [], 0
         for call in calls:
             out, ok = (call, False) if isinstance(call, str) else self.run_tool(call)
             errors += not ok
-            outputs.append(f"<tool_response>{out}</tool_response>")
-        role = "tool" if self.template_tools else "user"
+            outputs.append(out)
         info = {"tool_calls": len(calls), "tool_errors": errors, "tool_s": time.time() - t0}
         info["tool_used"] = float(not self.had_result)  # counted once per trajectory
         self.had_result = True
-        return Step([{"role": role, "content": "\n".join(outputs)}], -self.call_cost * len(calls), False, info)
+        if self.tool_format == "text":  # our protocol: the results in one user message
+            results = [{"role": "user", "content": "\n".join(f"<tool_response>{o}</tool_response>" for o in outputs)}]
+        else:  # a `tool` message per call: the template renders them (<tool_response> blocks, an ipython turn)
+            results = [{"role": "tool", "content": o} for o in outputs]
+        return Step(results, -self.call_cost * len(calls), False, info)
 
 
 def tool_metrics(metrics: dict) -> dict:
@@ -410,7 +467,7 @@ class EnvWorker:
 
 class _InWorker:
     """The harness's view of an environment in an `EnvWorker`: reset / step / close forwarded; the attributes the
-    harness sets (turn, final, max_turns, template_tools) go along with the next call; `score` stays here."""
+    harness sets (turn, final, max_turns, template_tools, tool_format) go along with the next call; `score` stays here."""
 
     def __init__(self, worker: EnvWorker, timeout: float):
         self.__dict__.update(_worker=worker, _timeout=timeout, _attrs={}, tools=None, score=None)
@@ -458,12 +515,20 @@ class Episodes:
     counts in env/errors (the first message is printed once): never a crash or a hang of the run."""
 
     def __init__(self, env_factory, tok, score, max_turns: int, max_tokens: int, timeout: float, log=print,
-                 max_prompt_tokens: int | None = None, workers: bool = False):  # fmt: skip
+                 max_prompt_tokens: int | None = None, workers: bool = False, tool_format: str = "auto"):  # fmt: skip
         self.factory, self.tok, self.score, self.max_prompt_tokens = env_factory, tok, score, max_prompt_tokens
         # workers: each trajectory's environment in a worker process (EnvWorker), kept across batches
         self.workers, self._pool = workers, []
         self.max_turns, self.max_tokens, self.timeout, self.log = max_turns, max_tokens, timeout, log
-        self.template_tools = "tools" in (tok.chat_template or "")
+        # how tool calls are written (tool_format); an environment whose calls ToolEnv parses needs a known format
+        self.tool_format = resolve_tool_format(tok, tool_format)
+        cls = getattr(env_factory, "func", env_factory)
+        if self.tool_format == "unknown" and isinstance(cls, type) and issubclass(cls, ToolEnv):
+            raise UserError(f"--env tools: the chat template of {tok.name_or_path} renders tools= in a format the tool "
+                            'parser does not know (known: Hermes/Qwen <tool_call>{"name", "arguments"}</tool_call>, '
+                            'Llama 3.x JSON {"name", "parameters"}); --tool-format text lists the tools in the system '
+                            "message instead")  # fmt: skip
+        self.template_tools = self.tool_format != "text"
         # the environment class's declared Step.info keys (a class, or functools.partial of one)
         self.info_keys = tuple(getattr(getattr(env_factory, "func", env_factory), "info_keys", ()))
         self.errors, self._glue, self._said = 0, None, False
@@ -551,6 +616,7 @@ class Episodes:
             if ok:
                 env.score = lambda text, row=row: self.score(row, text)
                 env.max_turns, env.turn, env.template_tools = self.max_turns, 0, self.template_tools
+                env.tool_format = self.tool_format
                 ok, msgs = self._call("reset", env.reset, row)
                 problem = messages_problem(msgs, "reset") if ok else None
                 ok = ok and (problem is None or self._fail("reset", problem))
@@ -698,7 +764,7 @@ def episodes_from_args(env_args, tok, reward, device, log=print, max_prompt_toke
         return float(scores[0])
 
     return Episodes(factory, tok, score, env_args.max_turns, env_args.max_trajectory_tokens, env_args.env_timeout, log,
-                    max_prompt_tokens, workers=env_args.env_workers)  # fmt: skip
+                    max_prompt_tokens, workers=env_args.env_workers, tool_format=env_args.tool_format)  # fmt: skip
 
 
 @torch.no_grad()

@@ -28,6 +28,8 @@ def user_error(message: str) -> None:
             pass
     if os.environ.get("RANK", "0") == "0":
         print(message, file=sys.stderr, flush=True)
+    else:  # rank 0 meets the same check at the same moment: the launcher ends the others once one rank exits, so a
+        time.sleep(1.0)  # rank that is not 0 waits a moment, or rank 0 may be ended before its line (seen in CI)
     raise SystemExit(2)
 
 

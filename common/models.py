@@ -422,6 +422,56 @@ def frozen_kwargs(model) -> dict:
     return dict(dtype=trained_dtype(model), trust_remote_code=model.trust_remote_code)
 
 
+# The tokens chat templates end a turn with (ChatML/Qwen, Llama 3.x (eot: end of turn, eom: end of a tool call's
+# message), Phi-3, Gemma): a stop for generation where the template writes one, whatever the tokenizer calls EOS.
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+
+
+def turn_end_id(tok) -> int:
+    """The token the chat template closes an assistant turn with (what SFT appends to a response and a multi-turn
+    rollout's turn ends with): the first end-of-turn token (END_OF_TURN or EOS) written after an assistant message;
+    EOS without a template or where it writes none. Qwen2.5 base: <|im_end|> (its EOS is <|endoftext|>)."""
+    return _stops(tok)[0]
+
+
+def stop_ids(tok) -> list[int]:
+    """Every token that ends a response (generation stops there; `common.rollout.response_masks` counts it as the
+    end): the template's turn end first, then EOS, the model folder's generation_config.json `eos_token_id` (an int
+    or a list: Llama 3.1's [<|end_of_text|>, <|eom_id|>, <|eot_id|>]) and the END_OF_TURN tokens the template
+    writes. Never the pad token (right padding after a stop-string row would read as a stop; Qwen2.5-Instruct's
+    pad <|endoftext|> is also in its generation config: its turns end at <|im_end|>). Cached on `tok`."""
+    return _stops(tok)
+
+
+def _stops(tok) -> list[int]:
+    fmt = getattr(tok, "cleanrlhf_format", None)
+    template = getattr(tok, "chat_template", None)
+    key = (template, repr(fmt), tok.eos_token_id, getattr(tok, "pad_token_id", None))
+    cached = getattr(tok, "_cleanrlhf_stops", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if not hasattr(tok, "get_vocab"):  # a stand-in tokenizer (tests' fakes): EOS only
+        return [tok.eos_token_id]
+    vocab = tok.get_vocab()
+    marks = {t: vocab[t] for t in (*END_OF_TURN, tok.eos_token) if t and t in vocab}
+    end = tok.eos_token_id
+    if template and (fmt is None or fmt["apply_chat_template"]):
+        text = apply_chat(tok, [{"role": "user", "content": "x"}, {"role": "assistant", "content": "Zq7"}], False)
+        after = text[text.rindex("Zq7") + 3 :]
+        first = min((after.find(t), t) for t in marks if t in after) if any(t in after for t in marks) else None
+        end = marks[first[1]] if first else end
+    ids = [end, tok.eos_token_id]
+    ids += [i for t, i in marks.items() if t in (template or "")]
+    folder = Path(str(getattr(tok, "name_or_path", "") or "-"))
+    config = folder / "generation_config.json"
+    if config.is_file():
+        eos = json.loads(config.read_text()).get("eos_token_id")
+        ids += [eos] if isinstance(eos, int) else [i for i in eos or [] if isinstance(i, int)]
+    ids = [i for i in dict.fromkeys(ids) if i is not None and i != tok.pad_token_id]
+    tok._cleanrlhf_stops = (key, ids)
+    return ids
+
+
 def apply_chat(tok, prompt, add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
     """A prompt (string or list of {role, content}) as the text the model sees.
 

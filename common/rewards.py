@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from common.errors import UserError, load_from_file
+from common.models import stop_ids
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -642,7 +643,7 @@ class ScoreAsTheyFinish:
         """From the decoding loop: rows `idx` ended; responses (n, t) their tokens so far, stopped (n,) bool."""
         from common.rollout import response_masks
 
-        _, is_eos, _ = response_masks(responses, self.tok.eos_token_id, self.tok.pad_token_id, stopped)
+        _, is_eos, _ = response_masks(responses, stop_ids(self.tok), self.tok.pad_token_id, stopped)
         texts = self.tok.batch_decode(responses, skip_special_tokens=True)
         self.sent.update(idx)
         self.todo.put(list(zip(idx, texts, is_eos.tolist())))

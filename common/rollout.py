@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.attention import exact_over_a_cache
+from common.models import stop_ids
 from common.ops import head_logprobs, logprobs_and_entropy, selective_log_softmax
 from common.parallel import sharded_logits, tensor_parallel_active
 
@@ -114,15 +115,16 @@ class PromptCache:
         return cache, self.last_logits[idx]
 
 
-def response_masks(responses: torch.Tensor, eos_id: int, pad_id: int, stopped_early: torch.Tensor | None = None):
+def response_masks(responses: torch.Tensor, eos_id, pad_id: int, stopped_early: torch.Tensor | None = None):
     """Mask of real response tokens: everything up to and including the first EOS.
 
-    responses: (B, T). Returns (mask (B, T) float, is_eos (B,) bool, lengths (B,) long).
+    responses: (B, T); eos_id: an id or a list of them (common.models.stop_ids: EOS and the template's end of turn).
+    Returns (mask (B, T) float, is_eos (B,) bool, lengths (B,) long).
     Rows without EOS that stopped early (a stop string) end before their trailing pads.
     Naive: for each row, `n = responses[i].tolist().index(eos)+1 if eos in row else T`."""
     B, T = responses.shape
     ar = torch.arange(T, device=responses.device).expand(B, T)
-    is_eos_tok = responses == eos_id
+    is_eos_tok = torch.isin(responses, torch.as_tensor(eos_id, device=responses.device))
     is_eos = is_eos_tok.any(1)
     first_eos = torch.where(is_eos, is_eos_tok.int().argmax(1), torch.full_like(is_eos, T, dtype=torch.long))
     lengths = torch.where(is_eos, first_eos + 1, first_eos)
@@ -212,6 +214,7 @@ def generate(
             [torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds]
         ).to(device)
     stop = StopStringCriteria(tokenizer=tok, stop_strings=stop_strings) if stop_strings else None
+    ends = torch.tensor(stop_ids(tok), device=device)  # EOS, the template's end of turn, generation_config's EOS list
     responses = torch.full((B, max_new_tokens), tok.pad_token_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(B, max_new_tokens, device=device)
     stopped = torch.zeros(B, dtype=torch.bool, device=device)  # ended by a stop string
@@ -251,7 +254,7 @@ def generate(
         tokens = tokens.masked_fill(done, tok.pad_token_id)  # (b,)
         responses[rows[~done], t] = tokens[~done]
         T = t + 1
-        ended = ~done & (tokens == tok.eos_token_id)
+        ended = ~done & torch.isin(tokens, ends)
         if keep_rows:
             valid.update({int(r): mask.shape[1] for r in rows[ended]})
         if stop is not None:
@@ -278,7 +281,7 @@ def generate(
     if keep_rows:
         _save_row_caches(cache, mask, rows, torch.arange(len(rows), device=device), valid, row_caches)
     responses = responses[:, :T]
-    mask, is_eos, lengths = response_masks(responses, tok.eos_token_id, tok.pad_token_id, stopped)
+    mask, is_eos, lengths = response_masks(responses, ends, tok.pad_token_id, stopped)
     truncated = (lengths == max_new_tokens) & ~is_eos & ~stopped
     logprobs = logprobs[:, :T] * mask if uniforms is not None else None
     return Generation(torch.cat([queries, responses], 1), responses, mask, is_eos, truncated, logprobs, prompt_cache,

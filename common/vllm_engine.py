@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from common.errors import UserError
+from common.models import stop_ids
 from common.weight_stream import engine_weights, sum_and_squares, trainable_fingerprint
 
 
@@ -164,7 +165,7 @@ def as_generation(queries, ids: list[list[int]], logprobs: list[list[float]], st
     device = queries.device
     responses, lp = responses.to(device), lp.to(device)
     stops = torch.tensor(stopped, dtype=torch.bool, device=device)
-    mask, is_eos, lengths = response_masks(responses, tok.eos_token_id, tok.pad_token_id, stops)
+    mask, is_eos, lengths = response_masks(responses, stop_ids(tok), tok.pad_token_id, stops)
     truncated = (lengths == max_new_tokens) & ~is_eos & ~stops
     return Generation(
         torch.cat([queries, responses], 1), responses, mask, is_eos, truncated, lp * mask if sampled else None
@@ -387,7 +388,7 @@ class VLLMEngine:
             logprobs=0,  # the sampled token's own log-prob
             stop=stop_strings or None,
             include_stop_str_in_output=True,  # as the hf engine: the stop string's tokens stay in the response
-            stop_token_ids=[tok.eos_token_id],
+            stop_token_ids=stop_ids(tok),
             skip_special_tokens=True,
             detokenize=bool(stop_strings),  # stop strings are matched on text
         )

@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 
 from common.errors import EngineFailed, UserError
+from common.models import stop_ids
 from common.vllm_engine import AdapterPush, adapter_only, as_generation, lora_rank_for_vllm, require_vllm
 from common.weight_stream import engine_weight_meta, engine_weights, is_sharded, trainable_fingerprint, weights_bytes
 
@@ -424,7 +425,7 @@ class ServerEngine:
         """Same contract as `common.rollout.generate`: (B, P) left-padded queries -> `Generation`."""
         self._ready()
         tok = self.tok
-        common = dict(max_tokens=max_new_tokens, logprobs=0, stop_token_ids=[tok.eos_token_id],
+        common = dict(max_tokens=max_new_tokens, logprobs=0, stop_token_ids=stop_ids(tok),
                       skip_special_tokens=True, detokenize=bool(stop_strings))  # fmt: skip
         if stop_strings:  # matched on text; the stop string's tokens stay in the response, as the other engines
             common.update(stop=list(stop_strings), include_stop_str_in_output=True)

@@ -29,9 +29,11 @@ def _trajectories(tok, model, reply, n=2, prefix=""):
 
 # a template that renders tools= itself (as Qwen's and Llama 3.x's do): the tool schemas in a system block, results
 # in "tool" messages
-TOOLS_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+TOOLS_TEMPLATE = (  # Hermes-style (resolve_tool_format: hermes): calls in <tool_call>, results in <tool_response>
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    'Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{% endif %}'
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'tool' %}<tool_response>{{ m['content'] }}"
+    "</tool_response>{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 

@@ -33,7 +33,7 @@ import torch
 from common import models as M
 from common.args import Check, EnvArgs, Group, NonNegInt, PositiveFloat, PositiveInt, group
 from common.data import DataError, load_prompts, read_files, read_table, write_rows
-from common.envs import Step, episodes_from_args
+from common.envs import Step, episodes_from_args, format_tool_call
 from common.errors import UserError, mix_seed
 from common.rewards import Reward
 
@@ -96,6 +96,7 @@ def replay(episodes, row, turns) -> tuple[list[dict], float, dict]:
     env = episodes.factory()
     env.score = lambda text: episodes.score(row, text)
     env.max_turns, env.template_tools = episodes.max_turns, episodes.template_tools
+    env.tool_format = episodes.tool_format
     messages = env.reset(row)
     messages = [{"role": "user", "content": messages}] if isinstance(messages, str) else list(messages)
     reward, info = 0.0, defaultdict(float)
@@ -154,7 +155,7 @@ def from_program(args, episodes, rows) -> list[tuple[int, list[dict], float, dic
         if code is None:
             unknown.add(row.data_source)
             continue
-        call = f"<tool_call>{json.dumps({'name': 'python', 'arguments': {'code': code}})}</tool_call>"
+        call = format_tool_call("python", {"code": code}, episodes.tool_format)  # the template's format
 
         def turns(messages, call=call):  # first the call; after the tool's result, what it printed as the answer
             if not any(m["role"] == "assistant" for m in messages):

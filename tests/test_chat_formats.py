@@ -1,0 +1,197 @@
+"""The formats users train in (issue 64, item 8): Qwen2.5 / Qwen3 / Llama 3.1 tiny models (tests/chat_formats.py).
+Responses stop at the template's end of turn (not only the tokenizer's EOS), SFT appends that token, tool calls in
+each template's format are parsed and run through ToolEnv, and a template whose format is unknown is one line."""
+
+from functools import partial
+from types import SimpleNamespace
+
+import pytest
+import torch
+from chat_formats import FORMATS, QWEN_TEMPLATE, tiny_chat_model
+
+from common import models as M
+from common.data import encode_conversation, observation_ids, turn_glue
+from common.envs import TOOL_SCHEMAS, Episodes, ToolEnv, format_tool_call, parse_tool_calls, resolve_tool_format
+from common.errors import UserError
+
+CALL = {"name": "calculator", "arguments": {"expression": "1+1"}}
+
+
+@pytest.fixture(scope="module", params=FORMATS)
+def chat_model(request, tmp_path_factory):
+    return request.param, tiny_chat_model(tmp_path_factory.mktemp(request.param.replace(".", "_")), request.param)
+
+
+def _names(tok, ids):
+    return [tok.convert_ids_to_tokens(i) for i in ids]
+
+
+def test_each_format_stops_at_its_templates_end_of_turn(chat_model):
+    """Qwen2.5 base: EOS <|endoftext|>, turns end <|im_end|> (from the template); Qwen3: the pad <|endoftext|> is in
+    its generation config but never a stop; Llama 3.1 base: <|eot_id|> and <|eom_id|> from the generation config."""
+    fmt, path = chat_model
+    tok = M.load_tokenizer(path)
+    want = {
+        "qwen2.5-base": (["<|im_end|>", "<|endoftext|>"], "\n", "hermes"),
+        "qwen3": (["<|im_end|>"], "\n", "hermes"),
+        "llama3.1": (["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"], "", "llama3"),
+    }[fmt]
+    assert (_names(tok, M.stop_ids(tok)), turn_glue(tok), resolve_tool_format(tok)) == want
+    assert tok.pad_token_id not in M.stop_ids(tok) and M.turn_end_id(tok) == M.stop_ids(tok)[0]
+    # SFT's rows end with the template's end of turn, as the template renders an assistant message
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    ids, mask = encode_conversation(tok, msgs)
+    assert ids[-1] == M.turn_end_id(tok) and mask[-1] == 1
+    assert tok.decode(ids + tok(turn_glue(tok), add_special_tokens=False)["input_ids"]) == M.apply_chat(
+        tok, msgs, False
+    )
+    # a tool result renders as the template renders a `tool` message
+    obs = tok.decode(observation_ids(tok, [{"role": "tool", "content": "2"}]))
+    assert ("<tool_response>\n2\n</tool_response>" if fmt != "llama3.1" else "ipython<|end_header_id|>\n\n2") in obs
+
+
+def test_tool_calls_parse_in_each_format():
+    """hermes/text: <tool_call> blocks with "arguments"; llama3: the turn is bare JSON with "parameters" (after an
+    optional <|python_tag|>, several separated by ';'); an answer is no call; malformed calls are one error each."""
+    hermes = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
+    assert parse_tool_calls(hermes, "hermes") == parse_tool_calls(hermes) == [CALL]
+    assert parse_tool_calls('<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}'
+                            "</tool_call>", "hermes") == [CALL]  # fmt: skip
+    assert parse_tool_calls("<tool_call>{oops}</tool_call>", "hermes")[0].startswith("error: the tool call is not")
+    assert parse_tool_calls("<tool_call>{", "hermes") == ["error: <tool_call> without </tool_call>"]
+    llama = '{"name": "calculator", "parameters": {"expression": "1+1"}}'
+    assert parse_tool_calls(llama, "llama3") == parse_tool_calls(" <|python_tag|>" + llama + "\n", "llama3") == [CALL]
+    two = parse_tool_calls(llama + "; " + llama.replace("1+1", "2*3"), "llama3")
+    assert two == [CALL, {"name": "calculator", "arguments": {"expression": "2*3"}}]
+    assert parse_tool_calls("The answer is 2.", "llama3") == [] and parse_tool_calls(llama, "hermes") == []
+    assert parse_tool_calls('{"name": "calculator", "parameters": 3}', "llama3") == [
+        'error: "parameters" must be an object'
+    ]
+    assert parse_tool_calls('{"name": "calculator", "par', "llama3")[0].startswith("error: the tool call is not valid")
+    assert parse_tool_calls('{"tool": 1}', "llama3") == ['error: a tool call is {"name": ..., "parameters": {...}}']
+
+
+def test_a_template_with_an_unknown_tool_format_is_one_line(tmp_path):
+    path = tiny_chat_model(tmp_path / "m", "qwen3")
+    tok = M.load_tokenizer(path)
+    score = lambda row, text: 0.0  # noqa: E731
+    tok.chat_template = QWEN_TEMPLATE.replace("<tool_call>", "<call>").replace("</tool_call>", "</call>")
+    with pytest.raises(UserError, match="renders tools= in a format the tool parser does not know.*--tool-format text"):
+        Episodes(ToolEnv, tok, score, 2, 64, 10.0)
+    assert Episodes(ToolEnv, tok, score, 2, 64, 10.0, tool_format="text").tool_format == "text"
+    tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"  # no tools= at all
+    with pytest.raises(UserError, match="--tool-format hermes: the chat template of .* renders no tools="):
+        Episodes(ToolEnv, tok, score, 2, 64, 10.0, tool_format="hermes")
+
+
+def _agent(fmt: str, path: str, out) -> str:
+    """`path` fine-tuned in-process to call the calculator in its format on turn 1 and answer "2" after the result:
+    the conversations encoded by encode_conversation (the template's tools= listing, its end of turn, its tool
+    messages), as multi-turn SFT encodes them."""
+    tok = M.load_tokenizer(path)
+    model = M.load_causal_lm(path, tok)
+    seqs = []
+    for i in range(8):
+        msgs = [{"role": "user", "content": f"what is 1+1? ({i})"},
+                {"role": "assistant", "content": format_tool_call("calculator", CALL["arguments"], resolve_tool_format(tok))},
+                {"role": "tool", "content": "2"}, {"role": "assistant", "content": "2"}]  # fmt: skip
+        seqs.append(encode_conversation(tok, msgs, tools=[TOOL_SCHEMAS["calculator"]]))
+    L = max(len(ids) for ids, _ in seqs)
+    x = torch.full((len(seqs), L), tok.pad_token_id)
+    attn, target = torch.zeros(len(seqs), L, dtype=torch.long), torch.full((len(seqs), L), -100)
+    for k, (ids, mask) in enumerate(seqs):
+        x[k, : len(ids)], attn[k, : len(ids)] = torch.tensor(ids), 1
+        target[k, : len(ids) - 1] = torch.where(torch.tensor(mask[1:]) == 1, torch.tensor(ids[1:]), -100)
+    pick = target != -100
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(60):
+        hidden = model.model(input_ids=x, attention_mask=attn).last_hidden_state
+        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[pick]), target[pick])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert loss.item() < 0.05, loss.item()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+# the agent's fine-tuning is ~15 s a format: Llama 3.1 (bare JSON, a base EOS) in the fast tier, the Qwens beyond it
+@pytest.mark.parametrize("fmt", [pytest.param("qwen2.5-base", marks=pytest.mark.e2e),
+                                 pytest.param("qwen3", marks=pytest.mark.e2e), "llama3.1"])  # fmt: skip
+def test_a_tool_call_in_each_format_runs_and_the_turn_ends_at_the_template_stop(fmt, tmp_path):
+    """Greedy trajectories of the fine-tuned tiny agent through ToolEnv: turn 1 is a call in the template's format
+    that ends at its end of turn (<|im_end|> where Qwen2.5's EOS is <|endoftext|>; <|eot_id|> where Llama's is
+    <|end_of_text|>), the calculator runs (no tool error), the result is rendered by the template, and turn 2
+    answers "2", scored 1."""
+    agent = _agent(fmt, tiny_chat_model(tmp_path / "init", fmt), tmp_path / "agent")
+    tok = M.load_tokenizer(agent)
+    model = M.load_causal_lm(agent, tok)
+    score = lambda row, text: float(text.strip() == "2")  # noqa: E731
+    episodes = Episodes(partial(ToolEnv, ("calculator",)), tok, score, 3, 96, 30.0, workers=False)
+    assert episodes.tool_format == ("llama3" if fmt == "llama3.1" else "hermes")
+    rows = [SimpleNamespace(messages=[{"role": "user", "content": f"what is 1+1? ({i})"}], text="") for i in (0, 5)]
+    ro = episodes.run(model, rows, None, max_new_tokens=40)
+    assert ro.stats["env/tool_calls"].tolist() == [1.0, 1.0] and ro.stats["env/tool_errors"].tolist() == [0.0, 0.0]
+    assert ro.scores.tolist() == [1.0, 1.0] and ro.is_eos.all() and ro.stats["env/turns"].tolist() == [2.0, 2.0]
+    end = M.turn_end_id(tok)
+    for b in range(2):
+        (_, first), (context, second) = ro.turn_ids[b]  # each turn: (the ids it was given, the ids it sampled)
+        assert first[-1] == second[-1] == end and end not in first[:-1] + second[:-1]
+        assert tok.decode(first[:-1]) == format_tool_call("calculator", CALL["arguments"], episodes.tool_format)
+        text = tok.decode(context)  # the prompt, turn 1 and the result as the template renders a tool message
+        assert (
+            "<tool_response>\n2\n</tool_response>" if fmt != "llama3.1" else "ipython<|end_header_id|>\n\n2"
+        ) in text
+
+
+@pytest.mark.e2e
+def test_grpo_env_tools_on_a_llama3_format_model(tmp_path):
+    """`grpo_llm.py --env tools` from the Llama 3.1-format agent's folder, as a user runs it: its bare-JSON calls
+    run (env/tool_success_rate 1), its turns end at <|eot_id|> (no trajectory truncated), and it answers."""
+    import json
+
+    from conftest import only_run, read_metrics, run_script
+
+    agent = _agent("llama3.1", tiny_chat_model(tmp_path / "init", "llama3.1"), tmp_path / "agent")
+    data, reward = tmp_path / "q.jsonl", tmp_path / "reward.py"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"what is 1+1? ({i})"}],
+                                        "data_source": "sum", "reward_model": {"ground_truth": "2"}}) + "\n"
+                            for i in range(4)))  # fmt: skip
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(solution_str.strip() == ground_truth)\n")  # fmt: skip
+    run_script("grpo_llm.py", "--model-name-or-path", agent, "--train-files", data, "--reward-fn",
+               f"{reward}:compute_score", "--env", "tools", "--tools", "calculator", "--max-turns", 3,
+               "--max-new-tokens", 40, "--total-steps", 1, "--num-prompts", 2, "--group-size", 2,
+               "--mini-batch-size", 4, "--micro-batch-size", 4, "--eval-every", 0, "--mixed-precision", "no",
+               "--output-dir", tmp_path / "run")  # fmt: skip
+    (m,) = read_metrics(only_run(tmp_path / "run"))
+    assert m["env/tool_call_rate"] == 1.0 and m["env/tool_success_rate"] == 1.0, m
+    assert m["train/reward"] > 0.5, m
+
+
+def test_the_vllm_server_engine_stops_at_the_templates_end_of_turn(tmp_path, monkeypatch):
+    """The server is asked to stop at every stop id (stop_token_ids), and a response that ends at <|eot_id|> (a Llama
+    3.1 base model's EOS is <|end_of_text|>) counts as ended, not truncated; one cut by max_tokens is truncated."""
+    from common.vllm_server import ServerEngine
+
+    tok = M.load_tokenizer(tiny_chat_model(tmp_path / "m", "llama3.1"))
+    eot, word = tok.convert_tokens_to_ids("<|eot_id|>"), tok("ok", add_special_tokens=False)["input_ids"][0]
+    sent = []
+
+    class FakeHttp:
+        url = "http://fake"
+
+        def call_all(self, calls, concurrency):
+            sent.extend(calls)
+            return [{"choices": [{"token_ids": ids, "stop_reason": None}]} for ids in ([word, eot], [word] * 3)]
+
+    engine = object.__new__(ServerEngine)
+    engine.tok, engine.http, engine.concurrency, engine.lora_name, engine.fingerprint = tok, FakeHttp(), 4, None, None
+    monkeypatch.setattr(engine, "_ready", lambda: None, raising=False)
+    queries, mask = torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long)
+    gen = engine.generate(queries, mask, 3, seeds=None)
+    assert [c[1]["sampling_params"]["stop_token_ids"] for c in sent] == [M.stop_ids(tok)] * 2
+    assert set(_names(tok, M.stop_ids(tok))) == {"<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"}
+    assert gen.is_eos.tolist() == [True, False] and gen.truncated.tolist() == [False, True]
+    assert gen.response_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
