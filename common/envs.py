@@ -144,10 +144,10 @@ def _tool_call(call, key: str = "arguments") -> dict | str:
 
 
 def parse_tool_calls(text: str, fmt: str = "text") -> list[dict | str]:
-    """The calls of a model turn in format `fmt` (resolve_tool_format), each {name, arguments} or an error message (str) for
-    a call that is not such JSON; [] for an answer. hermes / text: the `<tool_call>{json}</tool_call>` blocks (a
-    `<tool_call>` without its closing tag is one malformed call). llama3: a turn that starts with `{` (after an
-    optional <|python_tag|>) is one or more JSON objects separated by `;` or white space."""
+    """The calls of a model turn in format `fmt` (resolve_tool_format), each {name, arguments} or an error message
+    (str) for a call that is not such JSON; [] for an answer. hermes / text: the `<tool_call>{json}</tool_call>`
+    blocks (a `<tool_call>` without its closing tag is one malformed call). llama3: a turn that starts with `{`
+    (after an optional <|python_tag|>) is one or more JSON objects separated by `;` or white space."""
     if fmt == "llama3":
         return _json_calls(text)
     calls = []
@@ -184,10 +184,11 @@ def format_tool_call(name: str, arguments: dict, fmt: str) -> str:
 
 
 class ToolEnv(Environment):
-    """Tools for the policy: it calls them in the chat template's format (`tool_format`, resolve_tool_format: Hermes/Qwen `<tool_call>`,
-    Llama 3.x JSON, both listed by the template's own tools= rendering) or, where the template renders no tools, with
-    `<tool_call>{json}</tool_call>` (the protocol below, in the system message); gets the results (`tool` messages
-    the template renders, or `<tool_response>` blocks in a user message), and ends with an answer (a turn without a tool call), scored by the run's reward. A malformed call or an unknown tool gets
+    """Tools for the policy: it calls them in the chat template's format (`tool_format`, resolve_tool_format:
+    Hermes/Qwen `<tool_call>` or Llama 3.x JSON, the tools listed by the template's own tools= rendering) or, where
+    the template renders no tools, with `<tool_call>{json}</tool_call>` (the protocol below, in the system message);
+    gets the results (`tool` messages the template renders, or `<tool_response>` blocks in a user message), and ends
+    with an answer (a turn without a tool call), scored by the run's reward. A malformed call or an unknown tool gets
     an error observation. A call on the last turn is not run: that turn is scored as the answer."""
 
     # per trajectory: calls, failed calls, seconds; the first call (0/1), the final answer (0/1) and whether a tool
@@ -467,7 +468,8 @@ class EnvWorker:
 
 class _InWorker:
     """The harness's view of an environment in an `EnvWorker`: reset / step / close forwarded; the attributes the
-    harness sets (turn, final, max_turns, template_tools, tool_format) go along with the next call; `score` stays here."""
+    harness sets (turn, final, max_turns, template_tools, tool_format) go along with the next call; `score` stays
+    here."""
 
     def __init__(self, worker: EnvWorker, timeout: float):
         self.__dict__.update(_worker=worker, _timeout=timeout, _attrs={}, tools=None, score=None)
