@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from common.errors import UserError, load_from_file
-from common.models import stop_ids
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -641,6 +640,7 @@ class ScoreAsTheyFinish:
 
     def __call__(self, idx: list[int], responses: torch.Tensor, stopped: torch.Tensor) -> None:
         """From the decoding loop: rows `idx` ended; responses (n, t) their tokens so far, stopped (n,) bool."""
+        from common.models import stop_ids  # here, not at the top: reward workers start without transformers
         from common.rollout import response_masks
 
         _, is_eos, _ = response_masks(responses, stop_ids(self.tok), self.tok.pad_token_id, stopped)
