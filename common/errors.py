@@ -1,4 +1,5 @@
-"""The floor of common/: user errors and seeds. Imports nothing of ours, so every module may import it.
+"""The floor of common/: user errors and seeds. Imports nothing of ours and only the standard library at its top (numpy
+and torch where a seed is set), so every module may import it, and the Python tool's sandbox starts without torch.
 
 A user error (a bad flag, path, data row or reward function) is a `UserError`; the scripts' entry point
 (common.cli.cli) prints its message as one line and exits 2. Tracebacks are for bugs.
@@ -6,9 +7,6 @@ A user error (a bad flag, path, data row or reward function) is a `UserError`; t
 
 import random
 import sys
-
-import numpy as np
-import torch
 
 
 def user_error(message: str) -> None:
@@ -85,6 +83,9 @@ def seed_everything(seed: int) -> None:
     """Same seed on every rank, so models initialise identically; per-sample randomness is derived
     from (seed, step, sample id) explicitly: `mix_seed(seed, step, sample id)`, the seeds common.rollout.generate
     takes."""
+    import numpy as np
+    import torch
+
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

@@ -88,12 +88,13 @@ def calculator(expression: str) -> str:
 # ---------------------------------------------------------------------------------------------
 SANDBOXES = ("namespaces", "audit")
 _UNSHARE_EXTRA = 0  # more unshare(2) flags (tests set an invalid one to see the refusal)
-_UNAVAILABLE = 97  # the exit code of a child that could not build its namespaces (and the marker it prints)
+_UNAVAILABLE = 97  # the exit code of a child whose namespaces the kernel refused (and the marker it prints)
+_FAILED = 98  # the exit code of a child that failed to build its new root on a path (and the marker it prints)
 
 # The audit hook, the second layer (both modes). Its state is in a closure: the model's code cannot reach it through
 # sys.modules["__main__"] (a hook, once added, cannot be removed).
 _HOOK = r"""
-def _install_hook(root):
+def _install_hook(root, *more):
     import os, sys
     writes = frozenset({"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.link",
                         "os.symlink", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"})
@@ -111,7 +112,8 @@ def _install_hook(root):
             return True  # a file descriptor: already opened
         if isinstance(p, bytes):
             p = p.decode(errors="replace")
-        return realpath(join(root, p)).startswith(root + sep)
+        p = realpath(join(root, p))
+        return any(p.startswith(r + sep) for r in (root, *more))
 
     def hook(event, args):
         if event in deny or event.startswith(("os.exec", "os.spawn")):
@@ -162,9 +164,15 @@ def call(name, *args):
         e = ctypes.get_errno()
         raise OSError(e, f"{name}{args[:2]}: {os.strerror(e)}")
 
-def unavailable(why):
+def unavailable(why):  # the kernel refused (namespaces, or mounts in them): the weaker mode is the way out
     print(f"cleanrlhf-sandbox-unavailable: {why}", file=sys.stderr, flush=True)
     os._exit(97)
+
+def failed(step, path, e):  # a step of building the new root failed on a path: a fault to fix, not a refusal
+    print(f"cleanrlhf-sandbox-failed: {step} {path}: {e}", file=sys.stderr, flush=True)
+    os._exit(98)
+
+REFUSED = (1, 13, 22, 28, 38, 87)  # EPERM, EACCES, EINVAL, ENOSPC (namespace count), ENOSYS, EUSERS
 
 # 1. the namespaces. As root: without a user namespace (the model's process becomes nobody below). Otherwise, or
 # where root may not: in a new user namespace. Not root: its root is the trainer's uid (the only id it may map).
@@ -203,8 +211,10 @@ try:
 except OSError as e:
     unavailable(e)
 
-# 2. the new root: a tmpfs holding read-only binds of the standard library and the shared libraries, a few devices,
-# a size-limited tmpfs /work; pivot_root into it and detach the old root.
+# 2. the new root: a tmpfs holding the sandbox's own layout first (a size-limited tmpfs /work, also mounted at /tmp,
+# a few devices), then read-only binds of the standard library and the shared libraries at their own paths, wherever
+# they live (under /tmp, /work, a home, /opt: a bind under /tmp or /work lands inside the work tmpfs, in a root-owned
+# folder, and never collides with the layout); pivot_root into it and detach the old root.
 def flags_of(path):  # a remount keeps the flags the source mount has (the kernel locks them in a user namespace)
     f = os.statvfs(path).f_flag
     return sum(m for st, m in ((2, NOSUID), (4, NODEV), (8, NOEXEC), (1024, 1024), (2048, 2048), (4096, 1 << 21))
@@ -221,26 +231,38 @@ def bind(src, new, writable=False):
     if not writable:
         call("mount", None, dst.encode(), None, BIND | REMOUNT | RDONLY | NOSUID | flags_of(src), None)
 
+new = cfg["root"]
 try:
-    new = cfg["root"]
     call("mount", None, b"/", None, REC | PRIVATE, None)
     call("mount", b"tmpfs", new.encode(), b"tmpfs", NOSUID | NODEV, b"size=1m,mode=755")
+except OSError as e:
+    (unavailable if e.errno in REFUSED else lambda why: failed("mounting the new root at", new, why))(e)
+me = (1 if uid == 0 else 0) if userns else NOBODY  # the model's process's uid, in this user namespace
+step, path = "", ""
+try:
+    step, path = "mounting the working directory at", new + "/work"
+    os.makedirs(path)
+    call("mount", b"tmpfs", path.encode(), b"tmpfs", NOSUID | NODEV, f"size={cfg['work_mb']}m".encode())
+    os.chown(path, me, me)
+    step, path = "binding the working directory at", new + "/tmp"
+    os.makedirs(path)
+    call("mount", (new + "/work").encode(), path.encode(), None, BIND, None)  # (a symlink would resolve on the host)
+    for dev in ("null", "zero", "random", "urandom"):
+        step, path = "binding", f"/dev/{dev}"
+        bind(path, new, writable=True)
     for path in cfg["read_only"]:
+        step = "binding read-only"
         if os.path.islink(path):
             os.makedirs(os.path.dirname(new + path), exist_ok=True)
-            os.symlink(os.readlink(path), new + path)
+            if not os.path.lexists(new + path):
+                os.symlink(os.readlink(path), new + path)
         elif os.path.exists(path):
             bind(path, new)
     for path in cfg["hidden"]:  # e.g. site-packages under the standard library: an empty read-only tmpfs over it
+        step = "hiding"
         if os.path.isdir(path):
             call("mount", b"tmpfs", (new + path).encode(), b"tmpfs", NOSUID | NODEV | RDONLY, b"size=4k")
-    for dev in ("null", "zero", "random", "urandom"):
-        bind(f"/dev/{dev}", new, writable=True)
-    os.makedirs(new + "/work")
-    call("mount", b"tmpfs", (new + "/work").encode(), b"tmpfs", NOSUID | NODEV, f"size={cfg['work_mb']}m".encode())
-    me = (1 if uid == 0 else 0) if userns else NOBODY  # the model's process's uid, in this user namespace
-    os.chown(new + "/work", me, me)
-    os.symlink("/work", new + "/tmp")
+    step, path = "entering the new root", new
     os.chdir(new)
     if libc.syscall({"x86_64": 155, "aarch64": 41}.get(os.uname().machine, -1), b".", b".") != 0:
         raise OSError(ctypes.get_errno(), "pivot_root")
@@ -248,7 +270,7 @@ try:
     os.chdir("/")
     call("mount", None, b"/", None, BIND | REMOUNT | RDONLY | NOSUID | NODEV, None)
 except OSError as e:
-    unavailable(e)
+    failed(step, path, e)
 
 # 3. pid 1 of the new PID namespace: dies with this process; when it exits, the kernel kills every process left in
 # the namespace (also those the model's code started in a new session).
@@ -289,17 +311,80 @@ os.setresuid(me, me, me)  # from root to nobody: every capability is cleared (no
 header, data = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()
 call("capset", header, data)  # no capability left in any set (header v3, two empty sets)
 call("prctl", 38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no setuid binary or file capability can give them back
+seccomp = "off"
+if cfg["seccomp"]:  # the last layer, once nothing of the set-up needs a denied call (no_new_privs allows it unprivileged)
+    class Insn(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Insn))]
+    insns = (Insn * len(cfg["seccomp"]))(*[Insn(*i) for i in cfg["seccomp"]])
+    try:
+        call("prctl", 22, 2, ctypes.byref(Prog(len(insns), insns)), 0, 0)  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        seccomp = "on"
+    except OSError as e:
+        seccomp = f"refused by the kernel ({e})"
+if cfg["probe"]:
+    print(f"cleanrlhf-seccomp: {seccomp}", flush=True)
 os.chdir("/work")
 del libc, call
 for name in [m for m in sys.modules if m.split(".")[0] in ("ctypes", "_ctypes")]:
     del sys.modules[name]
 sys.dont_write_bytecode = True
 if cfg["hook"]:
-    _install_hook("/work")
+    _install_hook("/work", "/tmp")
 del _install_hook
 exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
 """
 )
+
+
+# The seccomp filter (namespaces mode), a classic-BPF program: the system calls a calculator-and-`math` program
+# never needs fail with EPERM (the kernel's whole surface is otherwise open to the model's code). Where the numbers
+# are not known (another architecture) no filter is installed, and check_sandbox says so in one line.
+# x86_64's numbers (asm/unistd_64.h); the families: mounts and new roots, namespaces, tracing and other processes'
+# memory, BPF and perf, the kernel keyring, io_uring, userfaultfd, kexec and modules, file handles, the clock,
+# swap, reboot, accounting, quotas, raw I/O ports.
+DENIED_X86_64 = {
+    "mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161, "open_tree": 428, "move_mount": 429,
+    "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
+    "unshare": 272, "setns": 308,
+    "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "pidfd_getfd": 438,
+    "bpf": 321, "perf_event_open": 298, "fanotify_init": 300,
+    "keyctl": 250, "add_key": 248, "request_key": 249,
+    "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+    "userfaultfd": 323,
+    "kexec_load": 246, "kexec_file_load": 320, "init_module": 175, "finit_module": 313, "delete_module": 176,
+    "name_to_handle_at": 303, "open_by_handle_at": 304,
+    "settimeofday": 164, "clock_settime": 227, "clock_adjtime": 305, "adjtimex": 159,
+    "swapon": 167, "swapoff": 168, "reboot": 169, "acct": 163, "quotactl": 179, "quotactl_fd": 443,
+    "iopl": 172, "ioperm": 173, "syslog": 103, "vhangup": 153, "uselib": 134, "lookup_dcookie": 212,
+}  # fmt: skip
+_X86_64 = dict(arch=0xC000003E, clone=56, clone3=435, socket=41)
+CLONE_NAMESPACES = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
+AF_NETLINK, AF_PACKET, SOCK_RAW = 16, 17, 3
+
+
+def seccomp_filter(machine: str | None = None) -> list[tuple[int, int, int, int]] | None:
+    """The filter's instructions (code, jt, jf, k) for this machine (None where its numbers are not known). Denied:
+    DENIED_X86_64 (EPERM); clone with a namespace flag (EPERM); clone3 (ENOSYS: its flags are behind a pointer the
+    filter cannot read, and glibc then falls back to clone, as under Docker's profile); raw, netlink and packet
+    sockets (EPERM); the x32 ABI and any other architecture's calls (the process is killed)."""
+    if (machine or os.uname().machine) != "x86_64":
+        return None
+    LD, JEQ, JGE, JSET, AND, RET = 0x20, 0x15, 0x35, 0x45, 0x54, 0x06  # BPF_LD|W|ABS, JMP|JEQ/JGE/JSET|K, ALU, RET
+    ALLOW, KILL, EPERM, ENOSYS = 0x7FFF0000, 0x80000000, 0x00050000 | 1, 0x00050000 | 38
+    nr, arch, arg0, arg1 = 0, 4, 16, 24  # offsets in struct seccomp_data (the low word of each argument)
+    a = _X86_64
+    prog = [(LD, 0, 0, arch), (JEQ, 1, 0, a["arch"]), (RET, 0, 0, KILL), (LD, 0, 0, nr), (JGE, 0, 1, 0x40000000)]
+    prog += [(RET, 0, 0, KILL)]
+    for number in sorted(DENIED_X86_64.values()):
+        prog += [(JEQ, 0, 1, number), (RET, 0, 0, EPERM)]
+    prog += [(JEQ, 0, 1, a["clone3"]), (RET, 0, 0, ENOSYS)]
+    prog += [(JEQ, 0, 4, a["clone"]), (LD, 0, 0, arg0), (JSET, 0, 1, CLONE_NAMESPACES), (RET, 0, 0, EPERM)]
+    prog += [(RET, 0, 0, ALLOW)]
+    prog += [(JEQ, 0, 6, a["socket"]), (LD, 0, 0, arg0), (JEQ, 5, 0, AF_NETLINK), (JEQ, 4, 0, AF_PACKET)]
+    prog += [(LD, 0, 0, arg1), (AND, 0, 0, 0xF), (JEQ, 1, 0, SOCK_RAW), (RET, 0, 0, ALLOW), (RET, 0, 0, EPERM)]
+    return prog  # (a jump's target is the next instruction + jt or jf)
 
 
 class SandboxUnavailable(UserError):
@@ -323,25 +408,37 @@ def _limits(timeout: float, memory_mb: int, max_file_bytes: int):
 
 @functools.cache  # (every call needs it; it does not change within a process)
 def _read_only_paths() -> tuple[list[str], list[str]]:
-    """What the namespaces mode shows read-only: the standard library (and its extension modules), the shared
-    libraries they link (the system's lib folders, ld.so's cache); and what it hides inside them (site-packages)."""
-    paths = sysconfig.get_paths()
-    stdlib = {os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib")}
+    """What the namespaces mode shows read-only: the standard library (and its extension modules) of the base
+    interpreter (a venv's own lib folder holds only its site-packages), the interpreter's LIBDIR (the shared
+    libraries a conda or shared-library build links its extension modules to), the system's lib folders and ld.so's
+    cache; and what it hides inside them (site-packages). Real paths, wherever the interpreter lives."""
+    base = dict(base=sys.base_prefix, platbase=sys.base_exec_prefix, installed_base=sys.base_prefix,
+                installed_platbase=sys.base_exec_prefix)  # fmt: skip
+    schemes = [sysconfig.get_paths(), sysconfig.get_paths(vars=base)]
+    stdlib = {os.path.realpath(p[k]) for p in schemes[1:] for k in ("stdlib", "platstdlib")}
     # the extension modules' folder (lib-dynload), where the interpreter keeps it outside the stdlib folder
     dynload = {os.path.realpath(os.path.dirname(math.__file__))} if getattr(math, "__file__", None) else set()
+    libdir = {os.path.realpath(d) for d in [sysconfig.get_config_var("LIBDIR")] if d and os.path.isdir(d)}
     system = ["/usr/lib", "/usr/lib64", "/usr/lib32", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache"]
-    hidden = [os.path.realpath(paths[k]) for k in ("purelib", "platlib")]
-    return sorted(stdlib | dynload) + system, sorted(
-        {h for h in hidden if any(h.startswith(s + os.sep) for s in stdlib)}
-    )
+    shown = sorted(p for p in stdlib | dynload | libdir if os.path.exists(p))
+    shown = [p for p in shown if not any(p.startswith(q + os.sep) for q in shown)]  # a folder inside another: once
+    hidden = {os.path.realpath(p[k]) for p in schemes for k in ("purelib", "platlib")}
+    return shown + system, sorted(h for h in hidden if any(h.startswith(s + os.sep) for s in shown + system))
 
 
 @functools.cache
-def check_sandbox(sandbox: str) -> None:
-    """Raise SandboxUnavailable (one line) now, at start-up, where `sandbox` cannot run; once per process."""
-    out, ok = run_python("print('ok')", sandbox=sandbox)
-    if not ok or out != "ok":
-        last = out.splitlines()[-1] if out else "no output"
+def check_sandbox(sandbox: str, log=print) -> None:
+    """Raise SandboxUnavailable (one line) now, at start-up, where `sandbox` cannot run; once per process. Where the
+    seccomp layer cannot be installed (another architecture, a kernel without it), `log` says so in one line."""
+    out, ok = run_python("print('ok')", sandbox=sandbox, _probe=sandbox == "namespaces")
+    lines = out.splitlines()
+    if sandbox == "namespaces" and lines and lines[0].startswith("cleanrlhf-seccomp:"):
+        state = lines.pop(0).split(":", 1)[1].strip()
+        if state != "on":
+            why = f"no filter for {os.uname().machine}" if state == "off" else state
+            log(f"the Python tool's seccomp layer is not installed ({why}): the namespaces and limits still hold")
+    if not ok or lines != ["ok"]:
+        last = lines[-1] if lines else "no output"
         raise UserError(f"--tool-sandbox {sandbox}: the Python tool does not run here: {last}")
 
 
@@ -376,6 +473,8 @@ def run_python(
     nproc: int = 32,
     _hook: bool = True,
     _userns: bool = False,
+    _seccomp: bool = True,
+    _probe: bool = False,
 ) -> tuple[str, bool]:
     """Run `code` in a limited child process (module docstring) under `sandbox` (namespaces | audit). Returns (its
     output: stdout and stderr, cut to `max_chars`, or what stopped it; ok: it exited 0 within its limits). Raises
@@ -389,7 +488,8 @@ def run_python(
     if sandbox == "namespaces":
         read_only, hidden = _read_only_paths()
         cfg = dict(root=workdir, read_only=read_only, hidden=hidden, work_mb=work_mb, nproc=nproc, hook=_hook,
-                   cpu=max(1, int(timeout + 1)), memory_mb=memory_mb, fsize=fsize, userns=_userns, extra=_UNSHARE_EXTRA)  # fmt: skip
+                   cpu=max(1, int(timeout + 1)), memory_mb=memory_mb, fsize=fsize, userns=_userns, extra=_UNSHARE_EXTRA,
+                   seccomp=seccomp_filter() if _seccomp else None, probe=_probe)  # fmt: skip
         argv, preexec = [sys.executable, "-I", "-S", "-c", _NS_MAIN, json.dumps(cfg)], None
     else:
         argv, preexec = (
@@ -428,6 +528,11 @@ def run_python(
                 f"the Python tool's sandbox needs Linux namespaces (user or root, mount, pid, net), which this machine "
                 f"refuses ({text.split(':', 1)[1].strip()}): run where they are allowed, or pass --tool-sandbox audit "
                 "for the weaker audit-hook-only mode (docs/agents.md)"
+            )
+        if child.returncode == _FAILED and text.startswith("cleanrlhf-sandbox-failed:"):
+            raise SandboxUnavailable(
+                f"the Python tool's sandbox could not be built: {text.split(':', 1)[1].strip()} (the kernel allows the "
+                "namespaces; this is a fault of the sandbox's layout on this machine: please report it with this line)"
             )
         if len(text) > max_chars:
             text = text[:max_chars] + "\n[output truncated]"

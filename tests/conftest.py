@@ -2,7 +2,9 @@
 test tiers.
 
 Tiers (pytest.ini): a test that launches a script, a tool or a launcher as a process carries a marker:
-    smoke        one short run per script (the fast tier's only launches: tests/test_smoke.py)
+    smoke        one short run per script (the fast tier's launches: tests/test_smoke.py)
+    bare         a bare interpreter in the fast tier: the standard library and common/sandbox.py, no torch (a
+                 venv under /tmp running the Python tool: well under a second)
     e2e          other script or tool runs as processes (resume, learning, pipelines, refusals)
     distributed  `accelerate launch` / torchrun with 2-4 processes
     vllm         the vLLM engine
@@ -197,7 +199,7 @@ def launch_ranks(script, *flags, env=None, config="cpu_2proc", processes=None, t
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full)
 
 
-TIERS = ("smoke", "e2e", "distributed", "vllm", "slow")
+TIERS = ("smoke", "bare", "e2e", "distributed", "vllm", "slow")
 
 
 PARITY_FIXTURES = ("ppo_ddp_run",)  # module fixtures of runs several tests compare with (test_distributed.py)

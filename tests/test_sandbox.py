@@ -400,3 +400,190 @@ def test_a_grpo_run_whose_model_writes_the_escapes_keeps_its_secrets_files_and_p
     server.close()
     thread.join()
     assert accepted == [None]
+
+
+# ---------------------------------------------------------------------------------------------
+# wherever Python lives: a venv under /tmp or under a path holding "work", an interpreter whose standard library is
+# under /tmp (the sandbox's own layout is /work, /tmp and /dev: no bind may collide with it)
+# ---------------------------------------------------------------------------------------------
+PROBE = (
+    "import sys; sys.path.insert(0, {repo!r})\n"
+    "from common.sandbox import run_python\n"
+    "print(sys.prefix)\n"
+    "print(repr(run_python('import math, decimal, os; print(math.lcm(16, 18), decimal.Decimal(1) / 4, "
+    'sorted(os.listdir("/tmp")) == sorted(os.listdir("/work")))\')))\n'
+)
+
+
+def _tool_from(python):
+    """The tool's answer when the trainer runs on `python` (common/sandbox.py needs the standard library only)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    out = subprocess.run([str(python), "-c", PROBE.format(repo=str(REPO))], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    prefix, answer = out.stdout.strip().splitlines()
+    assert prefix == str(Path(python).parents[1]), prefix  # the trainer ran on that interpreter (its venv applied)
+    return answer
+
+
+@pytest.mark.bare
+@pytest.mark.parametrize("where", ["scratch", "work", "work/tmp/dev"])
+def test_the_tool_runs_from_a_venv_wherever_it_lives(where, tmp_path):
+    """A venv under /tmp (a job's scratch; before, the new root's /tmp collided with the venv's folder), and under
+    folders named like the sandbox's own layout (work, tmp, dev), each runs the default mode."""
+    import venv
+
+    assert str(tmp_path).startswith("/tmp/")
+    path = tmp_path / where / "venv"
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(path)
+    assert _tool_from(path / "bin" / "python") == "('144 0.25 True', True)"
+
+
+@pytest.mark.bare
+def test_the_tool_runs_on_an_interpreter_installed_under_tmp(tmp_path):
+    """An interpreter whose standard library itself lives under /tmp (a conda or standalone build unpacked into a job's
+    scratch): its folders are bound inside the sandbox's /tmp (and /work: one tmpfs), read-only, and the tool runs."""
+    import shutil
+    import sysconfig
+
+    base = Path(sys.base_prefix).resolve()
+    prefix = tmp_path / "py"
+
+    def link(src, dst):
+        try:
+            os.link(src, dst)  # a copy of the standard library without its bytes (same filesystem)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    skip = shutil.ignore_patterns("site-packages", "test", "idlelib", "tkinter", "ensurepip", "__pycache__")
+    shutil.copytree(base / "bin", prefix / "bin", symlinks=True, copy_function=link)
+    stdlib = Path(sysconfig.get_paths(vars={"installed_base": str(base), "base": str(base)})["stdlib"]).resolve()
+    shutil.copytree(stdlib, prefix / stdlib.relative_to(base), ignore=skip, copy_function=link)
+    for lib in base.glob("lib/libpython*"):
+        link(lib, prefix / "lib" / lib.name)
+    python = prefix / "bin" / Path(sys.executable).name
+    out = subprocess.run([str(python), "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True)
+    assert out.stdout.strip() == str(prefix), out  # the copy is its own installation, under /tmp
+    assert _tool_from(python) == "('144 0.25 True', True)"
+
+
+def test_a_fault_of_the_layout_names_its_step_and_path_not_the_weaker_mode(monkeypatch):
+    """Only a kernel refusal suggests --tool-sandbox audit; a step that fails on a path says which (here: hiding a
+    folder that has no place in the new root)."""
+    read_only, hidden = sandbox._read_only_paths()
+    monkeypatch.setattr(sandbox, "_read_only_paths", lambda: (read_only, [*hidden, "/srv"]))
+    assert os.path.isdir("/srv")
+    with pytest.raises(SandboxUnavailable) as e:
+        run_python("print(1)")
+    message = str(e.value)
+    assert "hiding /srv" in message and "No such file" in message and "audit" not in message, message
+    assert "\n" not in message
+
+
+# ---------------------------------------------------------------------------------------------
+# the seccomp layer
+# ---------------------------------------------------------------------------------------------
+def _run_bpf(prog, nr, arch=0xC000003E, args=(0,) * 6):
+    """Classic BPF as the kernel runs a seccomp filter (only the instructions a filter of ours may hold), on one
+    struct seccomp_data: nr, arch, the arguments' low words."""
+    data = {0: nr, 4: arch, **{16 + 8 * i: a & 0xFFFFFFFF for i, a in enumerate(args)}}
+    acc, pc = 0, 0
+    while True:
+        code, jt, jf, k = prog[pc]
+        if code == 0x20:
+            acc = data[k]
+        elif code == 0x54:
+            acc &= k
+        elif code == 0x06:
+            return k
+        elif code in (0x15, 0x35, 0x45):
+            hit = {0x15: acc == k, 0x35: acc >= k, 0x45: bool(acc & k)}[code]
+            pc += jt if hit else jf
+        else:
+            raise AssertionError(f"instruction {code:#x} is not one a filter of ours holds")
+        pc += 1
+
+
+def test_the_seccomp_program_decides_as_specified():
+    """Each decision of the filter, read off an interpreter of its instructions, against the specification."""
+    prog = sandbox.seccomp_filter("x86_64")
+    ALLOW, KILL, EPERM, ENOSYS = 0x7FFF0000, 0x80000000, 0x50001, 0x50026
+    assert len(prog) < 4096 and sandbox.seccomp_filter("aarch64") is None
+    for name, nr in sandbox.DENIED_X86_64.items():
+        assert _run_bpf(prog, nr) == EPERM, name
+    for nr in (0, 1, 2, 3, 9, 12, 39, 57, 59, 60, 231, 257, 262, 318, 332, 434):  # read ... pidfd_open
+        assert _run_bpf(prog, nr) == ALLOW, nr
+    assert _run_bpf(prog, 435) == ENOSYS  # clone3
+    thread_flags = 0x003D0F00  # CLONE_VM|FS|FILES|SIGHAND|THREAD|SYSVSEM|SETTLS|PARENT_SETTID|CHILD_CLEARTID
+    assert _run_bpf(prog, 56, args=(thread_flags,)) == ALLOW and _run_bpf(prog, 56, args=(17,)) == ALLOW
+    for flag in (0x20000, 0x2000000, 0x4000000, 0x8000000, 0x10000000, 0x20000000, 0x40000000):
+        assert _run_bpf(prog, 56, args=(17 | flag,)) == EPERM, hex(flag)
+    for domain, kind, verdict in [(2, 1, ALLOW), (2, 2, ALLOW), (1, 1, ALLOW), (10, 1 | 0x80000, ALLOW),
+                                  (2, 3, EPERM), (10, 3 | 0x800, EPERM), (16, 3, EPERM), (16, 2, EPERM),
+                                  (17, 3, EPERM), (17, 2, EPERM)]:  # fmt: skip
+        assert _run_bpf(prog, 41, args=(domain, kind)) == verdict, (domain, kind)
+    assert _run_bpf(prog, 0x40000000 + 0) == KILL  # the x32 ABI's read
+    assert _run_bpf(prog, 0, arch=0x40000003) == KILL  # i386's calls (int 0x80) from a 64-bit process
+
+
+SYSCALLS = r"""
+import ctypes, errno, os, socket
+libc = ctypes.CDLL(None, use_errno=True)
+def sc(name, nr, *a):
+    r = libc.syscall(nr, *a)
+    print(name, 'ok' if r >= 0 else errno.errorcode.get(ctypes.get_errno()), flush=True)
+sc('unshare', 272, 0x10000000 | 0x20000)  # a nested user and mount namespace ...
+sc('mount', 165, b'none', b'/work', b'tmpfs', 0, None)  # ... in which a mount would be allowed
+sc('setns', 308, -1, 0)
+sc('clone_newuser', 56, 0x10000000 | 17, 0, 0, 0, 0)
+sc('ptrace', 101, 0, 0, 0, 0)
+sc('bpf', 321, 0, None, 0)
+sc('perf_event_open', 298, None, 0, -1, -1, 0)
+sc('keyctl', 250, 0, 0)
+sc('io_uring_setup', 425, 1, None)
+sc('userfaultfd', 323, 0)
+sc('kexec_load', 246, 0, 0, None, 0)
+sc('finit_module', 313, -1, b'', 0)
+for name, (domain, kind) in dict(netlink=(16, 3), packet=(17, 3), raw=(2, 3)).items():
+    try:
+        socket.socket(domain, kind, 0); print(name, 'ok')
+    except OSError as e:
+        print(name, errno.errorcode[e.errno])
+"""
+
+
+@pytest.mark.parametrize("kw", LAYERS[1:])  # the hook refuses ctypes and socket: the filter must hold without it
+def test_seccomp_denies_each_family(kw):
+    """With the filter every family is refused with EPERM; without it (the same namespaces, no privilege) a nested
+    user namespace, ptrace, netlink sockets and the rest get through to the kernel: the filter is what stops them."""
+    on = dict(line.split() for line in tool(SYSCALLS, **kw).splitlines())
+    off = dict(line.split() for line in tool(SYSCALLS, _seccomp=False, **kw).splitlines())
+    assert len(on) == len(off) == 15, (on, off)
+    assert set(on.values()) == {"EPERM"}, on
+    assert off["unshare"] == "ok" and off["mount"] == "ok", off  # what the filter closes: a nested root of its own
+    assert off["ptrace"] == "ok" and off["netlink"] == "ok", off
+    differ = sorted(k for k in on if off[k] != "EPERM")
+    assert len(differ) >= 11, (differ, off)  # the rest fail for want of privilege either way (packet, userfaultfd)
+
+
+def test_ordinary_programs_keep_threads_and_forks_under_the_filter():
+    code = (
+        "import os, threading, concurrent.futures as cf\nt = threading.Thread(target=print, args=('thread',))\n"
+        "t.start(); t.join()\nwith cf.ThreadPoolExecutor(4) as ex: print(sum(ex.map(abs, range(-5, 5))))\n"
+        "pid = os.fork()\nif pid == 0: os._exit(3)\nprint('fork', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))"
+    )
+    out, ok = run_python(code, _hook=False)
+    assert ok and out.splitlines() == ["thread", "25", "fork 3"], out
+
+
+def test_where_the_filter_cannot_be_installed_a_line_says_so(monkeypatch):
+    lines = []
+    sandbox.check_sandbox.cache_clear()
+    try:
+        sandbox.check_sandbox("namespaces", log=lines.append)
+        assert lines == []  # installed here
+        monkeypatch.setattr(sandbox, "seccomp_filter", lambda: None)  # (another architecture)
+        sandbox.check_sandbox.cache_clear()
+        sandbox.check_sandbox("namespaces", log=lines.append)
+        assert len(lines) == 1 and "seccomp layer is not installed (no filter for" in lines[0], lines
+    finally:
+        sandbox.check_sandbox.cache_clear()
