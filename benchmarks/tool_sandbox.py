@@ -37,7 +37,11 @@ def main():
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--base", default="", help="a commit whose common/sandbox.py is measured too")
     args = parser.parse_args()
-    runners = {"audit": partial(run_python, sandbox="audit"), "namespaces": run_python}
+    runners = {
+        "audit": partial(run_python, sandbox="audit"),
+        "namespaces, no seccomp": partial(run_python, _seccomp=False),
+        "namespaces": run_python,  # (with the seccomp filter: the default)
+    }
     if args.base:  # that commit's module, loaded under another name (it imports nothing of ours but common.errors)
         src = subprocess.run(["git", "show", f"{args.base}:common/sandbox.py"], capture_output=True, text=True,
                              check=True, cwd=REPO).stdout  # fmt: skip

@@ -424,10 +424,13 @@ class EnvArgs:
     """--env tools: address-space limit of the Python tool's process (MiB)"""
     tool_output_chars: PositiveInt = 1000
     """--env tools: a tool's output is cut to this many characters"""
-    tool_sandbox: Annotated[Literal["namespaces", "audit"], RESUME_MAY_CHANGE] = "namespaces"
+    tool_sandbox: Annotated[Literal["namespaces", "audit", "remote"], RESUME_MAY_CHANGE] = "namespaces"
     """--env tools: the Python tool's isolation: namespaces (an OS boundary: its own PID, mount, network namespaces,
-    no privilege; docs/agents.md) or audit (the weaker mode where the kernel refuses namespaces: an audit hook and
-    the limits, as the trainer's user; not a boundary against hostile code)"""
+    no privilege, a seccomp filter; docs/agents.md), audit (the weaker mode where the kernel refuses namespaces: an
+    audit hook and the limits, as the trainer's user; not a boundary against hostile code), or remote (a SandboxFusion
+    service at --tool-sandbox-url runs the code on its machines; its key from SANDBOX_FUSION_API_KEY)"""
+    tool_sandbox_url: Annotated[str, RESUME_MAY_CHANGE] = ""
+    """--tool-sandbox remote: the SandboxFusion server's address (http://host:8080, or its /run_code endpoint)"""
     turn_cost: NonNegFloat = 0.0
     """reward subtracted per tool call (tools) or per extra turn (feedback)"""
     env_timeout: Annotated[PositiveFloat, RESUME_MAY_CHANGE] = 60.0

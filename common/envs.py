@@ -33,6 +33,7 @@ from common.models import apply_chat
 from common.rewards import call_with_timeout
 from common.rollout import Generation, generate
 from common.sandbox import calculator, check_sandbox, run_python
+from common.sandbox_service import SandboxServiceError, check_service, run_remote
 
 
 @dataclass
@@ -194,6 +195,7 @@ class ToolEnv(Environment):
     # per trajectory: calls, failed calls, seconds; the first call (0/1), the final answer (0/1) and whether a tool
     # result came before it (0/1): tool_metrics turns their batch means into the rates of tool learning
     info_keys = ("tool_calls", "tool_errors", "tool_s", "tool_used", "answered", "answer_after_tool")
+    info_keys += ("tool_service_errors",)  # calls the sandbox service (--tool-sandbox remote) failed to run
     PROTOCOL = (
         'You can use tools. To call one, write <tool_call>{{"name": NAME, "arguments": {{...}}}}</tool_call> and '
         "stop; its result comes back as <tool_response>...</tool_response>. Tools:\n{tools}\n"
@@ -209,14 +211,19 @@ class ToolEnv(Environment):
         max_chars=1000,
         call_cost=0.0,
         sandbox="namespaces",
+        sandbox_url="",
     ):
         unknown = sorted(set(tools) - set(TOOL_SCHEMAS))
         if unknown:
             raise UserError(f"--tools {','.join(tools)}: unknown tool(s) {unknown}; known: {sorted(TOOL_SCHEMAS)}")
         self.tools = [TOOL_SCHEMAS[t] for t in tools]
-        self.python = dict(timeout=timeout, memory_mb=memory_mb, max_chars=max_chars, sandbox=sandbox)
-        if "python" in tools:
+        self.python = dict(timeout=timeout, memory_mb=memory_mb, max_chars=max_chars)
+        self.sandbox, self.sandbox_url = sandbox, sandbox_url
+        if "python" in tools and sandbox == "remote":
+            check_service(sandbox_url)  # no service there: one line now, not a failed call per trajectory
+        elif "python" in tools:
             check_sandbox(sandbox)  # where the kernel refuses namespaces: one line naming --tool-sandbox, now
+        self.service_errors = 0
         self.call_cost, self.had_result = call_cost, False
 
     def reset(self, row):
@@ -238,7 +245,13 @@ class ToolEnv(Environment):
         if name == "calculator":
             out = calculator(a[key])
             return out, not out.startswith("error")
-        return run_python(a[key], **self.python)
+        if self.sandbox != "remote":
+            return run_python(a[key], sandbox=self.sandbox, **self.python)
+        try:
+            return run_remote(a[key], self.sandbox_url, **self.python)
+        except SandboxServiceError as e:  # counted; the model sees a failed call and the run goes on
+            self.service_errors += 1
+            return f"error: the code could not be run ({str(e)[:200]})", False
 
     def step(self, text, ids):
         calls = parse_tool_calls(text, self.tool_format)
@@ -250,6 +263,7 @@ class ToolEnv(Environment):
             errors += not ok
             outputs.append(out)
         info = {"tool_calls": len(calls), "tool_errors": errors, "tool_s": time.time() - t0}
+        info["tool_service_errors"], self.service_errors = self.service_errors, 0
         info["tool_used"] = float(not self.had_result)  # counted once per trajectory
         self.had_result = True
         if self.tool_format == "text":  # our protocol: the results in one user message
@@ -753,6 +767,7 @@ def episodes_from_args(env_args, tok, reward, device, log=print, max_prompt_toke
             memory_mb=env_args.tool_memory_mb,
             max_chars=env_args.tool_output_chars,
             sandbox=env_args.tool_sandbox,
+            sandbox_url=env_args.tool_sandbox_url,
         )
         factory = partial(ToolEnv, tools, call_cost=env_args.turn_cost, **opts)
         factory()  # an unknown tool: one line now, not a counted failure per trajectory

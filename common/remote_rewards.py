@@ -92,6 +92,8 @@ def post_json(url: str, body: dict, cfg: ServiceConfig, headers: dict | None = N
             with _OPENER.open(req, timeout=cfg.timeout) as resp:
                 out = json.loads(_read_by(resp, deadline))
             return check(out) if check is not None else out
+        except ServiceError:  # a refused redirect: no retry sends it elsewhere
+            raise
         except urllib.error.HTTPError as e:
             last = f"HTTP {e.code} {e.reason}"
             if 400 <= e.code < 500 and e.code not in (408, 429):  # the request's own fault: no retry helps

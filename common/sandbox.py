@@ -86,7 +86,7 @@ def calculator(expression: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # Python: the model's code in a limited child process
 # ---------------------------------------------------------------------------------------------
-SANDBOXES = ("namespaces", "audit")
+SANDBOXES = ("namespaces", "audit")  # (and --tool-sandbox remote: common/sandbox_service.py, a service's machines)
 _UNSHARE_EXTRA = 0  # more unshare(2) flags (tests set an invalid one to see the refusal)
 _UNAVAILABLE = 97  # the exit code of a child whose namespaces the kernel refused (and the marker it prints)
 _FAILED = 98  # the exit code of a child that failed to build its new root on a path (and the marker it prints)
@@ -206,6 +206,8 @@ try:
             os.write(go_w, b"1")
             os.read(done_r, 1)
             os.wait()
+            for fd in (go_r, go_w, done_r, done_w):  # (not the model's descriptors)
+                os.close(fd)
         else:
             map_ids("self", f"0 {uid} 1", f"0 {gid} 1")
 except OSError as e:

@@ -13,6 +13,10 @@ from pathlib import Path
 
 import torch
 
+from common import models as M
+from common.data import encode_conversation
+from common.envs import TOOL_SCHEMAS, format_tool_call, resolve_tool_format
+
 QWEN_TEMPLATE = """\
 {%- if tools %}<|im_start|>system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are a helpful assistant.{% endif %}
@@ -141,3 +145,39 @@ def tiny_chat_model(out_dir, fmt: str, hidden: int = 64, layers: int = 2, heads:
     cfg = json.loads((out_dir / "generation_config.json").read_text())
     assert cfg["eos_token_id"] == model.generation_config.eos_token_id, cfg
     return str(out_dir)
+
+
+CALL = {"name": "calculator", "arguments": {"expression": "1+1"}}
+
+
+def tool_agent(fmt: str, path: str, out, call: dict = CALL) -> str:
+    """`path` fine-tuned in-process to make `call` (the calculator's 1+1, or the Python tool's print(1+1)) in its
+    format on turn 1 and answer "2" after the result:
+    the conversations encoded by encode_conversation (the template's tools= listing, its end of turn, its tool
+    messages), as multi-turn SFT encodes them."""
+    tok = M.load_tokenizer(path)
+    model = M.load_causal_lm(path, tok)
+    seqs = []
+    for i in range(8):
+        msgs = [{"role": "user", "content": f"what is 1+1? ({i})"},
+                {"role": "assistant", "content": format_tool_call(call["name"], call["arguments"], resolve_tool_format(tok))},
+                {"role": "tool", "content": "2"}, {"role": "assistant", "content": "2"}]  # fmt: skip
+        seqs.append(encode_conversation(tok, msgs, tools=[TOOL_SCHEMAS[call["name"]]]))
+    L = max(len(ids) for ids, _ in seqs)
+    x = torch.full((len(seqs), L), tok.pad_token_id)
+    attn, target = torch.zeros(len(seqs), L, dtype=torch.long), torch.full((len(seqs), L), -100)
+    for k, (ids, mask) in enumerate(seqs):
+        x[k, : len(ids)], attn[k, : len(ids)] = torch.tensor(ids), 1
+        target[k, : len(ids) - 1] = torch.where(torch.tensor(mask[1:]) == 1, torch.tensor(ids[1:]), -100)
+    pick = target != -100
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(60):
+        hidden = model.model(input_ids=x, attention_mask=attn).last_hidden_state
+        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[pick]), target[pick])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert loss.item() < 0.05, loss.item()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)

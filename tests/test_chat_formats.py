@@ -7,14 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from chat_formats import FORMATS, QWEN_TEMPLATE, tiny_chat_model
+from chat_formats import CALL, FORMATS, QWEN_TEMPLATE, tiny_chat_model, tool_agent
 
 from common import models as M
 from common.data import encode_conversation, observation_ids, turn_glue
-from common.envs import TOOL_SCHEMAS, Episodes, ToolEnv, format_tool_call, parse_tool_calls, resolve_tool_format
+from common.envs import Episodes, ToolEnv, format_tool_call, parse_tool_calls, resolve_tool_format
 from common.errors import UserError
-
-CALL = {"name": "calculator", "arguments": {"expression": "1+1"}}
 
 
 @pytest.fixture(scope="module", params=FORMATS)
@@ -84,38 +82,6 @@ def test_a_template_with_an_unknown_tool_format_is_one_line(tmp_path):
         Episodes(ToolEnv, tok, score, 2, 64, 10.0, tool_format="hermes")
 
 
-def _agent(fmt: str, path: str, out) -> str:
-    """`path` fine-tuned in-process to call the calculator in its format on turn 1 and answer "2" after the result:
-    the conversations encoded by encode_conversation (the template's tools= listing, its end of turn, its tool
-    messages), as multi-turn SFT encodes them."""
-    tok = M.load_tokenizer(path)
-    model = M.load_causal_lm(path, tok)
-    seqs = []
-    for i in range(8):
-        msgs = [{"role": "user", "content": f"what is 1+1? ({i})"},
-                {"role": "assistant", "content": format_tool_call("calculator", CALL["arguments"], resolve_tool_format(tok))},
-                {"role": "tool", "content": "2"}, {"role": "assistant", "content": "2"}]  # fmt: skip
-        seqs.append(encode_conversation(tok, msgs, tools=[TOOL_SCHEMAS["calculator"]]))
-    L = max(len(ids) for ids, _ in seqs)
-    x = torch.full((len(seqs), L), tok.pad_token_id)
-    attn, target = torch.zeros(len(seqs), L, dtype=torch.long), torch.full((len(seqs), L), -100)
-    for k, (ids, mask) in enumerate(seqs):
-        x[k, : len(ids)], attn[k, : len(ids)] = torch.tensor(ids), 1
-        target[k, : len(ids) - 1] = torch.where(torch.tensor(mask[1:]) == 1, torch.tensor(ids[1:]), -100)
-    pick = target != -100
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(60):
-        hidden = model.model(input_ids=x, attention_mask=attn).last_hidden_state
-        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[pick]), target[pick])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    assert loss.item() < 0.05, loss.item()
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
-
-
 # the agent's fine-tuning is ~15 s a format: Llama 3.1 (bare JSON, a base EOS) in the fast tier, the Qwens beyond it
 @pytest.mark.parametrize("fmt", [pytest.param("qwen2.5-base", marks=pytest.mark.e2e),
                                  pytest.param("qwen3", marks=pytest.mark.e2e), "llama3.1"])  # fmt: skip
@@ -124,7 +90,7 @@ def test_a_tool_call_in_each_format_runs_and_the_turn_ends_at_the_template_stop(
     that ends at its end of turn (<|im_end|> where Qwen2.5's EOS is <|endoftext|>; <|eot_id|> where Llama's is
     <|end_of_text|>), the calculator runs (no tool error), the result is rendered by the template, and turn 2
     answers "2", scored 1."""
-    agent = _agent(fmt, tiny_chat_model(tmp_path / "init", fmt), tmp_path / "agent")
+    agent = tool_agent(fmt, tiny_chat_model(tmp_path / "init", fmt), tmp_path / "agent")
     tok = M.load_tokenizer(agent)
     model = M.load_causal_lm(agent, tok)
     score = lambda row, text: float(text.strip() == "2")  # noqa: E731
@@ -153,7 +119,7 @@ def test_grpo_env_tools_on_a_llama3_format_model(tmp_path):
 
     from conftest import only_run, read_metrics, run_script
 
-    agent = _agent("llama3.1", tiny_chat_model(tmp_path / "init", "llama3.1"), tmp_path / "agent")
+    agent = tool_agent("llama3.1", tiny_chat_model(tmp_path / "init", "llama3.1"), tmp_path / "agent")
     data, reward = tmp_path / "q.jsonl", tmp_path / "reward.py"
     data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"what is 1+1? ({i})"}],
                                         "data_source": "sum", "reward_model": {"ground_truth": "2"}}) + "\n"

@@ -272,7 +272,7 @@ LAYERS = [
     ("placement, generation, tasks", {"distributed", "rollout", "tasks", "vllm_engine", "vllm_server", "engines"}),
     (
         "rewards, environments, a step's sampling, evaluation",
-        {"rewards", "remote_rewards", "envs", "sampling", "async_rollout", "eval"},
+        {"rewards", "remote_rewards", "sandbox_service", "envs", "sampling", "async_rollout", "eval"},
     ),
     ("run harness: flags, checkpoints, run folder, perf metrics", {"args", "cli", "checkpoint", "run", "perf"}),
 ]

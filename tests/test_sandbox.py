@@ -587,3 +587,36 @@ def test_where_the_filter_cannot_be_installed_a_line_says_so(monkeypatch):
         assert len(lines) == 1 and "seccomp layer is not installed (no filter for" in lines[0], lines
     finally:
         sandbox.check_sandbox.cache_clear()
+
+
+@pytest.mark.parametrize("kw", LAYERS)
+def test_no_descriptor_of_the_trainer_is_inherited(kw, tmp_path):
+    """A file the trainer holds open without close-on-exec (a checkpoint being written, a log) is not among the
+    tool's descriptors: it has its stdin (its code, read), its output file and nothing else."""
+    secret = tmp_path / "held_open.txt"
+    secret.write_text("trainer_secret_value")
+    fd = os.open(secret, os.O_RDWR)
+    os.set_inheritable(fd, True)
+    try:
+        out = tool("import os\nfor fd in range(256):\n    try:\n        os.fstat(fd); print(fd)\n    except OSError:\n"
+                   "        pass\nprint('done')", **kw)  # fmt: skip
+    finally:
+        os.close(fd)
+    assert out.split() == ["0", "1", "2", "done"], out
+    assert secret.read_text() == "trainer_secret_value"
+
+
+@pytest.mark.parametrize("kw", LAYERS[1:])
+def test_shared_memory_and_memfd_cannot_fill_the_machine(kw):
+    """No /dev/shm exists in its view; a memfd (memory the tool's tmpfs does not count) is capped by RLIMIT_FSIZE,
+    so writing 200 MB into one stops at the output file's cap."""
+    out = tool(
+        "import os\ntry:\n    open('/dev/shm/x', 'w')\nexcept OSError as e:\n    print('shm', e.errno)\n"
+        "fd = os.memfd_create('filler')\nn = 0\ntry:\n    for _ in range(200):\n        n += os.write(fd, b'x' * 2**20)\n"
+        "except OSError as e:\n    print('memfd stopped at', n, e.errno)",
+        **kw,
+    )
+    lines = out.splitlines()
+    assert lines[0] == "shm 2", out  # ENOENT: the path does not exist
+    assert lines[1].startswith("memfd stopped at") and lines[1].endswith(" 27"), out  # EFBIG
+    assert int(lines[1].split()[3]) <= 1 << 20, out
