@@ -110,6 +110,7 @@ def test_the_resume_rule_is_the_one_before_the_groups():
     added |= {"vllm_server_url", "vllm_server_args", "vllm_server_devices", "vllm_server_port",  # issue 51: where
               "vllm_server_weights_dir", "vllm_server_timeout", "vllm_server_start_timeout"}  # the server lives  # fmt: skip
     added |= {"vllm_enforce_eager", "vllm_server_concurrency", "vllm_server_host"}  # issue 64: how, not what
+    added |= {"tool_sandbox_url"}  # issue 66: where the tool's code runs, not what it computes
     assert resume_may_change(ppo_llm.Args()) == before | added
     assert "steps" in resume_may_change(Toy()) and "gamma" not in resume_may_change(Toy())
 

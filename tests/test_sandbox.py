@@ -292,7 +292,7 @@ def test_a_tool_environment_refuses_at_start_up_and_takes_the_flag(monkeypatch, 
     sandbox.check_sandbox.cache_clear()
     tok = AutoTokenizer.from_pretrained(tiny)
     episodes = episodes_from_args(EnvArgs(env="tools", tools="python", tool_sandbox="audit"), tok, None, "cpu")
-    assert episodes.factory().python["sandbox"] == "audit"
+    assert episodes.factory().sandbox == "audit"
     assert EnvArgs().tool_sandbox == "namespaces"
 
 

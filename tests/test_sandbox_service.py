@@ -101,6 +101,7 @@ def test_grpo_env_tools_runs_its_python_calls_on_the_service(fusion, tmp_path):
     import json
 
     from chat_formats import tiny_chat_model, tool_agent
+
     from conftest import only_run, read_metrics, run_script
 
     call = {"name": "python", "arguments": {"code": "print(1+1)"}}
