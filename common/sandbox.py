@@ -4,15 +4,18 @@ The Python tool runs the model's code in a child process, isolated by the operat
 default; docs/agents.md has the guarantee table, each row tested in tests/test_envs.py):
   - its own PID namespace: it sees no other process (no /proc is mounted; the trainer has no pid it can name), and
     every process it starts dies with it (the namespace's init is killed when the call ends or times out);
-  - its own mount namespace whose root holds only the standard library and the system's shared libraries, read-only,
-    a few devices (/dev/null, zero, random, urandom), and a private size-limited tmpfs as its working directory
-    (/work, also /tmp): no file of the trainer (checkpoints, tokens, other runs, the project) can be read or written;
+  - its own mount namespace whose root holds only the standard library and the system's shared libraries, read-only
+    at their own paths (wherever the interpreter lives: under /tmp, /work, a home, /opt), a few devices (/dev/null,
+    zero, random, urandom), and a private size-limited tmpfs as its working directory (/work, also mounted at /tmp):
+    no file of the trainer (checkpoints, tokens, other runs, the project) can be read or written;
   - its own network namespace with no interface up: no socket reaches anything; its own IPC and UTS namespaces;
   - no privilege: as root, the trainer's child runs as `nobody` (uid 65534); otherwise as the trainer's uid mapped
     to root of a new user namespace; either way with every capability dropped and no_new_privs set;
   - the limits: wall clock (the whole namespace is killed), RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_FSIZE (its output
     file), RLIMIT_NPROC (a fork bomb), the working directory's size (a disk filler), an empty environment;
-  - a Python audit hook as a second layer (refuses writes outside /work, processes, sockets, ctypes); its state lives
+  - a seccomp filter (x86_64): mounts, namespaces, ptrace, BPF, perf, keyrings, io_uring, userfaultfd, kexec,
+    modules, raw/packet/netlink sockets fail with EPERM (seccomp_filter);
+  - a Python audit hook as a further layer (refuses writes outside /work, processes, sockets, ctypes); its state lives
     in a closure, not in reachable globals.
 Where the kernel refuses the namespaces (some containers), the tool refuses to start with one line naming
 `--tool-sandbox audit`, the weaker mode: the audit hook and the limits only, in a fresh temporary directory of the
