@@ -1,7 +1,9 @@
 """Attention of short sequences in low precision: a transformers attention implementation (`SMALL_ATTENTION`)
-that every loader in common.models swaps in where transformers chose SDPA."""
+that every loader in common.models swaps in where transformers chose SDPA; and the decoding loop's preallocated KV
+cache (`preallocate_cache`)."""
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 SMALL_ATTENTION = "cleanrlhf_sdpa"  # the name models are loaded with (common.models), registered below
 SMALL_ATTENTION_MAX_SCORES = 192 * 192  # key x key positions up to which the plain matmul path runs (keys <= 192)
@@ -108,3 +110,63 @@ def register_small_attention() -> None:
 
     AttentionInterface.register(SMALL_ATTENTION, small_attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(SMALL_ATTENTION, sdpa_mask)
+
+
+def preallocate_cache(cache, capacity: int) -> None:
+    """Turn each plain layer of a transformers DynamicCache into a `_Preallocated` one holding `capacity` positions
+    (the prompt + every new token): a decoding step writes its key and value into the buffer instead of
+    DynamicLayer's torch.cat, which copies the whole cache of every layer at every token (O(T^2) bytes moved over
+    a response; at 512 new tokens of a 1.5B model, gigabytes per step). Sliding-window layers are left as they are.
+    What the decoding loop reads is unchanged: `keys`/`values` are the first `n` positions, a view of the buffer."""
+    for i, layer in enumerate(cache.layers):
+        if type(layer).__name__ == "DynamicLayer" and layer.is_initialized and layer.keys.numel():
+            cache.layers[i] = _Preallocated(layer.keys, layer.values, capacity)
+
+
+class _Preallocated(DynamicLayer):
+    """A DynamicLayer whose keys and values live in a buffer of `capacity` positions (b, h, capacity, d); `keys`
+    and `values` are views of its first n. What DynamicLayer's own methods assign (a batch selection, a crop)
+    becomes the new buffer, compacted: the next update grows it again, by doubling."""
+
+    def __init__(self, keys, values, capacity: int):
+        super().__init__()
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self._k, self._v, self.n = self._grown(keys, capacity), self._grown(values, capacity), keys.shape[-2]
+
+    @staticmethod
+    def _grown(x, capacity):
+        buf = x.new_empty((*x.shape[:-2], max(capacity, x.shape[-2]), x.shape[-1]))
+        buf[..., : x.shape[-2], :] = x
+        return buf
+
+    @property
+    def keys(self):
+        return self._k[..., : self.n, :]
+
+    @keys.setter
+    def keys(self, x):  # (DynamicLayer's methods: a selection or a crop assigns a new tensor)
+        self._k, self.n = x, x.shape[-2] if x is not None and x.dim() == 4 else 0
+
+    @property
+    def values(self):
+        return self._v[..., : self.n, :]
+
+    @values.setter
+    def values(self, x):
+        self._v = x
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        s = key_states.shape[-2]
+        if self.n + s > self._k.shape[-2]:  # past the buffer (after a compacting selection): double it
+            self._k = self._grown(self.keys, 2 * (self.n + s))
+            self._v = self._grown(self.values, 2 * (self.n + s))
+        self._k[..., self.n : self.n + s, :] = key_states
+        self._v[..., self.n : self.n + s, :] = value_states
+        self.n += s
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.n
+
+    def batch_select_indices(self, indices) -> None:  # the rows that go on, with the buffer's room kept
+        self._k, self._v = self._k[indices], self._v[indices]

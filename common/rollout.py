@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.attention import exact_over_a_cache
+from common.attention import exact_over_a_cache, preallocate_cache
 from common.models import stop_ids
 from common.ops import head_logprobs, logprobs_and_entropy, selective_log_softmax
 from common.parallel import sharded_logits, tensor_parallel_active
@@ -236,8 +236,9 @@ def generate(
     prompt_cache = None
     plain = all(type(c).__name__ == "DynamicLayer" for c in cache.layers)  # no sliding-window layers
     if keep_prompt_cache and plain and not tensor_parallel_active():
-        # the decoding below replaces these tensors (torch.cat, index) and never writes into them
+        # the decoding below copies these tensors into its own buffers (preallocate_cache) and never writes into them
         prompt_cache = PromptCache([(c.keys, c.values) for c in cache.layers], logits)
+    preallocate_cache(cache, attention_mask.shape[1] + max_new_tokens)  # each token written in place, not torch.cat
     rows = torch.arange(B, device=device)  # the rows of the batch still in the decoding batch
     mask = attention_mask  # (b, P+t) what the cache holds
     pos = position_ids_from_mask(attention_mask)[:, -1:] if pos is None else pos  # (b, 1)

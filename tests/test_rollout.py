@@ -95,3 +95,52 @@ def test_generation_mode_is_restored(tiny):
     with unwrap_for_generation(None, model) as m:
         assert not m.training  # KV cache usable
     assert model.training
+
+
+def test_the_decoding_cache_is_written_in_place_not_copied_per_token(tiny, monkeypatch):
+    """generate's KV cache (common.attention.preallocate_cache): each token's key and value are written into one
+    buffer per layer sized for the prompt and every new token (its storage never moves while the batch keeps its
+    rows), where DynamicLayer's torch.cat allocated a new, one-longer copy of every layer at every token; the
+    responses and log-probs are those of the DynamicCache decoding, bit for bit."""
+    from transformers import cache_utils
+
+    from common import rollout
+    from common.attention import preallocate_cache
+
+    tok, model, q, qm = _setup(tiny)
+    pointers, lengths = [], []
+    real_update = cache_utils.Cache.update
+
+    def watched(self, k, v, layer_idx, *a, **kw):
+        out = real_update(self, k, v, layer_idx, *a, **kw)
+        if layer_idx == 0 and k.shape[-2] == 1:  # a decoding step (not the prefill)
+            pointers.append(self.layers[0].keys.untyped_storage().data_ptr())
+            lengths.append(self.layers[0].keys.shape[-2])
+        return out
+
+    monkeypatch.setattr(cache_utils.Cache, "update", watched)
+    new = generate(model, tok, q, qm, 24, temperature=1.0, seeds=[1, 2, 3])
+    assert len(pointers) >= 20 and len(set(pointers)) == 1, len(set(pointers))  # one buffer: never reallocated
+    assert lengths == list(range(q.shape[1] + 1, q.shape[1] + 1 + len(lengths)))  # the view grows by one a token
+    pointers.clear()
+    monkeypatch.setattr(rollout, "preallocate_cache", lambda cache, capacity: None)  # DynamicLayer's torch.cat
+    old = generate(model, tok, q, qm, 24, temperature=1.0, seeds=[1, 2, 3])
+    assert len(set(pointers)) > 1  # a new tensor at every token (the allocator may hand back a freed block)
+    assert torch.equal(new.responses, old.responses) and torch.equal(new.logprobs, old.logprobs)
+
+    # a selection of rows keeps the buffer's room; past it the buffer doubles (amortised: no copy per token)
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    cache.update(torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4), 0)
+    preallocate_cache(cache, 8)
+    layer = cache.layers[0]
+    layer.batch_select_indices(torch.tensor([0, 2]))
+    ref = layer.keys.clone()
+    step = [torch.randn(2, 2, 1, 4) for _ in range(6)]
+    for k in step:
+        layer.update(k, k)
+    assert layer.keys.shape == (2, 2, 11, 4) and layer._k.shape[-2] >= 11 and layer.get_seq_length() == 11
+    assert torch.equal(layer.keys, torch.cat([ref, *step], -2)) and torch.equal(
+        layer.values[:, :, 5:], torch.cat(step, -2)
+    )
