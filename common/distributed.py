@@ -552,6 +552,28 @@ class UpdateGuard:
 # Full weights for generation (DDP, FSDP2, ZeRO-3)
 # ---------------------------------------------------------------------------------------------
 @contextlib.contextmanager
+def _zero3_hooks_off(engine):
+    """ZeRO-3's per-module forward hooks removed while the parameters are gathered for a rollout: DeepSpeed keeps
+    them on inside GatheredParameters, so every decoding step ran its fetch/release bookkeeping for every module
+    (at 512 tokens of a 28-layer model, ~30k hook calls a row batch); TRL removes them the same way. Put back on
+    exit, numbered as DeepSpeed numbered them (ds_id from 0: its trace is invalidated and re-recorded)."""
+    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
+    offload = offload or getattr(engine, "optimizer", None)
+    if offload is None or not hasattr(offload, "forward_hooks") or not hasattr(offload, "_register_deepspeed_module"):
+        yield  # (not a ZeRO-3 engine this DeepSpeed version lays out so: its hooks stay)
+        return
+    for p in offload.module.parameters():
+        getattr(p, "ds_active_sub_modules", set()).clear()
+    for hook in offload.forward_hooks + offload.backward_hooks:
+        hook.remove()
+    offload.forward_hooks, offload.backward_hooks = [], []
+    try:
+        yield
+    finally:
+        offload._register_deepspeed_module(offload.module, count=[0])
+
+
+@contextlib.contextmanager
 def unwrap_for_generation(accelerator, model, engine=None):
     """The plain module to call `generate` on, with full weights while inside the block.
 
@@ -560,7 +582,8 @@ def unwrap_for_generation(accelerator, model, engine=None):
     rest (common.weight_stream); on exit the engine may sleep (--vllm-sleep).
 
     DDP / single process: the unwrapped module. DeepSpeed ZeRO-3: parameters gathered once for the
-    whole rollout phase and released on exit (what verl calls the hybrid engine). FSDP2
+    whole rollout phase and released on exit (what verl calls the hybrid engine), its per-module hooks off inside
+    (`_zero3_hooks_off`). FSDP2
     (`fully_shard`): unshard once, keep unsharded across the many decode forwards, reshard on exit.
     Under bf16 autocast the block is one autocast region: the bf16 copies of the weights are cast once
     for the whole rollout (autocast caches them within a region), not in every decoding step's forward
@@ -584,7 +607,7 @@ def unwrap_for_generation(accelerator, model, engine=None):
         if ds is not None and ds.zero_stage == 3:
             import deepspeed
 
-            with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            with deepspeed.zero.GatheredParameters(list(model.parameters())), _zero3_hooks_off(model):
                 yield unwrapped
             return
         from torch.distributed.fsdp import FSDPModule

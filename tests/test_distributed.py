@@ -495,6 +495,16 @@ def test_generation_from_fsdp2_sharded_model(tiny):
 
 
 @pytest.mark.distributed
+def test_zero3_generation_runs_no_module_hook(tiny):
+    """ZeRO-3's per-module hooks are off for the rollout (DeepSpeed keeps them on inside GatheredParameters: every
+    decoding step ran them for every module) and back for the training step (tests/zero3_generate_check.py)."""
+    cmd = [*accelerate_launch("cpu_2proc_zero3"), str(REPO / "tests" / "zero3_generate_check.py"), tiny]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("ZeRO-3 generation OK") == 2, proc.stdout[-2000:]
+
+
+@pytest.mark.distributed
 def test_deepspeed_equals_ddp_and_resumes(ppo_ddp_run, tiny_peaky, toy_prompts, tmp_path):
     """PPO (policy, critic, ZeRO-3-partitioned reference) under ZeRO-2 and ZeRO-3 ends with the parameters and
     metrics of the DDP run (the engines step at the minibatch boundary, with the scripts' loss scaling); ZeRO-3's
