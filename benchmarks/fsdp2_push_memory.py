@@ -3,9 +3,11 @@ Qwen-sized model (vocabulary 151,936, hidden 1024, 12 layers, untied head), shar
 
   streamed  common.weight_stream.engine_weights(model, bfloat16): one parameter gathered at a time, in the engine's
             dtype, freed before the next (what the vLLM engines push now);
+  streamed, held: the same, consumed as vLLM's load_weights loop does (its loop variable still holds one tensor
+            while the next is gathered: two of the largest at once where the embedding and the head follow each other);
   gathered  the route before 09a9096: the whole state dict's full_tensor() in float32, held at once.
 
-The consumer (an engine's load_weights) copies each tensor; here it sums it. Extra memory is the peak resident
+The consumer copies each tensor into the engine's weights (allocated before the push, as an engine's are). Extra memory is the peak resident
 set size while pushing minus the size before (sampled every millisecond), per rank. Run it alone:
 
     python benchmarks/fsdp2_push_memory.py     # starts its two processes (torch.distributed.run)
@@ -71,8 +73,17 @@ def rank_main():
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     checks = {}
 
-    def streamed():
-        checks["streamed"] = sum(float(t.float().sum()) for _, t in engine_weights(model, torch.bfloat16))
+    # the engine's own weights (allocated before the push, as vLLM's are): each streamed tensor is copied in
+    engine = {k: torch.empty(v.shape, dtype=torch.bfloat16).fill_(0) for k, v in model.state_dict().items()}  # resident
+
+    def streamed():  # a consumer that drops each tensor once copied
+        for name, t in engine_weights(model, torch.bfloat16):
+            engine[name].copy_(t)
+            del t
+
+    def streamed_held():  # vLLM's load_weights loop: its loop variable holds a tensor while the next is gathered
+        for name, t in engine_weights(model, torch.bfloat16):
+            engine[name].copy_(t)
 
     def gathered():
         full = {k: v.full_tensor().float() for k, v in model.state_dict().items()}
@@ -80,11 +91,13 @@ def rank_main():
         del full
 
     rows = []
-    for name, fn in (("streamed", streamed), ("gathered", gathered)):
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    for name, fn in (("streamed", streamed), ("streamed, held", streamed_held), ("gathered", gathered)):
         dist.barrier()
         extra, took = peak_during(fn)
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         rows.append((name, extra, took))
+    checks["streamed"] = sum(float(t.float().sum()) for t in engine.values())
     out = [None, None]
     dist.all_gather_object(out, rows)
     if rank == 0:

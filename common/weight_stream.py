@@ -22,6 +22,7 @@ Legend: W (out, in) a linear weight; A (r, in), B (out, r) its LoRA factors.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch import nn
@@ -58,6 +59,46 @@ def _is_4bit(t) -> bool:
     return type(t).__name__ == "Params4bit" or getattr(t, "quant_state", None) is not None
 
 
+# what one all-gather of _full_by_pieces moves in all: on CPU (gloo stages each gather; glibc keeps freed blocks of
+# 16 MB and more in its heap) 4 MB pieces held a push of a 0.45B model to 1.24-1.27x its largest parameter, 16 MB
+# to 1.37-1.54x (benchmarks/fsdp2_push_memory.py); NCCL gathers into the output, so larger pieces cost nothing there
+PIECE_BYTES = {"cpu": 4 << 20, "cuda": 64 << 20}
+
+
+def _full_by_pieces(t, dtype: torch.dtype | None = None, piece_bytes: int | None = None) -> torch.Tensor:
+    """`t.full_tensor()` in `dtype` (None: t's) of a DTensor sharded on dim 0 over a 1-D mesh (FSDP2's layout),
+    gathered in pieces of rows straight into the output, each piece cast as it is copied out of the shard: the
+    collective's buffers and the cast hold one piece, not the tensor (gloo stages a whole gather's output: a
+    bf16 full_tensor() of a 297 MiB embedding peaked at 742 MiB on CPU). Other layouts: full_tensor().
+    Shards are torch.chunk's: rank k holds rows [k * per, min(n, (k + 1) * per)), per = ceil(n / W)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.placement_types import Shard
+
+    if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),) or t.dim() == 0:
+        return (t.to(dtype) if dtype is not None else t).full_tensor()
+    group, W = t.device_mesh.get_group(), t.device_mesh.size()
+    local, n, rest = t.to_local(), t.shape[0], tuple(t.shape[1:])
+    dtype = dtype or local.dtype
+    piece_bytes = piece_bytes or PIECE_BYTES.get(local.device.type, 64 << 20)
+    per = -(-n // W)
+    row_bytes = max(1, math.prod(rest)) * torch.empty((), dtype=dtype).element_size()
+    c = max(1, min(per, piece_bytes // (row_bytes * W)))  # rows of each rank's share per piece
+    out = local.new_empty(t.shape, dtype=dtype)
+    for s in range(0, per, c):
+        m = min(c, per - s)
+        piece = local.new_zeros((m, *rest), dtype=dtype)  # this rank's rows s..s+m (zeros past its end: padding)
+        have = max(0, min(m, local.shape[0] - s))
+        piece[:have] = local[s : s + have]
+        buf = local.new_empty((W * m, *rest), dtype=dtype)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch 2.13 renamed it)
+        gather(buf, piece, group=group)
+        for k in range(W):
+            rows = max(0, min(m, n - k * per - s))
+            out[k * per + s : k * per + s + rows] = buf[k * m : k * m + rows]
+        del piece, buf
+    return out
+
+
 @contextlib.contextmanager
 def _gathered(t: torch.Tensor, dtype: torch.dtype | None):
     """(the full tensor `t`, how it may be used) while inside: "own" (a copy of ours, free to modify), "view" (the
@@ -68,7 +109,7 @@ def _gathered(t: torch.Tensor, dtype: torch.dtype | None):
     if isinstance(t, DTensor):
         t = t.detach()  # no autograd graph through the gather (a trainable LoRA factor would get one)
         local_cast = dtype is not None and t.is_floating_point() and not _is_4bit(t)
-        yield (t.to(dtype) if local_cast else t).full_tensor(), "own"
+        yield _full_by_pieces(t, dtype if local_cast else None), "own"
     elif hasattr(t, "ds_id"):  # DeepSpeed ZeRO-3: this parameter alone, partitioned again on exit
         import deepspeed
 

@@ -11,11 +11,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from common import models as M  # noqa: E402
 from common.distributed import make_accelerator  # noqa: E402
-from common.weight_stream import engine_weights, is_sharded, trainable_fingerprint  # noqa: E402
+from common.weight_stream import _full_by_pieces, engine_weights, is_sharded, trainable_fingerprint  # noqa: E402
 
 path, lora = sys.argv[1], sys.argv[2] == "lora"
 acc = make_accelerator()
@@ -47,4 +48,11 @@ loss = model(input_ids=ids, labels=ids).loss
 acc.backward(loss)
 opt.step()
 assert not torch.equal(trainable_fingerprint(model), before)
+# the gather in pieces of rows (weight_stream._full_by_pieces) equals full_tensor() for uneven shards and pieces
+for shape in [(7, 3), (1001, 8), (1, 5), (3,), (5, 2, 3)]:
+    torch.manual_seed(1)
+    holder = torch.nn.Module()
+    holder.w = torch.nn.Parameter(torch.randn(*shape))
+    fully_shard(holder)
+    assert torch.equal(_full_by_pieces(holder.w.detach(), piece_bytes=96), holder.w.detach().full_tensor()), shape
 print(f"rank {acc.process_index}: FSDP2 stream OK ({'lora' if lora else 'full'}, {len(streamed)} tensors)")
