@@ -12,7 +12,8 @@
 # two updates per batch, and composed with the KL term and the sequence-level mismatch correction; 8. every other
 # script for 2 steps, and LoRA, --dtype bfloat16, --gradient-checkpointing; 9. exact resume on the GPU (3 steps straight vs 1 + resume to 3), also under FSDP2 with
 # sharded checkpoints; 10. held-out accuracy
-# before/after 20 GRPO steps (benchmarks/heldout.py, as docs/results.md's CPU rows).
+# before/after 20 GRPO steps (benchmarks/heldout.py, as docs/results.md's CPU rows); 11-14. issue 64's GPU paths:
+# FSDP2 + vLLM with --vllm-sleep, enforce-eager on/off, QLoRA + vLLM, ZeRO-3 on one GPU, the decoding KV cache.
 # The runs of 3-10 are independent and run side by side (JOBS at a time, OMP_NUM_THREADS=2 each): one GPU
 # holds them all (SmolLM2-135M: a few GB each).
 # MODEL=folder points every run at another model (a dry run on CPU: MODEL=tiny ALLOW_CPU=1 STEPS=1); ONLY=regex runs
@@ -138,6 +139,23 @@ run rm python algos/rm_llm.py --total-steps 2 --eval-every 2 --batch-size 8 --mi
 run lora python algos/grpo_llm.py "${GRPO[@]}" --lora-r 16 --learning-rate 1e-4
 run bf16_kahan python algos/grpo_llm.py "${GRPO[@]}" --dtype bfloat16
 run ppo_gradckpt python algos/ppo_llm.py "${R2[@]}" --batch-size 8 --mini-batch-size 8 --micro-batch-size 4 --gradient-checkpointing
+# 11-14. the GPU paths of issue 64: the vLLM push streamed from FSDP2 shards with sleep/wake once per step
+# (perf/vllm_wakes), enforce-eager off (CUDA graphs) against on, QLoRA's dense push into vLLM, ZeRO-3 rollouts
+# without DeepSpeed's module hooks (the step time), and the decoding loop's preallocated KV cache (tokens/s at 512)
+if have vllm; then
+    run fsdp2_vllm_sleep accelerate launch --config_file configs/accelerate/fsdp2.yaml --num_processes 1 \
+        algos/grpo_llm.py "${GRPO[@]}" --rollout-engine vllm --vllm-sleep --learning-rate 1e-5
+    run vllm_eager_on python algos/grpo_llm.py "${GRPO[@]}" --rollout-engine vllm --vllm-enforce-eager on
+    run vllm_eager_off python algos/grpo_llm.py "${GRPO[@]}" --rollout-engine vllm --vllm-enforce-eager off
+    have bitsandbytes && run qlora_vllm python algos/grpo_llm.py "${GRPO[@]}" --load-in-4bit --lora-r 16 \
+        --learning-rate 1e-4 --rollout-engine vllm
+else echo "CHECK fsdp2_vllm_sleep, vllm_eager_on/off, qlora_vllm: skipped (no vllm here)"; fi
+run zero3_1gpu accelerate launch --config_file configs/accelerate/deepspeed_zero3.yaml --num_processes 1 \
+    algos/grpo_llm.py "${GRPO[@]}"
+if [[ "decode_cache" =~ ${ONLY:-.} ]]; then
+    ( timeout 300 python benchmarks/decode_cache.py --model "$MODEL" --batch 16 --max-new-tokens 512 > "$OUT/decode_cache.log" 2>&1
+      echo "CHECK decode_cache (exit $?): $(tail -n 3 "$OUT/decode_cache.log" | tr '\n' ' ')" ) &
+fi
 # 9. exact resume on the GPU: the same seed, 3 steps straight, and 1 step then --resume to 3; plain, and under
 # FSDP2 with sharded checkpoints (torch.distributed.checkpoint)
 resume_pair() {  # $1: name, rest: the launcher and script
