@@ -217,8 +217,9 @@ def test_dapo_and_dr_grpo_flags_run(tiny, tmp_path):
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "fast",
-    [["--mixed-precision", "bf16", "--micro-batch-tokens", 40]],
-    ids=["bf16-packed"],  # fp32: the loss tests
+    [["--mixed-precision", "no", "--micro-batch-tokens", 40]],
+    ids=["packed"],  # float32: bf16 on a CPU without bf16 matmul (AVX2) took 206 s of CI here; bf16 GRPO learns in
+    # test_vllm_engine.py and bf16 weights in test_correctness.py
 )
 def test_learns_toy_task(tiny_peaky, toy_prompts, tmp_path, fast):
     run_script(
