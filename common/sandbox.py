@@ -241,7 +241,9 @@ try:
     call("mount", None, b"/", None, REC | PRIVATE, None)
     call("mount", b"tmpfs", new.encode(), b"tmpfs", NOSUID | NODEV, b"size=1m,mode=755")
 except OSError as e:
-    (unavailable if e.errno in REFUSED else lambda why: failed("mounting the new root at", new, why))(e)
+    if e.errno in REFUSED:
+        unavailable(e)
+    failed("mounting the new root at", new, e)
 me = (1 if uid == 0 else 0) if userns else NOBODY  # the model's process's uid, in this user namespace
 step, path = "", ""
 try:
