@@ -181,3 +181,15 @@ def tool_agent(fmt: str, path: str, out, call: dict = CALL) -> str:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return str(out)
+
+
+def sum_task(tmp_path):
+    """(a 4-row verl-style file of "what is 1+1?" questions, a reward file scoring the answer "2"): the data the tool
+    agents' GRPO runs train on."""
+    data, reward = tmp_path / "q.jsonl", tmp_path / "reward.py"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"what is 1+1? ({i})"}],
+                                        "data_source": "sum", "reward_model": {"ground_truth": "2"}}) + "\n"
+                            for i in range(4)))  # fmt: skip
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(solution_str.strip() == ground_truth)\n")  # fmt: skip
+    return data, reward

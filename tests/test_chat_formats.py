@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from chat_formats import CALL, FORMATS, QWEN_TEMPLATE, tiny_chat_model, tool_agent
+from chat_formats import CALL, FORMATS, QWEN_TEMPLATE, sum_task, tiny_chat_model, tool_agent
 
 from common import models as M
 from common.data import encode_conversation, observation_ids, turn_glue
@@ -115,17 +115,11 @@ def test_a_tool_call_in_each_format_runs_and_the_turn_ends_at_the_template_stop(
 def test_grpo_env_tools_on_a_llama3_format_model(tmp_path):
     """`grpo_llm.py --env tools` from the Llama 3.1-format agent's folder, as a user runs it: its bare-JSON calls
     run (env/tool_success_rate 1), its turns end at <|eot_id|> (no trajectory truncated), and it answers."""
-    import json
 
     from conftest import only_run, read_metrics, run_script
 
     agent = tool_agent("llama3.1", tiny_chat_model(tmp_path / "init", "llama3.1"), tmp_path / "agent")
-    data, reward = tmp_path / "q.jsonl", tmp_path / "reward.py"
-    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"what is 1+1? ({i})"}],
-                                        "data_source": "sum", "reward_model": {"ground_truth": "2"}}) + "\n"
-                            for i in range(4)))  # fmt: skip
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return float(solution_str.strip() == ground_truth)\n")  # fmt: skip
+    data, reward = sum_task(tmp_path)
     run_script("grpo_llm.py", "--model-name-or-path", agent, "--train-files", data, "--reward-fn",
                f"{reward}:compute_score", "--env", "tools", "--tools", "calculator", "--max-turns", 3,
                "--max-new-tokens", 40, "--total-steps", 1, "--num-prompts", 2, "--group-size", 2,

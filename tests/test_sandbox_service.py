@@ -98,20 +98,14 @@ def test_grpo_env_tools_runs_its_python_calls_on_the_service(fusion, tmp_path):
     """`grpo_llm.py --env tools --tools python --tool-sandbox remote` from a tiny agent's folder (fine-tuned to call
     the Python tool with print(1+1), then answer): every call runs on the local SandboxFusion server, none fails, and
     the answers after the tool's result score."""
-    import json
 
-    from chat_formats import tiny_chat_model, tool_agent
+    from chat_formats import sum_task, tiny_chat_model, tool_agent
 
     from conftest import only_run, read_metrics, run_script
 
     call = {"name": "python", "arguments": {"code": "print(1+1)"}}
     agent = tool_agent("llama3.1", tiny_chat_model(tmp_path / "init", "llama3.1"), tmp_path / "agent", call=call)
-    data, reward = tmp_path / "q.jsonl", tmp_path / "reward.py"
-    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"what is 1+1? ({i})"}],
-                                        "data_source": "sum", "reward_model": {"ground_truth": "2"}}) + "\n"
-                            for i in range(4)))  # fmt: skip
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return float(solution_str.strip() == ground_truth)\n")  # fmt: skip
+    data, reward = sum_task(tmp_path)
     run_script("grpo_llm.py", "--model-name-or-path", agent, "--train-files", data, "--reward-fn",
                f"{reward}:compute_score", "--env", "tools", "--tools", "python", "--tool-sandbox", "remote",
                "--tool-sandbox-url", fusion.url, "--max-turns", 3, "--max-new-tokens", 40, "--total-steps", 1,
