@@ -70,8 +70,11 @@ class StopSignal:
         flag = torch.tensor([float(self.signum or 0)], device=self.accelerator.device)
         if self.accelerator.state.num_processes > 1:
             flag = self.accelerator.reduce(flag, "max")
-        self.signum = int(flag.item()) or None
-        return self.signum is not None
+        # what every rank agrees on; a signal that lands after `flag` was read (while this runs) is kept for the
+        # next step's call, never overwritten: the CI run that lost a SIGTERM this way exited 0 at --total-steps
+        agreed = int(flag.item()) or None
+        self.signum = self.signum or agreed
+        return agreed is not None
 
     def save_due(self, minutes: float) -> bool:
         """True (on every rank alike) when `minutes` have passed since the last call that returned True

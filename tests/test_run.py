@@ -487,3 +487,28 @@ def test_a_damaged_shard_is_one_line_naming_it_and_the_intact_step_before(tiny, 
     monkeypatch.setattr(dcp, "save", full)
     with pytest.raises(E.UserError, match="no space left on .* while writing checkpoint step_3; step_2 is intact"):
         C.save_checkpoint(acc, saved, 3, {"policy": model}, {}, tokenizer=tok, sharded=True)
+
+
+def test_a_signal_landing_while_the_stop_flag_is_read_is_kept_for_the_next_step():
+    """CI lost a SIGTERM: it arrived after `requested()` had read the flag and was overwritten with the
+    (older) agreed value, so the run went on to --total-steps and exited 0. Now it stops at the next step."""
+    import signal as S
+
+    class Accelerator:  # the device is read after the flag's value: the signal lands in between
+        state = type("State", (), {"num_processes": 1})()
+
+        @property
+        def device(self):
+            if not fired:
+                fired.append(1), stop._handle(S.SIGTERM, None)
+            return "cpu"
+
+    fired = []
+    old = {s: S.getsignal(s) for s in (S.SIGINT, S.SIGTERM)}
+    try:
+        stop = R.StopSignal(Accelerator())
+        assert stop.requested() is False  # read before the signal: this step goes on (as every rank agreed)
+        assert stop.requested() is True and stop.signum == S.SIGTERM  # the next step stops
+    finally:
+        for s, h in old.items():
+            S.signal(s, h)
