@@ -88,6 +88,28 @@ def test_qlora_loads_on_cpu(tiny):
     assert torch.isfinite(loss) and any(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
+def test_qlora_computes_the_dequantised_weights_on_any_cpu(tiny, monkeypatch):
+    """bitsandbytes repacks a 4-bit weight at a no-grad eval forward on AVX512-BF16 CPUs and computes in bf16 from
+    then on (the vLLM QLoRA tests failed on such a machine: a 0.024-nat sampler gap, 2.9 after a merge). Told the
+    CPU has AVX512-BF16, every layer still computes x @ dequantise(W), before and after a rollout-like forward."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from bitsandbytes.functional import dequantize_4bit
+
+    monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: True)
+    model = M.load_causal_lm(tiny, None, lora_r=4, load_in_4bit=True).eval()
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and all(m.support_avx512bf16_for_cpu is False for m in layers)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]))  # where bitsandbytes would repack
+        for m in layers:
+            assert not getattr(m.weight.quant_state, "packing_format_for_cpu", False)
+            x = torch.randn(3, m.in_features)
+            w = dequantize_4bit(m.weight.data, m.weight.quant_state)
+            assert torch.equal(
+                m.base_layer(x) if hasattr(m, "base_layer") else bnb.nn.Linear4bit.forward(m, x), x @ w.t()
+            )
+
+
 def test_missing_wheel_message(monkeypatch):
     import importlib.util
 
