@@ -294,7 +294,9 @@ def main(args: Args):
     policy, opt, sched = accelerator.prepare(policy, opt, sched)
     engine = None  # --rollout-engine: the generator's; validation runs here, on the hf engine
     batches = BatchStream(accelerator, K, args.run.total_steps, train_rows)  # the next K in checkpoints
-    evaluate = lambda: evaluate_policy(accelerator, policy, tok, reward, val_rows, T_max, args.micro_batch_size, engine)
+    evaluate = lambda: evaluate_policy(  # greedy on --val-files (--env: through the environment)
+        accelerator, policy, tok, reward, val_rows, T_max, args.micro_batch_size, engine, episodes
+    )
     group = G if args.share_prompts and can_share_prompts(policy) else 1  # G: a group's rows together, its prompt once
     fwd = partial(forward_logprobs, policy, temperature=args.gen.temperature, share_prompts=group > 1)  # (B, T) fn
     ref_logprobs_of = reference_logprobs(accelerator, ref_policy, policy, args.gen.temperature, group > 1)  # (B, T) fn

@@ -228,8 +228,8 @@ def main(args: Args):
     # CRITIC }
     # --rollout-engine vllm: the colocated engine; hf: None
     engine = make_engine(args.gen, args.model, tok, policy, accelerator, max_len, args.run.seed)
-    evaluate = lambda: evaluate_policy(
-        accelerator, policy, tok, reward, val_rows, args.gen.max_new_tokens, args.micro_batch_size, engine
+    evaluate = lambda: evaluate_policy(  # greedy on --val-files (--env: through the environment)
+        accelerator, policy, tok, reward, val_rows, args.gen.max_new_tokens, args.micro_batch_size, engine, episodes
     )
     ref_logprobs_of = reference_logprobs(accelerator, ref_policy, policy, args.gen.temperature)  # (B, T) fn
     run.begin(tok, models, optimizers, state, evaluate=evaluate if val_rows else None)  # + evaluation before step 1

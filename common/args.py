@@ -384,10 +384,11 @@ class MismatchArgs:
 
 
 def _env_spec(flag: str, v) -> None:
-    builtin = ("tools", "feedback")
-    if v and v not in builtin and not (":" in v and Path(v.rpartition(":")[0]).is_file()):
+    builtin, hubs = ("tools", "feedback"), ("textarena:", "openenv:", "verifiers:")
+    if v and v not in builtin and not v.startswith(hubs) and not (":" in v and Path(v.rpartition(":")[0]).is_file()):
         raise UserError(
-            f"{flag} {v!r}: expected {' or '.join(builtin)}, or path/to/file.py:ClassName of a file that exists"
+            f"{flag} {v!r}: expected {' or '.join(builtin)}, textarena:GAME, openenv:URL (or an OpenEnv environment "
+            "folder), or path/to/file.py:ClassName of a file that exists"
         )
 
 
@@ -407,7 +408,10 @@ class EnvArgs:
 
     env: Annotated[str, Check(fn=_env_spec)] = ""
     """'' (one turn: prompt, response, reward), tools (calculator / Python tool calls), feedback (another try after a
-    wrong answer), or path/to/file.py:ClassName (your common.envs.Environment)"""
+    wrong answer), textarena:GAME (a TextArena game), openenv:URL (an OpenEnv server; or openenv:path/to/env, a folder
+    of `openenv init`, whose server is started), or path/to/file.py:ClassName (your common.envs.Environment)"""
+    env_opponent: str = ""
+    """--env textarena:GAME of two players: the other player, path/to/file.py:fn (fn(observation text) -> action)"""
     max_turns: PositiveInt = 3
     """model turns per trajectory at most (each up to --max-new-tokens)"""
     max_trajectory_tokens: PositiveInt = 256

@@ -759,8 +759,12 @@ def episodes_from_args(env_args, tok, reward, device, log=print, max_prompt_toke
     longest first message an environment may return (--max-prompt-length)."""
     if not env_args.env:
         return None
-    cls = load_env_class(env_args.env)
-    if cls is ToolEnv:
+    from common import hub_envs  # textarena:, openenv: (an integration, imported only when named)
+
+    cls = None if hub_envs.is_hub_spec(env_args.env) else load_env_class(env_args.env)
+    if cls is None:
+        factory = hub_envs.hub_factory(env_args.env, env_args, log)
+    elif cls is ToolEnv:
         tools = tuple(t for t in env_args.tools.split(",") if t)
         opts = dict(
             timeout=env_args.tool_timeout,
@@ -796,12 +800,16 @@ def evaluate_with_env(episodes: Episodes, model, rows, max_new_tokens: int, batc
         transcripts += ro.transcripts
         calls = ro.stats.get("env/tool_calls", torch.zeros(len(batch))).tolist()
         used = ro.stats.get("env/tool_used", torch.zeros(len(batch))).tolist()
-        for row, s, turns, c, u in zip(batch, ro.scores.tolist(), ro.stats["env/turns"].tolist(), calls, used):
+        # the environment's own counts (TextArena's win, invalid_move, ...: its info_keys), per trajectory
+        own = {k: ro.stats[f"env/{k}"].tolist() for k in episodes.info_keys
+               if f"env/{k}" in ro.stats and k not in ("tool_calls", "tool_used")}  # fmt: skip
+        for j, (row, s, turns, c, u) in enumerate(
+            zip(batch, ro.scores.tolist(), ro.stats["env/turns"].tolist(), calls, used)
+        ):
             for key in ("all", row.data_source):
-                d = per.setdefault(
-                    key, {"reward": [], "accuracy": [], "turns": [], "tool_calls": [], "tool_call_rate": []}
-                )
-                for m, v in zip(d, (s, float(s >= 1), turns, c, u)):
+                d = per.setdefault(key, {"reward": [], "accuracy": [], "turns": [], "tool_calls": [],
+                                         "tool_call_rate": [], **{k: [] for k in own}})  # fmt: skip
+                for m, v in zip(d, (s, float(s >= 1), turns, c, u, *(own[k][j] for k in own))):
                     d[m].append(v)
     return {
         k: {m: sum(v) / len(v) for m, v in d.items()} | {"n": len(d["reward"])} for k, d in per.items()

@@ -121,18 +121,29 @@ def score(rows, responses: list[list[str]], reward: Reward, lengths=None, is_eos
 
 
 @torch.no_grad()
-def evaluate_policy(accelerator, policy, tok, reward: Reward, rows, max_new_tokens: int, batch_size: int, engine=None):
+def evaluate_policy(accelerator, policy, tok, reward: Reward, rows, max_new_tokens: int, batch_size: int, engine=None,
+                    episodes=None):  # fmt: skip
     """Validation inside training: greedy answers to `rows`, split across processes (through `engine`,
-    the vLLM engine of --rollout-engine vllm, when given).
+    the vLLM engine of --rollout-engine vllm, when given); with `episodes` (--env), greedy trajectories through the
+    environment, scored by it (eval/env/<key>: its counts, e.g. win, turns, tool_calls, per trajectory).
     Returns ({eval/reward, eval/accuracy} as global means, this rank's samples). Accuracy is exact
     match (the reward's `acc` field, else score >= 1), never partial credit."""
     world = accelerator.num_processes
     rows = rows[: max(len(rows) // world, 1) * world]  # equal shares, so the gather below lines up
     local = rows[accelerator.process_index :: world]
-    scores, accs, samples = [], [], []
+    scores, accs, samples, counts = [], [], [], {}
     with unwrap_for_generation(accelerator, policy, engine) as model:
         for i in range(0, len(local), batch_size):
             batch = local[i : i + batch_size]
+            if episodes is not None:  # through the environment: its reward, its counts
+                ro = episodes.run(model, batch, None, engine, max_new_tokens)
+                scores.append(ro.scores)
+                accs.append((ro.scores >= 1).float())
+                for k, v in ro.stats.items():
+                    counts.setdefault(k, []).append(v.float())
+                samples += [{"prompt": x.text, "response": t, "reward": float(v)}
+                            for x, t, v in zip(batch, ro.transcripts, ro.scores)]  # fmt: skip
+                continue
             q, qm = tokenize_queries(tok, [x.text for x in batch], accelerator.device)
             rollout = generate(model, tok, q, qm, max_new_tokens, engine=engine)
             texts = tok.batch_decode(rollout.responses, skip_special_tokens=True)
@@ -144,6 +155,8 @@ def evaluate_policy(accelerator, policy, tok, reward: Reward, rows, max_new_toke
     src_ids = accelerator.gather(torch.tensor([sources.index(x.data_source) for x in local], device=accelerator.device))
     scores, accs = accelerator.gather(torch.cat(scores)), accelerator.gather(torch.cat(accs))
     metrics = {"eval/reward": scores.mean().item(), "eval/accuracy": accs.mean().item()}
+    metrics |= {f"eval/{k}": accelerator.gather(torch.cat(v)).mean().item() for k, v in sorted(counts.items())
+                if k.startswith("env/")}  # fmt: skip
     for i, src in enumerate(sources if len(sources) > 1 else []):  # validation mixing tasks: accuracy per data_source
         metrics[f"eval/accuracy/{src}"] = accs[src_ids == i].mean().item()
     return metrics, samples

@@ -119,6 +119,12 @@ def match_score(data_source, solution_str, ground_truth, extra_info=None) -> dic
     return {"score": float(ok), "acc": float(ok)}
 
 
+def environment_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Rows of a hub environment (--env textarena:GAME, openenv:URL; common.hub_envs): the environment scores them;
+    a one-turn answer outside it scores 0."""
+    return {"score": 0.0, "acc": 0.0}
+
+
 # data_source -> scorer. Prefix entries end with "/" and match every data_source under them.
 REGISTRY = {
     "reasoning_gym/": reasoning_gym_score,
@@ -128,6 +134,8 @@ REGISTRY = {
     "DigitalLearningGmbH/MATH-lighteval": math_score,
     "math": math_score,
     "match": match_score,
+    "textarena/": environment_score,
+    "openenv/": environment_score,
 }
 
 

@@ -122,7 +122,7 @@ def rl_inputs(model, data, rewards, gen, env, accelerator, say=None):
     max_len = data.max_prompt_length + env.budget(gen.max_new_tokens)
     tok = M.prompt_tokenizer(model, data, max_len, "--max-prompt-length + --max-new-tokens")
     reward = reward_from_args(rewards, model, gen.max_new_tokens, accelerator)
-    train_rows, val_rows = load_rl_prompts(data, tok, reward, say)
+    train_rows, val_rows = load_rl_prompts(data, tok, reward, say, env.env)
     episodes = episodes_from_args(env, tok, reward, accelerator.device, say, data.max_prompt_length)
     return max_len, tok, reward, train_rows, val_rows, episodes
 

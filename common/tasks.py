@@ -204,14 +204,49 @@ def default_preference_files(task: str = DEFAULT_TASK, train_size: int = 2000, t
     return str(train), str(test)
 
 
-def load_rl_prompts(data, tok, reward, log) -> tuple[list, list]:
+HUB_PREFIXES = ("textarena:", "openenv:", "verifiers:")  # --env of an environment hub (common.hub_envs)
+ENV_TEST_SEED0 = 1_000_000  # a hub environment's held-out games: seeds from here (train seeds count up from 0)
+
+
+def is_hub_spec(spec: str) -> bool:
+    return bool(spec) and spec.startswith(HUB_PREFIXES)
+
+
+def data_source(spec: str) -> str:
+    kind, _, name = spec.partition(":")
+    return f"{kind}/{Path(name).name if kind == 'openenv' and not name.startswith('http') else name}"
+
+
+def env_rows(spec: str, n: int, split: str) -> list[dict]:
+    """`n` seed rows of a hub environment (prompt: a label; the environment writes the first message): train seeds
+    0..n-1, test seeds ENV_TEST_SEED0.. (never trained on)."""
+    base = 0 if split == "train" else ENV_TEST_SEED0
+    src = data_source(spec)
+    return [{"prompt": f"{src} seed {base + i}", "data_source": src, "extra_info": {"seed": base + i}}
+            for i in range(n)]  # fmt: skip
+
+
+def default_env_files(spec: str, train_size: int = 2000, test_size: int = 64) -> tuple[str, str]:
+    """A hub environment's (train, test) seed rows (common.hub_envs.env_rows: test seeds never trained on), written
+    once into the cache: what a script reads with --env textarena:GAME / openenv:URL and no --train-files."""
+    from common.models import cache_dir
+
+    out = cache_dir() / "data" / "env" / data_source(spec).replace("/", "__")
+    train, test = out / f"train_{train_size}.parquet", out / f"test_{test_size}.parquet"
+    if not (train.exists() and test.exists()):
+        write_rows(env_rows(spec, train_size, "train"), train)
+        write_rows(env_rows(spec, test_size, "test"), test)
+    return str(train), str(test)
+
+
+def load_rl_prompts(data, tok, reward, log, env: str = "") -> tuple[list, list]:
     """The prompts of an RL script's PromptArgs `data` (common.args): --train-files / --val-files, or the built-in
     --task (its problem-split train and test files, common.tasks) when --train-files is not given; validation rows
     cut to --num-eval-prompts. Every data_source must have a reward function (`reward.check`, before any
     model trains), and the first prompt is printed as the model sees it. Returns (train_rows, val_rows)."""
     train_files, val_files = data.train_files, data.val_files
-    if train_files is None:
-        train_files, default_val = default_task_files(data.task)
+    if train_files is None:  # a hub --env brings its own games (seeds), else the built-in --task
+        train_files, default_val = default_env_files(env) if is_hub_spec(env) else default_task_files(data.task)
         val_files = val_files or [default_val]
     load = lambda files: load_prompts(
         files, tok, data.prompt_key, data.reward_fn_key, data.max_prompt_length, data.truncate_prompts, log

@@ -70,10 +70,11 @@ class Args:
 
 
 def main(args: Args) -> dict:
-    from common.tasks import default_task_files
+    from common.tasks import default_env_files, default_task_files, is_hub_spec
 
     tok = M.load_tokenizer(args.models[0])
-    data = args.data or [default_task_files()[1]]
+    # default: the built-in task's test split; a hub --env's held-out games (seeds never trained on)
+    data = args.data or [default_env_files(args.env.env)[1] if is_hub_spec(args.env.env) else default_task_files()[1]]
     rows = load_prompts(data, tok, max_prompt_length=10_000)[: args.num_prompts]
     reward = Reward(args.reward, args.reward_fn, max_new_tokens=args.max_new_tokens, reward_weights=args.reward_weights)
     reward.check({r.data_source for r in rows})
@@ -133,7 +134,12 @@ def main(args: Args) -> dict:
 
     table = Table(title=f"{len(rows)} prompts from {', '.join(data)}")
     extra_cols = list(dict.fromkeys(k for r in results.values() for k in r["all"] if k.startswith(("pass@", "maj@"))))
-    extra_cols += ["turns", "tool_calls", "tool_call_rate"] if episodes is not None else []
+    extra_cols += (
+        ["turns", "tool_calls", "tool_call_rate", *(k for k in episodes.info_keys if not k.endswith("_s"))]
+        if episodes is not None
+        else []
+    )
+    extra_cols = list(dict.fromkeys(extra_cols))
     for col in ("model", "data_source", "reward", "accuracy", *extra_cols, "n"):
         table.add_column(col)
     for name, res in results.items():
