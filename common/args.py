@@ -410,6 +410,9 @@ class EnvArgs:
     """'' (one turn: prompt, response, reward), tools (calculator / Python tool calls), feedback (another try after a
     wrong answer), textarena:GAME (a TextArena game), openenv:URL (an OpenEnv server; or openenv:path/to/env, a folder
     of `openenv init`, whose server is started), or path/to/file.py:ClassName (your common.envs.Environment)"""
+    env_system_prompt: str = ""
+    """--env textarena:/openenv:: a system message before the environment's first message (e.g. how to write a move);
+    a row's own system message wins"""
     env_opponent: str = ""
     """--env textarena:GAME of two players: the other player, path/to/file.py:fn (fn(observation text) -> action)"""
     max_turns: PositiveInt = 3

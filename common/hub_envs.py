@@ -28,6 +28,14 @@ from common.errors import UserError
 from common.tasks import HUB_PREFIXES, is_hub_spec  # noqa: F401  (the rows: common.tasks.env_rows)
 
 
+def _system(row, default: str) -> list[dict]:
+    """The system message a hub environment's first message follows: the row's own (a prompt of messages), else
+    --env-system-prompt, else none."""
+    messages = getattr(row, "messages", None)
+    own = [dict(m) for m in messages if m.get("role") == "system"] if isinstance(messages, list) else []
+    return own or ([{"role": "system", "content": default}] if default else [])
+
+
 def _need(module: str, pip: str, spec: str):
     import importlib
 
@@ -45,13 +53,13 @@ class TextArenaEnv(Environment):
     two-player game the other player is `opponent` (path/to/file.py:fn, fn(observation text) -> action text), a
     fixed policy. Observations: the game's messages since the model's last turn (raw ids give a list of (sender,
     message, type); the default wrappers give the whole history as one string, of which only the new part is sent).
-    info: win (reward > 0), invalid_move (the game ended on the model's invalid move), unfinished (cut by the turn
+    info: win (reward >= 1: TextArena's full reward), invalid_move (the game ended on the model's invalid move), unfinished (cut by the turn
     budget before the game ended)."""
 
     info_keys = ("win", "invalid_move", "unfinished")
 
-    def __init__(self, game: str, opponent: str = ""):
-        self.game, self.opponent_spec, self._opponent = game, opponent, None
+    def __init__(self, game: str, opponent: str = "", system: str = ""):
+        self.game, self.opponent_spec, self._opponent, self.system = game, opponent, None, system
         self.ta = _need("textarena", "textarena==0.7.4", f"textarena:{game}")
         if game not in self.ta.envs.registration.ENV_REGISTRY:
             near = sorted(k for k in self.ta.envs.registration.ENV_REGISTRY if k.split("-")[0] == game.split("-")[0])
@@ -96,7 +104,7 @@ class TextArenaEnv(Environment):
             self.env = self.ta.make(self.game)
             self.env.reset(num_players=2, seed=seed)
         done, text = self._play_opponent()
-        return [{"role": "user", "content": text or f"TextArena {self.game}"}]
+        return _system(row, self.system) + [{"role": "user", "content": text or f"TextArena {self.game}"}]
 
     def _end(self) -> Step:
         rewards, info = self.env.close()
@@ -106,7 +114,9 @@ class TextArenaEnv(Environment):
         r = float(r) if isinstance(r, (int, float)) else -1.0
         bad = float(bool((info or {}).get(0, {}).get("invalid_move", False)))
         self.env = None
-        return Step(None, r, True, {"win": float(r > 0), "invalid_move": bad, "unfinished": 0.0})
+        # a win is TextArena's full reward (1: solved, or beaten the opponent); single-player games pay a share below
+        # it for a partial result (GuessTheNumber: how close the last guess was), two-player ones 0 or -1
+        return Step(None, r, True, {"win": float(r >= 1), "invalid_move": bad, "unfinished": 0.0})
 
     def step(self, text, ids):
         done, _ = self.env.step(action=text)
@@ -210,8 +220,8 @@ class OpenEnvEnv(Environment):
 
     info_keys = ("unfinished",)
 
-    def __init__(self, url: str, action_key: str, timeout: float = 60.0):
-        self.url, self.action_key, self.timeout, self.client = url, action_key, timeout, None
+    def __init__(self, url: str, action_key: str, timeout: float = 60.0, system: str = ""):
+        self.url, self.action_key, self.timeout, self.client, self.system = url, action_key, timeout, None, system
         _need("openenv.core", "openenv-core==0.3.0", f"openenv:{url}")
 
     def reset(self, row):
@@ -228,7 +238,8 @@ class OpenEnvEnv(Environment):
             raise RuntimeError(f"the OpenEnv server at {self.url} refused a session ({type(e).__name__}: {e}); it "
                                "may serve fewer sessions at once than a batch has trajectories: raise "
                                "max_concurrent_envs in its server/app.py") from None  # fmt: skip
-        return [{"role": "user", "content": observation_text(result.observation) or "(the environment is ready)"}]
+        first = observation_text(result.observation) or "(the environment is ready)"
+        return _system(row, self.system) + [{"role": "user", "content": first}]
 
     def step(self, text, ids):
         result = self.client.step({self.action_key: text})
@@ -256,14 +267,14 @@ def hub_factory(spec: str, env_args, log=print):
     if not name:
         raise UserError(f"--env {spec}: name the environment after the colon (e.g. textarena:GuessTheNumber-v0)")
     if kind == "textarena":
-        factory = partial(TextArenaEnv, name, env_args.env_opponent)
+        factory = partial(TextArenaEnv, name, env_args.env_opponent, env_args.env_system_prompt)
         probe = factory()  # an unknown game, a missing package, a two-player game without --env-opponent: one line
-        probe.reset(SimpleNamespace(extra_info={"seed": 0}, uid=0))
+        probe.reset(SimpleNamespace(extra_info={"seed": 0}, uid=0, messages=None))
         probe.close()
         return factory
     if kind == "openenv":
         url = name if name.startswith(("http://", "https://")) else start_openenv_server(Path(name).resolve(), log)
         key = action_field(openenv_schema(url).get("action", {}), name)  # (before the client's slow import)
         _need("openenv.core", "openenv-core==0.3.0", spec)
-        return partial(OpenEnvEnv, url, key, env_args.env_timeout)
+        return partial(OpenEnvEnv, url, key, env_args.env_timeout, env_args.env_system_prompt)
     raise UserError(f"--env {spec}: the verifiers adapter is not built yet (issue 67); textarena: and openenv: are")

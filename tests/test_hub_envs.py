@@ -58,7 +58,17 @@ def test_a_textarena_game_scores_as_textarena_scores_it(game):
                 assert "You are playing" not in text
         expected, info = _direct(game, seed, actions[:n])
         assert step.done and total == expected
-        assert step.info["invalid_move"] == float(info[0]["invalid_move"]) and step.info["win"] == float(expected > 0)
+        assert step.info["invalid_move"] == float(info[0]["invalid_move"]) and step.info["win"] == float(expected >= 1)
+
+
+def test_the_system_message_is_the_rows_own_else_the_flags():
+    game = partial(H.TextArenaEnv, "ThreeCardMonte-v0-train", "", "Answer with [k] only.")
+    first = game().reset(row(2))
+    assert first[0] == {"role": "system", "content": "Answer with [k] only."} and first[1]["role"] == "user"
+    own = SimpleNamespace(extra_info={"seed": 2}, uid=0, messages=[{"role": "system", "content": "mine"},
+                                                                  {"role": "user", "content": "seed 2"}])  # fmt: skip
+    assert [m["content"] for m in game().reset(own)] == ["mine", first[1]["content"]]
+    assert H.TextArenaEnv("ThreeCardMonte-v0-train").reset(row(2)) == first[1:]
 
 
 def test_a_game_cut_by_the_turn_budget_scores_zero_and_counts_unfinished():
