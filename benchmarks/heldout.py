@@ -101,8 +101,8 @@ def correct_with_env(model_path: str, rows, max_new_tokens: int, env_flags: dict
 
     from common import models as M
     from common.args import EnvArgs
-    from common.envs import episodes_from_args
     from common.eval import load_any
+    from common.hub_envs import episodes_from_args
     from common.rewards import Reward
 
     tok = M.load_tokenizer(model_path)

@@ -29,8 +29,8 @@ def play(model_path: str, env_flags: dict, games: int, max_new_tokens: int) -> t
     """Greedy trajectories on the held-out seeds: (the environment's reward per game, won per game)."""
     from common import models as M
     from common.args import EnvArgs
-    from common.envs import episodes_from_args
     from common.eval import load_any
+    from common.hub_envs import episodes_from_args
     from common.rewards import Reward
     from common.tasks import ENV_TEST_SEED0, data_source
 

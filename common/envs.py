@@ -23,7 +23,6 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
@@ -751,41 +750,6 @@ class Episodes:
             turn_ids=turn_ids,
             messages=messages,
         )
-
-
-def episodes_from_args(env_args, tok, reward, device, log=print, max_prompt_tokens=None) -> Episodes | None:
-    """The `Episodes` of a script's EnvArgs (common.args; None without --env): the environment class, its options,
-    and the run's reward (`reward`, common.rewards.Reward) as each trajectory's scorer; max_prompt_tokens: the
-    longest first message an environment may return (--max-prompt-length)."""
-    if not env_args.env:
-        return None
-    from common import hub_envs  # textarena:, openenv: (an integration, imported only when named)
-
-    cls = None if hub_envs.is_hub_spec(env_args.env) else load_env_class(env_args.env)
-    if cls is None:
-        factory = hub_envs.hub_factory(env_args.env, env_args, log)
-    elif cls is ToolEnv:
-        tools = tuple(t for t in env_args.tools.split(",") if t)
-        opts = dict(
-            timeout=env_args.tool_timeout,
-            memory_mb=env_args.tool_memory_mb,
-            max_chars=env_args.tool_output_chars,
-            sandbox=env_args.tool_sandbox,
-            sandbox_url=env_args.tool_sandbox_url,
-        )
-        factory = partial(ToolEnv, tools, call_cost=env_args.turn_cost, **opts)
-        factory()  # an unknown tool: one line now, not a counted failure per trajectory
-    elif cls is FeedbackEnv:
-        factory = partial(FeedbackEnv, turn_cost=env_args.turn_cost)
-    else:
-        factory = cls
-
-    def score(row, text):
-        scores, _, _ = reward([row], [text], torch.tensor([len(tok(text)["input_ids"])]), device, None)
-        return float(scores[0])
-
-    return Episodes(factory, tok, score, env_args.max_turns, env_args.max_trajectory_tokens, env_args.env_timeout, log,
-                    max_prompt_tokens, workers=env_args.env_workers, tool_format=env_args.tool_format)  # fmt: skip
 
 
 @torch.no_grad()

@@ -20,10 +20,13 @@ import socket
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
-from common.envs import Environment, Step
+import torch
+
+from common.envs import Environment, Episodes, FeedbackEnv, Step, ToolEnv, load_env_class
 from common.errors import UserError
 from common.tasks import HUB_PREFIXES, is_hub_spec  # noqa: F401  (the rows: common.tasks.env_rows)
 
@@ -261,7 +264,6 @@ class OpenEnvEnv(Environment):
 # ---------------------------------------------------------------------------------------------
 def hub_factory(spec: str, env_args, log=print):
     """The environment factory of a hub --env (a picklable functools.partial: env workers build their own)."""
-    from functools import partial
 
     kind, _, name = spec.partition(":")
     if not name:
@@ -278,3 +280,39 @@ def hub_factory(spec: str, env_args, log=print):
         _need("openenv.core", "openenv-core==0.3.0", spec)
         return partial(OpenEnvEnv, url, key, env_args.env_timeout, env_args.env_system_prompt)
     raise UserError(f"--env {spec}: the verifiers adapter is not built yet (issue 67); textarena: and openenv: are")
+
+
+# ---------------------------------------------------------------------------------------------
+# --env -> Episodes (the built-ins, a user's class, a hub's environment)
+# ---------------------------------------------------------------------------------------------
+def episodes_from_args(env_args, tok, reward, device, log=print, max_prompt_tokens=None) -> Episodes | None:
+    """The `Episodes` of a script's EnvArgs (common.args; None without --env): the environment class, its options,
+    and the run's reward (`reward`, common.rewards.Reward) as each trajectory's scorer; max_prompt_tokens: the
+    longest first message an environment may return (--max-prompt-length)."""
+    if not env_args.env:
+        return None
+    cls = None if is_hub_spec(env_args.env) else load_env_class(env_args.env)
+    if cls is None:  # textarena:, openenv:
+        factory = hub_factory(env_args.env, env_args, log)
+    elif cls is ToolEnv:
+        tools = tuple(t for t in env_args.tools.split(",") if t)
+        opts = dict(
+            timeout=env_args.tool_timeout,
+            memory_mb=env_args.tool_memory_mb,
+            max_chars=env_args.tool_output_chars,
+            sandbox=env_args.tool_sandbox,
+            sandbox_url=env_args.tool_sandbox_url,
+        )
+        factory = partial(ToolEnv, tools, call_cost=env_args.turn_cost, **opts)
+        factory()  # an unknown tool: one line now, not a counted failure per trajectory
+    elif cls is FeedbackEnv:
+        factory = partial(FeedbackEnv, turn_cost=env_args.turn_cost)
+    else:
+        factory = cls
+
+    def score(row, text):
+        scores, _, _ = reward([row], [text], torch.tensor([len(tok(text)["input_ids"])]), device, None)
+        return float(scores[0])
+
+    return Episodes(factory, tok, score, env_args.max_turns, env_args.max_trajectory_tokens, env_args.env_timeout, log,
+                    max_prompt_tokens, workers=env_args.env_workers, tool_format=env_args.tool_format)  # fmt: skip

@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from common import models as M
-from common.envs import episodes_from_args, tool_metrics
+from common.envs import tool_metrics
 from common.errors import mix_seed
+from common.hub_envs import episodes_from_args
 from common.rewards import Reward, ScoreAsTheyFinish, reward_from_args
 from common.rollout import PromptCache, generate, sequence_attention_mask, tokenize_queries
 from common.tasks import load_rl_prompts

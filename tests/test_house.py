@@ -270,10 +270,9 @@ LAYERS = [
     ("tensor functions", {"ops", "attention", "optim", "weight_stream"}),
     ("models and data files", {"models", "data"}),
     ("placement, generation, tasks", {"distributed", "rollout", "tasks", "vllm_engine", "vllm_server", "engines"}),
-    (
-        "rewards, environments, a step's sampling, evaluation",
-        {"rewards", "remote_rewards", "sandbox_service", "envs", "sampling", "async_rollout", "eval"},
-    ),
+    ("rewards, environments", {"rewards", "remote_rewards", "sandbox_service", "envs"}),
+    ("--env -> environments: the built-ins, a user's class, the hubs' adapters", {"hub_envs"}),
+    ("a step's sampling, evaluation", {"sampling", "async_rollout", "eval"}),
     ("run harness: flags, checkpoints, run folder, perf metrics", {"args", "cli", "checkpoint", "run", "perf"}),
 ]
 

@@ -276,7 +276,8 @@ def test_a_tool_environment_refuses_at_start_up_and_takes_the_flag(monkeypatch, 
     from transformers import AutoTokenizer
 
     from common.args import EnvArgs
-    from common.envs import ToolEnv, episodes_from_args
+    from common.envs import ToolEnv
+    from common.hub_envs import episodes_from_args
 
     monkeypatch.setattr(sandbox, "_UNSHARE_EXTRA", 0x1)
     sandbox.check_sandbox.cache_clear()

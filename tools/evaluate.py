@@ -21,8 +21,9 @@ from common import models as M
 from common.args import Check, EnvArgs, Group, NonNegFloat, NonNegInt, PositiveFloat, PositiveInt, group
 from common.data import load_prompts
 from common.engines import tool_engine
-from common.envs import episodes_from_args, evaluate_with_env
+from common.envs import evaluate_with_env
 from common.eval import answer, load_any, sampled_metrics, score
+from common.hub_envs import episodes_from_args
 from common.rewards import Reward
 
 

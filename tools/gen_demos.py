@@ -33,8 +33,9 @@ import torch
 from common import models as M
 from common.args import Check, EnvArgs, Group, NonNegInt, PositiveFloat, PositiveInt, group
 from common.data import DataError, load_prompts, read_files, read_table, write_rows
-from common.envs import Step, episodes_from_args, format_tool_call
+from common.envs import Step, format_tool_call
 from common.errors import UserError, mix_seed
+from common.hub_envs import episodes_from_args
 from common.rewards import Reward
 
 
