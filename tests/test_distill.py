@@ -239,7 +239,9 @@ def test_the_student_reaches_the_teachers_reward(loss, budget, tiny_peaky, toy_p
     run_script("distill_llm.py", *_flags(tiny_peaky, teacher, toy_prompts, tmp_path / "s", *budget, "--loss", loss,
                "--learning-rate", 3e-3, "--eval-every", 0), env=env)  # fmt: skip
     rows = read_metrics(only_run(tmp_path / "s"))
-    student = sum(r["train/reward"] for r in rows[-3:]) / 3
+    # the student's reward over its last 5 steps (80 samples: over 3, the mean's noise, ~0.06, matched the margin;
+    # a CPU whose float32 kernels sum in another order ended a gkd run on 0.71, 0.65 after 0.80, 0.73)
+    student = sum(r["train/reward"] for r in rows[-5:]) / 5
     assert taught > base + 0.1, rewards
     assert student - base >= 0.9 * (taught - base), ([r["train/reward"] for r in rows], base, taught)
     assert rows[-1]["train/kl"] < 0.5 * rows[0]["train/kl"], [r["train/kl"] for r in rows]
