@@ -230,3 +230,18 @@ def test_grpo_trains_on_an_openenv_environment_folder(tiny, tmp_path):
     for s in map(json.loads, (run / "samples.jsonl").read_text().splitlines()):  # its reward, from the turns' text
         turns = [t.removeprefix("assistant: ") for t in s["response"].split("\n") if t.startswith("assistant: ")]
         assert s["reward"] == pytest.approx(0.1 * sum(len(t) for t in turns), abs=1e-4), s
+
+
+@pytest.mark.e2e
+def test_a_textarena_run_resumes_exactly_with_the_env_in_workers(tiny, tmp_path):
+    """3 steps straight == its step-1 checkpoint resumed for steps 2-3: the sampler's seed rows, the games' seeds and
+    the environment's metrics come back the same (each game in a worker process, as by default)."""
+    from test_envs import _resumes_exactly
+
+    cache = {"CLEANRLHF_CACHE": str(tmp_path / "cache")}
+    flags = lambda out: ["--model-name-or-path", tiny, "--env", "textarena:GuessTheNumber-v0-raw", "--max-turns", 3,
+                         "--max-trajectory-tokens", 48, "--max-new-tokens", 6, "--num-prompts", 2, "--group-size", 2,
+                         "--mini-batch-size", 4, "--micro-batch-size", 4, "--learning-rate", 3e-3, "--eval-every", 0,
+                         "--output-dir", out]  # fmt: skip
+    rows, _ = _resumes_exactly("grpo_llm.py", flags, tmp_path, cache)
+    assert all("env/unfinished" in r and r["env/errors"] == 0 for r in rows)
