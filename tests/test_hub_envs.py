@@ -2,7 +2,6 @@
 OpenEnv servers over their own client (an environment made by the real `openenv init`)."""
 
 import json
-import shutil
 import subprocess
 import sys
 from functools import partial
@@ -163,8 +162,9 @@ def test_textarena_trajectories_mask_the_game_and_score_as_the_game(tiny):
 def _echo_env(where: Path, sessions: int = 8) -> Path:
     """An OpenEnv environment as its CLI makes one (`openenv init`: the echo environment), serving `sessions`
     WebSocket sessions at once (the template's max_concurrent_envs=1: its comment says to raise it)."""
-    cli = shutil.which("openenv") or pytest.fail("the openenv CLI is not installed (requirements.txt: openenv-core)")
-    subprocess.run([cli, "init", "echo_env"], cwd=where, check=True, capture_output=True, timeout=120)
+    # its CLI as `python -m openenv.cli` (the `openenv` script of the same package): wherever this Python is installed
+    subprocess.run([sys.executable, "-m", "openenv.cli", "init", "echo_env"], cwd=where, check=True, capture_output=True,
+                   timeout=120)  # fmt: skip
     app = where / "echo_env" / "server" / "app.py"
     assert "max_concurrent_envs=1," in app.read_text()
     app.write_text(app.read_text().replace("max_concurrent_envs=1,", f"max_concurrent_envs={sessions},"))
