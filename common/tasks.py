@@ -227,7 +227,7 @@ def env_rows(spec: str, n: int, split: str) -> list[dict]:
 
 
 def default_env_files(spec: str, train_size: int = 2000, test_size: int = 64) -> tuple[str, str]:
-    """A hub environment's (train, test) seed rows (common.hub_envs.env_rows: test seeds never trained on), written
+    """A hub environment's (train, test) seed rows (`env_rows`: test seeds never trained on), written
     once into the cache: what a script reads with --env textarena:GAME / openenv:URL and no --train-files."""
     from common.models import cache_dir
 
