@@ -29,27 +29,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` impo
 import torch
 import tyro
 
-from common import models as M
-from common.args import (
-    RESUME_MAY_CHANGE, Check, EnvArgs, GenerationArgs, Group, MismatchArgs, ModelArgs, NonNegFloat, NonNegInt, OptimArgs,
-    PackingArgs, PositiveFloat, PositiveInt, PromptArgs, RewardArgs, RunArgs, group,
-)
-from common.async_rollout import (
-    BatchLog, BatchStream, GeneratorProcess, async_launch, ending_on_failure, generator_setup, make_mailbox, serve_batches,
-)
-from common.cli import cli
-from common.data import Sampler
-from common.distributed import UpdateGuard, backward, frozen_reference, make_accelerator, micro_batch_budget, unwrap_for_generation
-from common.errors import mix_seed, seed_everything
-from common.eval import evaluate_policy
-from common.health import HealthConfig
-from common.ops import exact_div, global_mean_divisor, kl_estimate, masked_mean, masked_var, rollout_correction
-from common.optim import adamw
-from common.perf import mfu, peak_mem_gb
-from common.rewards import reward_by_data_source
-from common.rollout import can_share_prompts, forward_by_micro_batch, forward_logprobs, micro_batches, padding_counts, reference_logprobs
-from common.run import Run
-from common.sampling import Rollout, draw_rows, dynamic_sampling, group_metrics, rl_inputs, sample
+from common.core.data import Sampler
+from common.core.errors import mix_seed, seed_everything
+from common.core.forwards import can_share_prompts, forward_by_micro_batch, forward_logprobs, micro_batches, padding_counts, reference_logprobs
+from common.core import models as M
+from common.core.ops import exact_div, global_mean_divisor, kl_estimate, masked_mean, masked_var, rollout_correction
+from common.core.sampling import Rollout, sample
+from common.parallel.accelerator import make_accelerator, micro_batch_budget
+from common.parallel.optim import adamw
+from common.parallel.sharded import UpdateGuard, backward, frozen_reference, unwrap_for_generation
+from common.integrations.async_generator import BatchLog, BatchStream, GeneratorProcess, async_launch, ending_on_failure, generator_setup, serve_batches
+from common.integrations.inputs import rl_inputs
+from common.integrations.weight_mailbox import make_mailbox
+from common.harness.args import RESUME_MAY_CHANGE, Check, EnvArgs, GenerationArgs, Group, MismatchArgs, ModelArgs, NonNegFloat, NonNegInt, OptimArgs, PackingArgs, PositiveFloat, PositiveInt, PromptArgs, RewardArgs, RunArgs, group
+from common.harness.cli import cli
+from common.harness.eval import evaluate_policy
+from common.harness.health import HealthConfig
+from common.harness.perf import mfu, peak_mem_gb
+from common.harness.run import Run
 # fmt: on
 
 
@@ -115,10 +112,10 @@ class Args:
     micro_batch_size: PositiveInt = 8
     """sequences per forward/backward on one process"""
     share_prompts: bool = True
-    """each group's prompt once per micro-batch, forward and backward: the same loss (common.rollout.can_share_prompts)"""
+    """each group's prompt once per micro-batch, forward and backward: the same loss (common.core.forwards.can_share_prompts)"""
     packing: Group[PackingArgs] = group(PackingArgs)  # --micro-batch-tokens: micro-batches packed by length
 
-    # --- the flags every script shares (common/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
+    # --- the flags every script shares (common/harness/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
     run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=100)
     model: Group[ModelArgs] = group(ModelArgs)
     data: Group[PromptArgs] = group(PromptArgs)
@@ -130,6 +127,77 @@ class Args:
     old_logprobs_from: str = field(default="", init=False)
     """runtime: pi_old's source, 'current' (the update forward's own, detached), 'trainer' (recomputed) or
     'sampler' (the behaviour policy's log-probs: K > 0 with --tis-cap 0)"""
+
+
+# ALGO LOGIC: the step's prompts and groups: one global draw, DAPO's dynamic sampling, the group reward keys
+# Copied from grpo_llm.py: every definition in this section
+def draw_rows(sampler, train_rows, n: int, rank: int, W: int, seed: int, step: int, repeat: int = 1, round_: int = 0):
+    """One global draw of `n` prompts (every process draws the same ids, so there is one sampler state), this
+    process's n/W of them each repeated `repeat` times (a prompt's samples adjacent), and each row's own seed,
+    mix_seed(seed, step, uid), uid the row's place in the step's global draws (`round_`: a resampling round, after
+    the earlier rounds' rows). -> (rows (n/W * repeat,), seeds)"""
+    local = n // W
+    ids = sampler.take(n)[rank * local : (rank + 1) * local]  # this process's share
+    rows = [train_rows[i] for i in ids for _ in range(repeat)]
+    uid0 = (round_ * n + rank * local) * repeat
+    return rows, [mix_seed(seed, step, uid0 + j) for j in range(len(rows))]
+
+
+def take_informative_groups(parts: list[Rollout], G: int, n_groups: int, pad_id: int) -> tuple[Rollout, int]:
+    """From sampled batches `parts` (a prompt's G samples adjacent), one batch of `n_groups` groups, those whose
+    rewards differ first, then (if too few) groups of equal rewards to keep the batch size fixed.
+    -> (batch, number of equal-reward groups used to fill)"""
+    groups = [(k, j) for k, p in enumerate(parts) for j in range(len(p.rows) // G)]  # (batch, group in it)
+
+    def rewards_differ(k, j):
+        return bool(parts[k].scores.view(-1, G)[j].std() > 0)
+
+    informative = [g for g in groups if rewards_differ(*g)][:n_groups]
+    filled = [g for g in groups if not rewards_differ(*g)][: n_groups - len(informative)]
+    picks = [parts[k].take(list(range(j * G, (j + 1) * G))) for k, j in informative + filled]  # a group each
+    return Rollout.cat(picks, pad_id), len(filled)
+
+
+def dynamic_sampling(sample_round, G: int, n_groups: int, max_rounds: int, pad_id: int, most_missing=None):
+    """DAPO's dynamic sampling (Yu et al. 2025): sample_round(0), sample_round(1), ... (each a Rollout of groups, a
+    prompt's G samples adjacent) until `n_groups` groups hold rewards that differ, at most `max_rounds` extra rounds;
+    most_missing(n): the largest shortfall over the processes, so that all of them run the same rounds (None: this
+    process's own). Then take_informative_groups. -> (Rollout of n_groups groups, extra rounds, groups filled)"""
+    parts, rounds = [sample_round(0)], 0
+    while rounds < max_rounds:
+        missing = n_groups - sum(int((p.scores.view(-1, G).std(1) > 0).sum()) for p in parts)
+        if (most_missing(missing) if most_missing else missing) <= 0:
+            break
+        rounds += 1
+        parts.append(sample_round(rounds))
+    rollout, n_filled = take_informative_groups(parts, G, n_groups, pad_id)
+    return rollout, rounds, n_filled
+
+
+def group_metrics(accelerator, scores, solved, G: int) -> dict:
+    """The reward keys over all processes' rows (scores, solved: (B,), a prompt's G adjacent): train/reward,
+    train/reward_std, train/zero_std_groups (groups whose rewards are all equal: no signal) and train/solve_all,
+    train/solve_none (groups every / no sample of which solved exactly)."""
+    scores, solved = accelerator.gather(scores), accelerator.gather(solved).view(-1, G)  # (all B,), (all prompts, G)
+    return {
+        "train/reward": scores.mean().item(),
+        "train/reward_std": scores.std().item(),
+        "train/zero_std_groups": (scores.view(-1, G).std(1) == 0).float().mean().item(),
+        "train/solve_all": (solved.min(1).values == 1).float().mean().item(),
+        "train/solve_none": (solved.max(1).values == 0).float().mean().item(),
+    }
+
+
+def reward_by_data_source(rows, scores) -> dict:
+    """{reward/<data_source>: mean score of this rank's rows of it} when the rows mix several sources, else {}."""
+    sources = sorted({x.data_source for x in rows})
+    if len(sources) < 2:
+        return {}
+    out = {}
+    for s in sources:
+        of_s = torch.tensor([x.data_source == s for x in rows], device=scores.device)  # (B,) this source's rows
+        out[f"reward/{s}"] = scores[of_s].mean().item()
+    return out
 
 
 # ALGO LOGIC: advantages, reward shaping and loss aggregation
@@ -225,7 +293,7 @@ def sapo_loss(logprobs, old_logprobs, advantages, mask, tau_pos, tau_neg):
 
 # ALGO LOGIC: the generator process: each step's batch, sampled and scored by the policy K updates before it
 def generate_batches(put, args: Args, rank: int, W: int, first_step: int, first_version: int, sampler_state, mailbox):
-    """Runs in a process of its own (common.async_rollout.GeneratorProcess) with its own copy of main's setup: the
+    """Runs in a process of its own (common.integrations.async_generator.GeneratorProcess) with its own copy of main's setup: the
     batch of each step from `first_step`, sampled and scored as grpo_llm.py does (this rank's share of its prompts)
     by the weights of version step - 1 - K (the policy after that many updates; none older than `first_version`)."""
     accelerator, tok, reward, train_rows, episodes, sampler, policy, engine = generator_setup(args.model, args.data,

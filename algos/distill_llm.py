@@ -34,28 +34,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` impo
 import torch
 import torch.nn.functional as F
 
-from common import models as M
-from common.args import (
-    GenerationArgs, Group, ModelArgs, OptimArgs, PositiveInt, PromptArgs, RewardArgs, RunArgs, UnitFloat, group,
-)
-from common.cli import cli
-from common.data import Sampler
-from common.distributed import (
-    UpdateGuard, backward, configure_deepspeed, make_accelerator, prepare_frozen, unwrap_for_generation,
-)
-from common.errors import UserError, mix_seed, seed_everything
-from common.eval import evaluate_policy
-from common.ops import all_sum, exact_div, global_mean_divisor
-from common.optim import adamw
-from common.perf import peak_mem_gb
-from common.rewards import reward_from_args
-from common.rollout import (
-    generate, micro_batches, position_ids_from_mask, response_masks, sequence_attention_mask, tokenize_queries,
-)
-from common.run import Run
-from common.tasks import load_rl_prompts
-from common.engines import engine_perf, make_engine
-from common.vllm_engine import VLLMEngine
+from common.core import chat
+from common.core.data import Sampler
+from common.core.errors import UserError, mix_seed, seed_everything
+from common.core.forwards import micro_batches
+from common.core.generation import generate, response_masks, tokenize_queries
+from common.core.generation import position_ids_from_mask, sequence_attention_mask
+from common.core import hub
+from common.core import models as M
+from common.core.ops import all_sum, exact_div, global_mean_divisor
+from common.core.tasks import load_rl_prompts
+from common.parallel.accelerator import configure_deepspeed, make_accelerator
+from common.parallel.optim import adamw
+from common.parallel.sharded import UpdateGuard, backward, prepare_frozen, unwrap_for_generation
+from common.integrations.engines import engine_perf, make_engine
+from common.integrations.inputs import reward_from_args
+from common.integrations.vllm_engine import VLLMEngine
+from common.harness.args import GenerationArgs, Group, ModelArgs, OptimArgs, PositiveInt, PromptArgs, RewardArgs, RunArgs, UnitFloat, group
+from common.harness.cli import cli
+from common.harness.eval import evaluate_policy
+from common.harness.perf import peak_mem_gb
+from common.harness.run import Run
 # fmt: on
 
 
@@ -90,7 +89,7 @@ class Args:
     micro_batch_size: PositiveInt = 8
     """sequences per forward/backward on one process"""
 
-    # --- the flags every script shares (common/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
+    # --- the flags every script shares (common/harness/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
     run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=100)
     model: Group[ModelArgs] = group(ModelArgs)
     data: Group[PromptArgs] = group(PromptArgs)
@@ -174,10 +173,10 @@ def reference_responses(tok, rows, device):
     """Off-policy steps (--lmbda < 1): each row's reference response (extra_info.response, else its ground truth)
     with EOS, right-padded. Returns (responses (B, T), mask (B, T))."""
     texts = [str(reference_text(x)) for x in rows]
-    ids = [tok(t, add_special_tokens=False)["input_ids"] + [M.turn_end_id(tok)] for t in texts]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] + [chat.turn_end_id(tok)] for t in texts]
     T = max(len(x) for x in ids)
     responses = torch.tensor([x + [tok.pad_token_id] * (T - len(x)) for x in ids], device=device)  # (B, T)
-    return responses, response_masks(responses, M.stop_ids(tok), tok.pad_token_id)[0]
+    return responses, response_masks(responses, chat.stop_ids(tok), tok.pad_token_id)[0]
 
 
 def main(args: Args):
@@ -197,10 +196,10 @@ def main(args: Args):
     seed_everything(args.run.seed)
     run = Run(accelerator, args, Path(__file__).stem)  # --resume: resolved and checked before anything loads
     max_len = args.data.max_prompt_length + args.gen.max_new_tokens
-    tok = M.prompt_tokenizer(args.model, args.data, max_len, "--max-prompt-length + --max-new-tokens")
-    M.check_same_tokenizer(tok, args.teacher, "--teacher", args.model.trust_remote_code)  # before any weights load
+    tok = chat.prompt_tokenizer(args.model, args.data, max_len, "--max-prompt-length + --max-new-tokens")
+    chat.check_same_tokenizer(tok, args.teacher, "--teacher", args.model.trust_remote_code)  # before any weights load
     # a head padded past the shared tokenizer (the padding differs between sizes of a family): both cut to the smaller
-    V = min(M.vocab_rows(p, args.model.trust_remote_code) for p in (args.model.model_name_or_path, args.teacher))
+    V = min(chat.vocab_rows(p, args.model.trust_remote_code) for p in (args.model.model_name_or_path, args.teacher))
     if V < len(tok):
         raise UserError(f"--teacher {args.teacher} or the student: a head of {V} rows for a tokenizer of {len(tok)}")
     reward = reward_from_args(args.rewards, args.model, args.gen.max_new_tokens, accelerator)  # eval, train/reward
@@ -223,7 +222,7 @@ def main(args: Args):
                 "--loss reverse-kl-pg (with --lmbda 1) or topk-fkl with --temperature 1 (gkd, and reverse-kl-pg's "
                 "off-policy steps, need the whole vocabulary)"
             )
-        teacher = VLLMEngine(str(M.resolve_model_path(args.teacher)), tok, max_len, args.run.seed,
+        teacher = VLLMEngine(str(hub.resolve_model_path(args.teacher)), tok, max_len, args.run.seed,
                              dtype=M.default_dtype(), enforce_eager=args.gen.enforce_eager(),
                              gpu_memory_utilization=args.gen.vllm_gpu_memory_utilization,
                              kv_cache_gb=args.gen.vllm_kv_cache_gb, trust_remote_code=args.model.trust_remote_code)  # fmt: skip

@@ -33,26 +33,25 @@ import torch
 import torch.nn.functional as F
 import tyro
 
-from common import models as M
-from common.args import (
-    Check, DataArgs, Group, ModelArgs, NonNegFloat, NonNegInt, OnlineGenerationArgs, OptimArgs, PositiveFloat,
-    PositiveInt, RewardArgs, RunArgs, group,
-)
-from common.cli import cli
-from common.data import Sampler, encode_prompt_response, load_preferences, load_prompts
-from common.distributed import (
-    UpdateGuard, backward, configure_deepspeed, frozen_reference, make_accelerator, unwrap_for_generation,
-)
-from common.errors import UserError, mix_seed, seed_everything
-from common.eval import evaluate_policy
-from common.ops import exact_div, global_mean_divisor
-from common.optim import adamw
-from common.perf import peak_mem_gb
-from common.rewards import Reward, reward_from_args
-from common.rollout import can_share_prompts, forward_logprobs, generate, rows_as_rollout, token_logprobs, tokenize_queries
-from common.run import Run
-from common.tasks import default_preference_files, default_task_files
-from common.engines import engine_perf, make_engine
+from common.core import chat
+from common.core.data import Sampler, encode_prompt_response, load_preferences, load_prompts
+from common.core.errors import UserError, mix_seed, seed_everything
+from common.core.forwards import can_share_prompts, forward_logprobs, rows_as_rollout, token_logprobs
+from common.core.generation import generate, tokenize_queries
+from common.core import models as M
+from common.core.ops import exact_div, global_mean_divisor
+from common.core.rewards import Reward
+from common.core.tasks import default_preference_files, default_task_files
+from common.parallel.accelerator import configure_deepspeed, make_accelerator
+from common.parallel.optim import adamw
+from common.parallel.sharded import UpdateGuard, backward, frozen_reference, unwrap_for_generation
+from common.integrations.engines import engine_perf, make_engine
+from common.integrations.inputs import reward_from_args
+from common.harness.args import Check, DataArgs, Group, ModelArgs, NonNegFloat, NonNegInt, OnlineGenerationArgs, OptimArgs, PositiveFloat, PositiveInt, RewardArgs, RunArgs, group
+from common.harness.cli import cli
+from common.harness.eval import evaluate_policy
+from common.harness.perf import peak_mem_gb
+from common.harness.run import Run
 # fmt: on
 
 
@@ -94,7 +93,7 @@ class Args:
     micro_batch_size: PositiveInt = 4
     """pairs per forward/backward on one process"""
 
-    # --- the flags every script shares (common/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
+    # --- the flags every script shares (common/harness/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
     run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=100)
     model: Group[ModelArgs] = group(ModelArgs)
     data: Group[DataArgs] = group(DataArgs)
@@ -174,7 +173,7 @@ def main(args: Args):
     run = Run(accelerator, args, Path(__file__).stem)  # --resume: resolved and checked before anything loads
 
     max_len = args.max_prompt_length + max(args.max_completion_length, args.gen.max_new_tokens)
-    tok = M.prompt_tokenizer(args.model, args.data, max_len, "--max-prompt-length + --max-completion-length")
+    tok = chat.prompt_tokenizer(args.model, args.data, max_len, "--max-prompt-length + --max-completion-length")
     policy = M.load_causal_lm(args.model.model_name_or_path, tok, **M.train_kwargs(args.model))
     # with LoRA: the policy with its adapter disabled
     ref_policy = frozen_reference(accelerator, args.model, tok) if not args.model.lora_r else None
@@ -215,7 +214,7 @@ def main(args: Args):
     policy, opt, sched = accelerator.prepare(policy, opt, sched)
     # --rollout-engine vllm: the colocated engine; hf: None
     engine = make_engine(args.gen, args.model, tok, policy, accelerator, max_len, args.run.seed)
-    share = args.share_prompts and can_share_prompts(policy)  # a pair's prompt once (common.rollout)
+    share = args.share_prompts and can_share_prompts(policy)  # a pair's prompt once (common.core.forwards)
 
     @torch.no_grad()
     def ref_logps(ids, attn, response_mask):

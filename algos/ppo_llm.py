@@ -17,7 +17,7 @@ log pi - log pi_ref per sequence, averaged over the batch: a per-token number, s
     python algos/ppo_llm.py --kl-target 0.1 --total-steps 200 --track
     accelerate launch algos/ppo_llm.py --kl-target 0.1
     accelerate launch --multi_gpu --num_processes 2 algos/ppo_llm.py   # 2 processes (gloo on CPU)
-    python -c "from common.models import tiny_model; tiny_model('/tmp/tiny')"        # smoke test: a tiny model,
+    python -c "from common.core.models import tiny_model; tiny_model('/tmp/tiny')"        # smoke test: a tiny model,
     python algos/ppo_llm.py --model-name-or-path /tmp/tiny --total-steps 2 --batch-size 4 \\
         --mini-batch-size 2 --micro-batch-size 2 --max-new-tokens 8                    # then 2 iterations
 
@@ -38,31 +38,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` impo
 import torch
 import tyro
 
-from common import models as M
-from common.args import (
-    Check, EnvArgs, GenerationArgs, Group, MismatchArgs, ModelArgs, NonNegFloat, NonNegInt, OptimArgs, PackingArgs,
-    PositiveFloat, PositiveInt, PromptArgs, RewardArgs, RunArgs, UnitFloat, group,
-)
-from common.cli import cli
-from common.data import Sampler
-from common.distributed import (
-    UpdateGuard, backward, configure_deepspeed, frozen_reference, make_accelerator, micro_batch_budget,
-    unwrap_for_generation,
-)
-from common.errors import mix_seed, seed_everything
-from common.eval import evaluate_policy
-from common.health import HealthConfig
-from common.ops import (
-    exact_div, gae, global_mean_divisor, kl_estimate, masked_mean, masked_whiten, rollout_correction,
-)
-from common.optim import adamw
-from common.perf import mfu, peak_mem_gb
-from common.rollout import (
-    forward_by_micro_batch, forward_logprobs, forward_values, micro_batches, padding_counts, reference_logprobs,
-)
-from common.run import Run
-from common.sampling import rl_inputs, sample
-from common.engines import engine_perf, make_engine
+from common.core.data import Sampler
+from common.core.errors import mix_seed, seed_everything
+from common.core.forwards import forward_by_micro_batch, forward_logprobs, forward_values, micro_batches, padding_counts, reference_logprobs
+from common.core import models as M
+from common.core.ops import exact_div, gae, global_mean_divisor, kl_estimate, masked_mean, masked_whiten, rollout_correction
+from common.core.sampling import sample
+from common.parallel.accelerator import configure_deepspeed, make_accelerator, micro_batch_budget
+from common.parallel.optim import adamw
+from common.parallel.sharded import UpdateGuard, backward, frozen_reference, unwrap_for_generation
+from common.integrations.engines import engine_perf, make_engine
+from common.integrations.inputs import rl_inputs
+from common.harness.args import Check, EnvArgs, GenerationArgs, Group, MismatchArgs, ModelArgs, NonNegFloat, NonNegInt, OptimArgs, PackingArgs, PositiveFloat, PositiveInt, PromptArgs, RewardArgs, RunArgs, UnitFloat, group
+from common.harness.cli import cli
+from common.harness.eval import evaluate_policy
+from common.harness.health import HealthConfig
+from common.harness.perf import mfu, peak_mem_gb
+from common.harness.run import Run
 # fmt: on
 
 
@@ -119,7 +111,7 @@ class Args:
     """rollouts per forward/backward on one process (gradient accumulation up to the minibatch)"""
     packing: Group[PackingArgs] = group(PackingArgs)  # --micro-batch-tokens: micro-batches packed by length
 
-    # --- the flags every script shares (common/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
+    # --- the flags every script shares (common/harness/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
     run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=100)
     model: Group[ModelArgs] = group(ModelArgs)
     data: Group[PromptArgs] = group(PromptArgs)

@@ -29,20 +29,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` impo
 import torch
 import torch.nn.functional as F
 
-from common import models as M
-from common.args import DataArgs, Group, ModelArgs, NonNegInt, OptimArgs, PositiveInt, RunArgs, group
-from common.cli import cli
-from common.data import Sampler, encode_prompt_response, load_preferences
-from common.distributed import (
-    UpdateGuard, backward, configure_deepspeed, full_tensors, make_accelerator, reshard, saved_by_one_process,
-)
-from common.errors import seed_everything
-from common.ops import exact_div
-from common.optim import adamw
-from common.perf import peak_mem_gb
-from common.rollout import position_ids_from_mask
-from common.run import Run
-from common.tasks import default_preference_files
+from common.core import chat
+from common.core.data import Sampler, encode_prompt_response, load_preferences
+from common.core.errors import seed_everything
+from common.core.generation import position_ids_from_mask
+from common.core import models as M
+from common.core.ops import exact_div
+from common.core.tasks import default_preference_files
+from common.parallel.accelerator import configure_deepspeed, full_tensors, make_accelerator, saved_by_one_process
+from common.parallel.optim import adamw
+from common.parallel.sharded import UpdateGuard, backward, reshard
+from common.harness.args import DataArgs, Group, ModelArgs, NonNegInt, OptimArgs, PositiveInt, RunArgs, group
+from common.harness.cli import cli
+from common.harness.perf import peak_mem_gb
+from common.harness.run import Run
 # fmt: on
 
 
@@ -61,7 +61,7 @@ class Args:
     micro_batch_size: PositiveInt = 8
     """pairs per forward/backward on one process"""
 
-    # --- the flags every script shares (common/args.py), flat: --seed, --model-name-or-path, --train-files, ...
+    # --- the flags every script shares (common/harness/args.py), flat: --seed, --model-name-or-path, --train-files, ...
     run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=200, eval_every=50)
     model: Group[ModelArgs] = group(ModelArgs)
     """the body (a new one-output head is added): weights, precision, LoRA, parallelism"""
@@ -110,7 +110,7 @@ def main(args: Args):
     log = accelerator.print
     run = Run(accelerator, args, Path(__file__).stem)  # --resume: resolved and checked before anything loads
 
-    tok = M.prompt_tokenizer(args.model, args.data, args.max_length, "--max-length")
+    tok = chat.prompt_tokenizer(args.model, args.data, args.max_length, "--max-length")
     model = M.load_reward_model(args.model.model_name_or_path, tok, **M.train_kwargs(args.model))
     train_files, val_files = args.data.train_files, args.data.val_files
     if train_files is None:
@@ -193,7 +193,7 @@ def main(args: Args):
     ref = torch.cat([chosen, rejected])  # the reference sample's raw scores
     gain = 1.0 / ref.std().clamp(min=1e-6).item()
     bias = -ref.mean().item() * gain
-    reshard(model)  # FSDP2: scoring was a no_grad forward; see common.distributed.reshard
+    reshard(model)  # FSDP2: scoring was a no_grad forward; see common.parallel.sharded.reshard
     state_dict = full_tensors(accelerator.get_state_dict(model))  # full weights, gathered under FSDP2 / ZeRO-3 / TP
     unwrapped = accelerator.unwrap_model(model)
     if args.model.lora_r:  # LoRA: merged into the weights, since --reward-model expects a plain folder
@@ -205,9 +205,9 @@ def main(args: Args):
         unwrapped = unwrapped.get_base_model()
     unwrapped.config.reward_gain, unwrapped.config.reward_bias = gain, bias
     unwrapped.config.reward_max_length = args.max_length  # the RL scorer truncates as training did
-    unwrapped.config.reward_prompt_format = M.prompt_format(tok)  # and renders prompts as they were here
+    unwrapped.config.reward_prompt_format = chat.prompt_format(tok)  # and renders prompts as they were here
     if accelerator.is_main_process:
-        with saved_by_one_process(unwrapped):  # under --tp-size: see common.distributed
+        with saved_by_one_process(unwrapped):  # under --tp-size: see common.parallel.accelerator
             unwrapped.save_pretrained(run.dir / "reward_model", state_dict=state_dict)
         tok.save_pretrained(run.dir / "reward_model")
         norm = ref * gain + bias

@@ -29,20 +29,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `common` impo
 # fmt: off
 import torch
 
-from common import models as M
-from common.args import DataArgs, Group, ModelArgs, NonNegInt, OptimArgs, PositiveInt, RunArgs, group
-from common.cli import cli
-from common.data import Sampler, load_prompts, load_sft
-from common.distributed import UpdateGuard, backward, configure_deepspeed, make_accelerator
-from common.errors import seed_everything
-from common.eval import evaluate_policy
-from common.ops import exact_div, global_mean_divisor
-from common.optim import adamw
-from common.perf import peak_mem_gb
-from common.rewards import Reward
-from common.rollout import token_logprobs
-from common.run import Run
-from common.tasks import default_sft_files, default_task_files
+from common.core import chat
+from common.core.data import Sampler, load_prompts, load_sft
+from common.core.errors import seed_everything
+from common.core.forwards import token_logprobs
+from common.core import models as M
+from common.core.ops import exact_div, global_mean_divisor
+from common.core.rewards import Reward
+from common.core.tasks import default_sft_files, default_task_files
+from common.parallel.accelerator import configure_deepspeed, make_accelerator
+from common.parallel.optim import adamw
+from common.parallel.sharded import UpdateGuard, backward
+from common.harness.args import DataArgs, Group, ModelArgs, NonNegInt, OptimArgs, PositiveInt, RunArgs, group
+from common.harness.cli import cli
+from common.harness.eval import evaluate_policy
+from common.harness.perf import peak_mem_gb
+from common.harness.run import Run
 # fmt: on
 
 
@@ -66,7 +68,7 @@ class Args:
     micro_batch_size: PositiveInt = 8
     """examples per forward/backward on one process"""
 
-    # --- the flags every script shares (common/args.py), flat: --seed, --model-name-or-path, --train-files, ...
+    # --- the flags every script shares (common/harness/args.py), flat: --seed, --model-name-or-path, --train-files, ...
     run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=200, eval_every=50)
     model: Group[ModelArgs] = group(ModelArgs)
     data: Group[DataArgs] = group(DataArgs)
@@ -76,7 +78,7 @@ class Args:
 
 # ALGO LOGIC: next-token loss on the assistant's tokens only
 def encode_examples(tok, examples, max_length, device):
-    """Right-padded conversations (`common.data.encode_conversation`'s ids: one-turn or multi-turn, rendered as a
+    """Right-padded conversations (`common.core.data.encode_conversation`'s ids: one-turn or multi-turn, rendered as a
     rollout renders them). Returns input_ids, attention_mask, loss_mask: (B, L). loss_mask is 1 on the assistant
     turns' tokens and their EOS only: system, user and tool messages are context, not targets. Past `max_length`
     the prompt's start is cut (never beyond the first assistant token), then the end."""
@@ -114,7 +116,7 @@ def main(args: Args):
     log = accelerator.print
     run = Run(accelerator, args, Path(__file__).stem)  # --resume: resolved and checked before anything loads
 
-    tok = M.prompt_tokenizer(args.model, args.data, args.max_length, "--max-length")
+    tok = chat.prompt_tokenizer(args.model, args.data, args.max_length, "--max-length")
     model = M.load_causal_lm(args.model.model_name_or_path, tok, **M.train_kwargs(args.model))
     train_files, val_files, eval_prompt_files = args.data.train_files, args.data.val_files, args.eval_prompt_files
     if train_files is None:

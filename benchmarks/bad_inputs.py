@@ -49,7 +49,7 @@ class Payload:
 def setup(work: Path) -> dict:
     from test_bad_inputs import make_bad_files
 
-    from common.models import tiny_model
+    from common.core.models import tiny_model
 
     f = {"tiny": tiny_model(work / "tiny"), **make_bad_files(work)}
     with open(work / "toy.jsonl", "w") as out:
@@ -110,12 +110,12 @@ def setup(work: Path) -> dict:
     }
     for name, body in envs.items():
         (work / f"e_{name}.py").write_text(
-            "from common.envs import Environment, Step\n\n\nclass Env(Environment):\n"
+            "from common.core.envs import Environment, Step\n\n\nclass Env(Environment):\n"
             f"    def step(self, text, ids):\n        {body}\n"
         )
         f[f"e_{name}"] = f"{work}/e_{name}.py:Env"
     (work / "e_huge.py").write_text(
-        "from common.envs import Environment\n\n\nclass Env(Environment):\n    def reset(self, row):\n"
+        "from common.core.envs import Environment\n\n\nclass Env(Environment):\n    def reset(self, row):\n"
         "        return [{'role': 'user', 'content': 'word ' * 200_000}]\n"
     )
     f["e_huge"] = f"{work}/e_huge.py:Env"

@@ -47,14 +47,15 @@ class PeakRSS:
 def main() -> None:
     import torch
 
-    from common import checkpoint as C
-    from common import models as M
-    from common.args import ModelArgs
-    from common.distributed import make_accelerator
+    from common.core import chat, defaults, hub
+    from common.core import models as M
+    from common.harness import checkpoint as C
+    from common.harness.args import ModelArgs
+    from common.parallel.accelerator import make_accelerator
 
     acc = make_accelerator(ModelArgs())
-    path = M.resolve_model_path(M.DEFAULT_MODEL)
-    tok = M.load_tokenizer(path)
+    path = hub.resolve_model_path(defaults.DEFAULT_MODEL)
+    tok = chat.load_tokenizer(path)
     model = M.load_causal_lm(path, tok)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     model, opt = acc.prepare(model, opt)
@@ -86,7 +87,7 @@ def main() -> None:
         size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) / 2**30
         rows.append((fmt, save_s, load_s, gathered[0].item(), gathered[1].item(), size))
     if acc.is_main_process:
-        print(f"\n{acc.num_processes} processes, FSDP2, {M.DEFAULT_MODEL} + AdamW state")
+        print(f"\n{acc.num_processes} processes, FSDP2, {defaults.DEFAULT_MODEL} + AdamW state")
         print("| format | save s | load s | host memory added, save (GB, max over processes) | load | files GB |")
         print("|---|---|---|---|---|---|")
         for fmt, s, lo, ms, ml, size in rows:

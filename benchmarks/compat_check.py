@@ -97,7 +97,7 @@ def main():
     p.add_argument("--base", required=True, help="commit to compare with")
     p.add_argument("--only", nargs="*", default=None, help="cases to run (default: all)")
     a = p.parse_args()
-    from common.models import tiny_model
+    from common.core.models import tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="compat_"))
     base = work / "base"

@@ -1,5 +1,5 @@
-"""The hf decoding loop's KV cache: tokens per second of common.rollout.generate at 512 new tokens, with the
-preallocated cache (common.attention.preallocate_cache: each token written in place) and with transformers'
+"""The hf decoding loop's KV cache: tokens per second of common.core.generation.generate at 512 new tokens, with the
+preallocated cache (common.core.attention.preallocate_cache: each token written in place) and with transformers'
 DynamicLayer (torch.cat: every layer's whole cache copied at every token), in the same process. Rows never stop
 early (--ignore-eos: the stop ids are emptied), so every row decodes all the tokens. Run it alone:
 
@@ -17,35 +17,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from common import models as M  # noqa: E402
-from common import rollout  # noqa: E402
-from common.attention import preallocate_cache  # noqa: E402
+from common.core import (
+    attention,  # noqa: E402
+    chat,  # noqa: E402
+    defaults,
+    generation,
+)
+from common.core import models as M
+from common.core.attention import preallocate_cache  # noqa: E402
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default=M.DEFAULT_MODEL)
+    p.add_argument("--model", default=defaults.DEFAULT_MODEL)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=2)
     a = p.parse_args()
-    tok = M.load_tokenizer(a.model)
+    tok = chat.load_tokenizer(a.model)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model = M.load_causal_lm(a.model, tok).eval().to(dev)
-    texts = [M.apply_chat(tok, f"Write a long story about the number {i}.") for i in range(a.batch)]
-    q, qm = rollout.tokenize_queries(tok, texts)
+    texts = [chat.apply_chat(tok, f"Write a long story about the number {i}.") for i in range(a.batch)]
+    q, qm = generation.tokenize_queries(tok, texts)
     q, qm = q.to(dev), qm.to(dev)
-    rollout.stop_ids = lambda tok: []  # --ignore-eos: every row decodes max_new_tokens
+    chat.stop_ids = lambda tok: []  # --ignore-eos: every row decodes max_new_tokens
     variants = {"DynamicLayer (torch.cat)": lambda cache, capacity: None, "preallocated": preallocate_cache}
     rates = {k: [] for k in variants}
     for r in range(a.repeats + 1):  # the first round warms up (not counted)
         for name, fn in variants.items():
-            rollout.preallocate_cache = fn
+            attention.preallocate_cache = fn
             if dev == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             with torch.no_grad():
-                out = rollout.generate(model, tok, q, qm, a.max_new_tokens, temperature=1.0, seeds=list(range(a.batch)))
+                out = generation.generate(
+                    model, tok, q, qm, a.max_new_tokens, temperature=1.0, seeds=list(range(a.batch))
+                )
             if dev == "cuda":
                 torch.cuda.synchronize()
             n = int(out.response_mask.sum())

@@ -45,9 +45,9 @@ def script(name: str, out_dir: Path, *flags) -> Path:
 
 def teacher_samples(teacher: str, train_file: str, n: int, max_new_tokens: int, out: Path) -> None:
     """The teacher's answers (temperature 1, one each) to the first `n` training prompts, as an SFT file."""
-    from common import models as M
-    from common.data import load_prompts, read_table, write_rows
-    from common.eval import answer, load_any
+    from common.core import chat as M
+    from common.core.data import load_prompts, read_table, write_rows
+    from common.harness.eval import answer, load_any
 
     tok = M.load_tokenizer(teacher)
     raw = read_table(train_file)[:n]
@@ -68,8 +68,8 @@ def main() -> None:
     a = p.parse_args()
     from heldout import correct_per_question, mcnemar_exact, test_file
 
-    from common.checkpoint import list_checkpoints, step_of
-    from common.tasks import default_task_files
+    from common.core.tasks import default_task_files
+    from common.harness.checkpoint import list_checkpoints, step_of
 
     teacher_run = Path(a.teacher_run)
     args = json.loads((teacher_run / "args.json").read_text())
@@ -97,8 +97,8 @@ def main() -> None:
                  "--eval-prompt-files", default_task_files(task)[1])  # fmt: skip
     sft_s = time.time() - t0
 
-    from common import models as M
-    from common.data import load_prompts
+    from common.core import chat as M
+    from common.core.data import load_prompts
 
     path, _ = test_file(task, a.test_size, train_file)
     rows = load_prompts([path], M.load_tokenizer(base), log=lambda *a: None)

@@ -34,7 +34,7 @@ def main():
     tmp = Path(tempfile.mkdtemp(prefix="engines-"))
     model = a.model
     if model is None:
-        from common.models import tiny_model
+        from common.core.models import tiny_model
 
         model = tiny_model(tmp / "tiny", init_std=0.2)
     prompts = tmp / "prompts.jsonl"

@@ -1,7 +1,7 @@
 """Per-rank memory of a weight push under FSDP2 (issue 64, item 1): 2 CPU processes over gloo, a random ~0.45B
 Qwen-sized model (vocabulary 151,936, hidden 1024, 12 layers, untied head), sharded with fully_shard. Two routes:
 
-  streamed  common.weight_stream.engine_weights(model, bfloat16): one parameter gathered at a time, in the engine's
+  streamed  common.parallel.weight_stream.engine_weights(model, bfloat16): one parameter gathered at a time, in the engine's
             dtype, freed before the next (what the vLLM engines push now);
   streamed, held: the same, consumed as vLLM's load_weights loop does (its loop variable still holds one tensor
             while the next is gathered: two of the largest at once where the embedding and the head follow each other);
@@ -57,7 +57,7 @@ def rank_main():
     from torch.distributed.fsdp import fully_shard
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from common.weight_stream import engine_weights
+    from common.parallel.weight_stream import engine_weights
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -28,7 +28,7 @@ python -c "import torch; assert torch.cuda.is_available() or '${ALLOW_CPU:-}', '
 print('gpu:', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none (dry run)', 'torch', torch.__version__)
 import transformers, accelerate; print('transformers', transformers.__version__, 'accelerate', accelerate.__version__)" || exit 1
 # the default model's folder, converted from its GGUF once here, before the runs side by side would each try
-python -c "from common.models import resolve_model_path as r; print('model:', r('$MODEL'))" || exit 1
+python -c "from common.core.models import resolve_model_path as r; print('model:', r('$MODEL'))" || exit 1
 
 echo "== 1-2. precision of the update ($MODEL, 10 AdamW steps at lr 5e-6)"
 timeout 300 python - "$MODEL" <<'PY'
@@ -36,9 +36,9 @@ import sys, time
 sys.path.insert(0, ".")
 import torch
 from common import models as M
-from common.args import ModelArgs, OptimArgs
-from common.distributed import make_accelerator
-from common.optim import adamw
+from common.harness.args import ModelArgs, OptimArgs
+from common.parallel.accelerator import make_accelerator
+from common.parallel.optim import adamw
 
 sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 for dtype in ("auto", "bfloat16"):

@@ -2,7 +2,7 @@
 
 For each task x algorithm x seed: run the script's default recipe (plus any --script-args) for a
 wall-clock budget (--max-wall-minutes: the step that passes the budget is the last), then greedy
-accuracy on a test set of the task split *by problem* (common.tasks: a hash-chosen share of the
+accuracy on a test set of the task split *by problem* (common.core.tasks: a hash-chosen share of the
 problems is test-only, in any order of their operands; the overlap with the training file is checked
 and printed, and must be 0) for the base model and the final checkpoint, question by question.
 The gain's significance is McNemar's exact test on the paired answers (b = questions wrong before
@@ -61,9 +61,9 @@ def majority_answer_accuracy(train_rows: list[dict], test_rows: list[dict]) -> t
 def test_file(task: str, test_size: int, train_file: str) -> tuple[str, dict]:
     """A test split of `task` with up to `test_size` questions (the same hash-chosen test problems as the
     scripts' own test split, more of them), and its overlap with the training file (must be none)."""
-    from common.data import overlap_report, read_table, write_rows
-    from common.models import cache_dir
-    from common.tasks import split_task_rows
+    from common.core.data import overlap_report, read_table, write_rows
+    from common.core.defaults import cache_dir
+    from common.core.tasks import split_task_rows
 
     path = cache_dir() / "data" / f"heldout_{task}_{test_size}" / "test.parquet"
     if not path.exists():
@@ -81,9 +81,9 @@ def correct_per_question(model_path: str, rows, max_new_tokens: int) -> list[boo
     """Greedy answer to each row, scored exact-match by the task's own scorer."""
     import torch
 
-    from common import models as M
-    from common.eval import answer, load_any
-    from common.rewards import Reward
+    from common.core import chat as M
+    from common.core.rewards import Reward
+    from common.harness.eval import answer, load_any
 
     tok = M.load_tokenizer(model_path)
     model = load_any(model_path, tok).eval()
@@ -94,16 +94,16 @@ def correct_per_question(model_path: str, rows, max_new_tokens: int) -> list[boo
 
 
 def correct_with_env(model_path: str, rows, max_new_tokens: int, env_flags: dict) -> tuple[list[bool], float]:
-    """Greedy trajectories through the environment of `env_flags` (a run's --env, --max-turns, ...; common.envs):
+    """Greedy trajectories through the environment of `env_flags` (a run's --env, --max-turns, ...; common.core.envs):
     (solved per question: the feedback environment's solved_turn > 0, else the trajectory's reward >= 1; the mean
     tool calls per trajectory)."""
     import dataclasses
 
-    from common import models as M
-    from common.args import EnvArgs
-    from common.eval import load_any
-    from common.hub_envs import episodes_from_args
-    from common.rewards import Reward
+    from common.core import chat as M
+    from common.core.rewards import Reward
+    from common.harness.args import EnvArgs
+    from common.harness.eval import load_any
+    from common.integrations.inputs import episodes_from_args
 
     tok = M.load_tokenizer(model_path)
     model = load_any(model_path, tok).eval()
@@ -134,10 +134,10 @@ def train(algo, task, seed, minutes: float, steps: int, tag: str, script_args: l
 
 def evaluate_run(run: Path, test_size: int, base_cache: dict) -> dict:
     """Before/after greedy accuracy of a finished run on the task's held-out test set."""
-    from common import models as M
-    from common.checkpoint import list_checkpoints
-    from common.data import load_prompts
-    from common.tasks import default_task_files
+    from common.core import chat as M
+    from common.core.data import load_prompts
+    from common.core.tasks import default_task_files
+    from common.harness.checkpoint import list_checkpoints
 
     args = json.loads((run / "args.json").read_text())
     task, new_tokens = args["task"], int(args["max_new_tokens"])
@@ -166,7 +166,7 @@ def evaluate_run(run: Path, test_size: int, base_cache: dict) -> dict:
         before = before if sum(before) >= sum(base_env) else base_env
         after = after_env
     b, c, p = mcnemar_exact(before, after)
-    from common.data import read_table
+    from common.core.data import read_table
 
     common, maj = majority_answer_accuracy(read_table(train_file), read_table(path))
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]

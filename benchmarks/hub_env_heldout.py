@@ -3,7 +3,7 @@
     python benchmarks/hub_env_heldout.py --run runs/grpo_llm__... [--games 64] [--out docs/results/hub_env.json]
 
 Reads the run's flags (args.json: --env, --env-system-prompt, --max-turns, budgets), plays `--games` held-out games
-(seeds from common.tasks.ENV_TEST_SEED0, never trained on) greedily with the base model and the run's last checkpoint,
+(seeds from common.core.tasks.ENV_TEST_SEED0, never trained on) greedily with the base model and the run's last checkpoint,
 and prints the environment's reward (mean, and a paired bootstrap 95% interval of the gain) and its win rate (McNemar's
 exact test on the paired games). Run it alone on the machine.
 """
@@ -27,12 +27,12 @@ from heldout import mcnemar_exact  # noqa: E402
 
 def play(model_path: str, env_flags: dict, games: int, max_new_tokens: int) -> tuple[list[float], list[bool]]:
     """Greedy trajectories on the held-out seeds: (the environment's reward per game, won per game)."""
-    from common import models as M
-    from common.args import EnvArgs
-    from common.eval import load_any
-    from common.hub_envs import episodes_from_args
-    from common.rewards import Reward
-    from common.tasks import ENV_TEST_SEED0, data_source
+    from common.core import chat as M
+    from common.core.rewards import Reward
+    from common.core.tasks import ENV_TEST_SEED0, data_source
+    from common.harness.args import EnvArgs
+    from common.harness.eval import load_any
+    from common.integrations.inputs import episodes_from_args
 
     tok = M.load_tokenizer(model_path)
     model = load_any(model_path, tok).eval()

@@ -70,35 +70,30 @@ def main():
     import torch
     from accelerate import Accelerator
 
-    from common import models as M
-    from common.data import load_prompts
-    from common.distributed import prepare_frozen
-    from common.optim import adamw
-    from common.rollout import (
-        forward_logprobs,
-        forward_values,
-        generate,
-        micro_batches,
-        sequence_attention_mask,
-        tokenize_queries,
-    )
-    from common.tasks import default_task_files
+    from common.core import chat, defaults
+    from common.core import models as M
+    from common.core.data import load_prompts
+    from common.core.forwards import forward_logprobs, forward_values, micro_batches
+    from common.core.generation import generate, sequence_attention_mask, tokenize_queries
+    from common.core.tasks import default_task_files
+    from common.parallel.optim import adamw
+    from common.parallel.sharded import prepare_frozen
 
     torch.set_num_threads(2)
     print(f"\n{a.algo}: share prompts {not a.no_share and a.algo == 'grpo'}, chunked head {not a.full_head}\n")
     print("| phase | RSS at end GB | peak during GB | note |\n|---|---|---|---|")
     phase("torch, transformers, common imported")
     accelerator = Accelerator(cpu=True, mixed_precision="bf16")
-    tok = M.load_tokenizer(M.DEFAULT_MODEL)
-    M.set_prompt_format(tok, True, None, None)
-    policy = M.load_causal_lm(M.DEFAULT_MODEL, tok)
+    tok = chat.load_tokenizer(defaults.DEFAULT_MODEL)
+    chat.set_prompt_format(tok, True, None, None)
+    policy = M.load_causal_lm(defaults.DEFAULT_MODEL, tok)
     n_params = sum(p.numel() for p in policy.parameters())
     phase("policy weights (float32)", f"{n_params / 1e6:.0f} M parameters = {n_params * 4 / 1e9:.2f} GB")
-    ref = prepare_frozen(accelerator, M.load_causal_lm(M.DEFAULT_MODEL, tok), under_autocast=True)
+    ref = prepare_frozen(accelerator, M.load_causal_lm(defaults.DEFAULT_MODEL, tok), under_autocast=True)
     phase("reference weights (bf16 linears, float32 embedding)")
     critic = None
     if a.algo == "ppo":
-        critic = M.load_value_model(M.DEFAULT_MODEL, tok)
+        critic = M.load_value_model(defaults.DEFAULT_MODEL, tok)
         phase("critic weights (float32)")
     from types import SimpleNamespace
 
@@ -109,8 +104,10 @@ def main():
     opt_c = adamw(critic, optim, 10)[0] if critic is not None else None
     policy, opt = accelerator.prepare(policy, opt)
 
-    if a.algo == "sft":  # 4 rows x --length tokens, SFT's log-probs of given tokens (common.rollout.token_logprobs)
-        from common.rollout import token_logprobs
+    if (
+        a.algo == "sft"
+    ):  # 4 rows x --length tokens, SFT's log-probs of given tokens (common.core.forwards.token_logprobs)
+        from common.core.forwards import token_logprobs
 
         ids = torch.randint(5, len(tok), (4, a.length), generator=torch.Generator().manual_seed(0))
         for step in (1, 2):

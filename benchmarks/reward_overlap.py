@@ -1,4 +1,4 @@
-"""Rewards scored while the batch decodes (common.sampling.sample_and_score) against scoring after the rollout, on
+"""Rewards scored while the batch decodes (common.core.sampling.sample_and_score) against scoring after the rollout, on
 SmolLM2-135M-Instruct: 32 chain_sum_1d prompts (8 distinct x 4) sampled to <= 64 tokens, scored by a reward service
 (a local HTTP server that answers after `--latency` seconds per request plus `--per-row` seconds per response, as a
 judge or a remote reward model would; requests of `--batch-size`, `--concurrency` at once). The same seeds, so the
@@ -44,13 +44,14 @@ def serve(latency: float, per_row: float) -> tuple[ThreadingHTTPServer, str]:
 def main():
     import torch
 
-    from common import models as M
-    from common.data import load_prompts
-    from common.remote_rewards import RemoteScorer, ServiceConfig
-    from common.rewards import Reward
-    from common.rollout import generate, tokenize_queries
-    from common.sampling import sample_and_score
-    from common.tasks import default_task_files
+    from common.core import chat, defaults
+    from common.core import models as M
+    from common.core.data import load_prompts
+    from common.core.generation import generate, tokenize_queries
+    from common.core.rewards import Reward
+    from common.core.sampling import sample_and_score
+    from common.core.tasks import default_task_files
+    from common.integrations.remote_rewards import RemoteScorer, ServiceConfig
 
     p = argparse.ArgumentParser()
     p.add_argument("--latency", type=float, default=0.5)
@@ -60,9 +61,9 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
     server, url = serve(a.latency, a.per_row)
-    tok = M.load_tokenizer(M.DEFAULT_MODEL)
-    M.set_prompt_format(tok, True, None, None)
-    model = M.load_causal_lm(M.DEFAULT_MODEL, tok).eval()
+    tok = chat.load_tokenizer(defaults.DEFAULT_MODEL)
+    chat.set_prompt_format(tok, True, None, None)
+    model = M.load_causal_lm(defaults.DEFAULT_MODEL, tok).eval()
     rows = load_prompts(default_task_files("chain_sum_1d")[0], tok, "prompt", "data_source", 256, False, lambda *_: 0)
     rows = [r for r in rows[:8] for _ in range(4)]
     q, qm = tokenize_queries(tok, [r.text for r in rows])

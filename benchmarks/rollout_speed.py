@@ -1,4 +1,4 @@
-"""Generation speed: per-sample seeded sampling (common.rollout.generate) vs transformers' own
+"""Generation speed: per-sample seeded sampling (common.core.generation.generate) vs transformers' own
 batch sampling, and the recompute forward, for a few batch sizes.
 
     python benchmarks/rollout_speed.py [--model smollm2-135m-instruct] [--max-new-tokens 48]
@@ -13,17 +13,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from common import models as M  # noqa: E402
-from common.rollout import forward_logprobs, generate, sequence_attention_mask, tokenize_queries  # noqa: E402
+from common.core import (
+    chat,  # noqa: E402
+    defaults,
+)
+from common.core import models as M
+from common.core.forwards import forward_logprobs  # noqa: E402
+from common.core.generation import generate, sequence_attention_mask, tokenize_queries
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default=M.DEFAULT_MODEL)
+    p.add_argument("--model", default=defaults.DEFAULT_MODEL)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[4, 16])
     a = p.parse_args()
-    tok = M.load_tokenizer(a.model)
+    tok = chat.load_tokenizer(a.model)
     model = M.load_causal_lm(a.model, tok).eval()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(dev)
@@ -31,7 +36,7 @@ def main():
         "| batch | seeded sampler s | HF sampling s | tokens/s (seeded) | recompute forward s |\n|---|---|---|---|---|"
     )
     for b in a.batch_sizes:
-        q, qm = tokenize_queries(tok, [M.apply_chat(tok, f"Count to {i + 3}.") for i in range(b)], dev)
+        q, qm = tokenize_queries(tok, [chat.apply_chat(tok, f"Count to {i + 3}.") for i in range(b)], dev)
         t0 = time.time()
         ro = generate(model, tok, q, qm, a.max_new_tokens, 1.0, seeds=list(range(b)))
         seeded = time.time() - t0

@@ -37,15 +37,17 @@ def main() -> None:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from common import models as M
-    from common.errors import mix_seed
-    from common.rollout import generate, tokenize_queries
-    from common.vllm_engine import VLLMEngine
-    from common.vllm_server import ServerEngine, ServerProcess, free_port
+    from common.core import chat, defaults, hub
+    from common.core import models as M
+    from common.core.errors import mix_seed
+    from common.core.generation import generate, tokenize_queries
+    from common.integrations.http import free_port
+    from common.integrations.vllm_engine import VLLMEngine
+    from common.integrations.vllm_server import ServerEngine, ServerProcess
 
     dtype = getattr(torch, a.dtype)
-    path = str(M.resolve_model_path(M.DEFAULT_MODEL))
-    tok = M.load_tokenizer(path)
+    path = str(hub.resolve_model_path(defaults.DEFAULT_MODEL))
+    tok = chat.load_tokenizer(path)
     model = M.load_causal_lm(path, tok).eval()
     texts = [f"What is {i} + {2 * i}? Answer with the number." for i in range(8)] * 4
     q, qm = tokenize_queries(
@@ -68,7 +70,9 @@ def main() -> None:
     }
     lora = get_peft_model(M.load_causal_lm(path, tok), LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
     lora.eval()
-    print(f"{M.DEFAULT_MODEL} (Q4_1-dequantised GGUF), engines in {a.dtype}, torch threads {torch.get_num_threads()}")
+    print(
+        f"{defaults.DEFAULT_MODEL} (Q4_1-dequantised GGUF), engines in {a.dtype}, torch threads {torch.get_num_threads()}"
+    )
     print("\n| engine | generation s (32 x <= 64 tokens) | response tokens | tokens/s |\n|---|---|---|---|")
     seeds = [mix_seed(0, 1, i) for i in range(len(q))]
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)

@@ -14,7 +14,7 @@ rollout alone); `bf16` --mixed-precision bf16 alone; `packed` --micro-batch-toke
 micro-batches) alone; `default` this checkout as it ships (--mixed-precision auto: bf16 on a CPU with
 native bf16, and packed micro-batches). Each row is a fresh process; times are medians over
 the steps after the first (warm-up). MFU is against the measured matmul peak of the compute dtype
-(common.perf.matmul_peak_flops); peak RSS is the process's maximum resident set (ru_maxrss).
+(common.harness.perf.matmul_peak_flops); peak RSS is the process's maximum resident set (ru_maxrss).
 """
 
 import argparse
@@ -121,18 +121,19 @@ def steps_table(a):
 
 def generation_table(a):
     """32 chat prompts (8 distinct x 4, as GRPO samples them) x 64 tokens: plain `model.generate`
-    (transformers' batch sampling) vs common.rollout.generate in float32 and under bf16 autocast, and
+    (transformers' batch sampling) vs common.core.generation.generate in float32 and under bf16 autocast, and
     the vLLM engine (float32 weights, as the policy's) when vLLM is installed."""
     import torch
 
-    from common import models as M
-    from common.data import load_prompts
-    from common.rollout import generate, tokenize_queries
-    from common.tasks import default_task_files
+    from common.core import chat, defaults, hub
+    from common.core import models as M
+    from common.core.data import load_prompts
+    from common.core.generation import generate, tokenize_queries
+    from common.core.tasks import default_task_files
 
-    tok = M.load_tokenizer(M.DEFAULT_MODEL)
-    M.set_prompt_format(tok, True, None, None)
-    model = M.load_causal_lm(M.DEFAULT_MODEL, tok).eval()
+    tok = chat.load_tokenizer(defaults.DEFAULT_MODEL)
+    chat.set_prompt_format(tok, True, None, None)
+    model = M.load_causal_lm(defaults.DEFAULT_MODEL, tok).eval()
     rows = load_prompts(default_task_files("chain_sum_1d")[0], tok, "prompt", "data_source", 256, False, lambda *_: 0)
     texts = [r.text for r in rows[:8] for _ in range(4)]
     q, qm = tokenize_queries(tok, texts)
@@ -164,10 +165,12 @@ def generation_table(a):
         ("ours, bf16 autocast", lambda s: ours(s, True)),
     ]
     try:
-        from common.vllm_engine import VLLMEngine
+        from common.integrations.vllm_engine import VLLMEngine
 
         for dtype in (torch.float32, torch.bfloat16):
-            engine = VLLMEngine(M.resolve_model_path(M.DEFAULT_MODEL), tok, max_model_len=512, seed=0, dtype=dtype)
+            engine = VLLMEngine(
+                hub.resolve_model_path(defaults.DEFAULT_MODEL), tok, max_model_len=512, seed=0, dtype=dtype
+            )
             engine.sync(model)
 
             def vllm(seed, engine=engine):

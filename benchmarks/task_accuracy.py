@@ -10,21 +10,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import models as M  # noqa: E402
-from common.data import load_prompts  # noqa: E402
-from common.eval import answer, score  # noqa: E402
-from common.rewards import Reward  # noqa: E402
-from common.tasks import TASKS, default_task_files  # noqa: E402
+from common.core import chat, defaults
+from common.core import models as M  # noqa: E402
+from common.core.data import load_prompts  # noqa: E402
+from common.core.rewards import Reward  # noqa: E402
+from common.core.tasks import TASKS, default_task_files  # noqa: E402
+from common.harness.eval import answer, score  # noqa: E402
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default=M.DEFAULT_MODEL)
+    p.add_argument("--model", default=defaults.DEFAULT_MODEL)
     p.add_argument("--tasks", nargs="*", default=list(TASKS))
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=64)
     a = p.parse_args()
-    tok = M.load_tokenizer(a.model)
+    tok = chat.load_tokenizer(a.model)
     model = M.load_causal_lm(a.model, tok).eval()
     reward = Reward("rule:1.0", max_new_tokens=a.max_new_tokens)
     print("| task | prompts | greedy accuracy (exact) | mean reward | seconds |\n|---|---|---|---|---|")

@@ -1,6 +1,6 @@
 """Teach the tool, measured on held-out problems: demonstrations -> multi-turn SFT -> GRPO with the Python tool.
 
-Task families (common.tasks): trained on products_3d, gcd_3d, count_bits (demonstrations and RL); chain_sum_4d and
+Task families (common.core.tasks): trained on products_3d, gcd_3d, count_bits (demonstrations and RL); chain_sum_4d and
 lcm_2d are evaluation only (never in demonstrations or RL). Test problems are split by problem as every built-in
 task is. For each family, greedy accuracy question by question of: the base model without tools; the base model
 with the tool environment (prompted, untrained); after the SFT warm start (with tools); after SFT + GRPO (with
@@ -84,9 +84,9 @@ def main():
     ap.add_argument("--skip-base", action="store_true", help="take the base rows from --base-from")
     ap.add_argument("--base-from", default=None)
     a = ap.parse_args()
-    from common.data import load_prompts
-    from common.models import load_tokenizer
-    from common.tasks import write_task
+    from common.core.chat import load_tokenizer
+    from common.core.data import load_prompts
+    from common.core.tasks import write_task
 
     out = Path(a.out or REPO / "docs" / "results" / f"tool_chain_{a.demos}")
     work = REPO / "runs" / f"tool_chain_{a.demos}"

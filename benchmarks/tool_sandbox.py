@@ -1,4 +1,4 @@
-"""The Python tool's calls per second under each --tool-sandbox mode (common/sandbox.py): an ordinary program (math,
+"""The Python tool's calls per second under each --tool-sandbox mode (common/integrations/sandbox.py): an ordinary program (math,
 fractions, itertools, printing), a trivial one, and one that imports more of the standard library; with --base
 COMMIT also that commit's run_python (the tool before a change), in the same run. Run it alone:
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from common.sandbox import run_python  # noqa: E402
+from common.integrations.sandbox import run_python  # noqa: E402
 
 PROGRAMS = {
     "print(1)": "print(1)",
@@ -35,15 +35,15 @@ PROGRAMS = {
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=40)
-    parser.add_argument("--base", default="", help="a commit whose common/sandbox.py is measured too")
+    parser.add_argument("--base", default="", help="a commit whose common/integrations/sandbox.py is measured too")
     args = parser.parse_args()
     runners = {
         "audit": partial(run_python, sandbox="audit"),
         "namespaces, no seccomp": partial(run_python, _seccomp=False),
         "namespaces": run_python,  # (with the seccomp filter: the default)
     }
-    if args.base:  # that commit's module, loaded under another name (it imports nothing of ours but common.errors)
-        src = subprocess.run(["git", "show", f"{args.base}:common/sandbox.py"], capture_output=True, text=True,
+    if args.base:  # that commit's module, loaded under another name (it imports nothing of ours but common.core.errors)
+        src = subprocess.run(["git", "show", f"{args.base}:common/integrations/sandbox.py"], capture_output=True, text=True,
                              check=True, cwd=REPO).stdout  # fmt: skip
         path = Path(tempfile.mkdtemp()) / "base_sandbox.py"
         path.write_text(src)

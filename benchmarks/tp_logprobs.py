@@ -30,9 +30,10 @@ def worker(a) -> None:
     """Under torchrun: one mode, printing rank 0's numbers as a JSON line."""
     import torch
 
-    from common import models, parallel
-    from common.distributed import make_accelerator
-    from common.rollout import forward_logprobs
+    from common.core import models
+    from common.core import process_groups as parallel
+    from common.core.forwards import forward_logprobs
+    from common.parallel.accelerator import make_accelerator
 
     acc = make_accelerator(tp_size=a.tp_size)
     model = models.load_causal_lm(a.model, dtype="float32")
@@ -82,7 +83,7 @@ def main() -> None:
 
 
 def models_default() -> str:
-    from common.models import DEFAULT_MODEL
+    from common.core.defaults import DEFAULT_MODEL
 
     return DEFAULT_MODEL
 

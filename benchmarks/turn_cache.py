@@ -1,4 +1,4 @@
-"""A multi-turn rollout's time with and without the KV cache kept across turns (hf engine, common.envs.Episodes).
+"""A multi-turn rollout's time with and without the KV cache kept across turns (hf engine, common.core.envs.Episodes).
 
 SmolLM2-135M-Instruct, the feedback environment (a wrong answer gets "incorrect, try again" and another turn) on
 chain_sum_4d, which it gets wrong: nearly every trajectory takes all --max-turns turns. The same rows and seeds with
@@ -29,15 +29,17 @@ def main():
     a = ap.parse_args()
     import torch
 
-    from common import models as M
-    from common.data import load_prompts
-    from common.envs import Episodes, FeedbackEnv
-    from common.rewards import Reward
-    from common.tasks import default_task_files
+    from common.core import chat, hub
+    from common.core import models as M
+    from common.core.data import load_prompts
+    from common.core.envs import Episodes
+    from common.core.rewards import Reward
+    from common.core.tasks import default_task_files
+    from common.integrations.builtin_envs import FeedbackEnv
 
     torch.set_num_threads(torch.get_num_threads())
-    tok = M.load_tokenizer(a.model)
-    model = M.load_causal_lm(M.resolve_model_path(a.model), tok).eval()
+    tok = chat.load_tokenizer(a.model)
+    model = M.load_causal_lm(hub.resolve_model_path(a.model), tok).eval()
     rows = load_prompts([default_task_files("chain_sum_4d", 64, 64)[1]], tok)[: a.rows]
     reward = Reward("rule:1.0", max_new_tokens=a.max_new_tokens)
     score = lambda row, text: float(reward([row], [text], torch.tensor([1]), "cpu", None)[0][0])

@@ -19,9 +19,10 @@ sys.path.insert(0, str(REPO))
 
 
 def generator(mailbox, model_path: str, versions: int, out) -> None:
-    from common import models as M
+    from common.core import chat
+    from common.core import models as M
 
-    model = M.load_causal_lm(model_path, M.load_tokenizer(model_path))
+    model = M.load_causal_lm(model_path, chat.load_tokenizer(model_path))
     have, times = None, []
     for v in range(versions + 1):
         t0 = time.time()
@@ -36,13 +37,17 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
-    from common import models as M
-    from common.async_rollout import GeneratorProcess, make_mailbox, trainable_tensors
+    from common.core import chat, defaults, hub
+    from common.core import models as M
+    from common.integrations.async_generator import GeneratorProcess
+    from common.integrations.weight_mailbox import make_mailbox, trainable_tensors
 
-    path = M.resolve_model_path(M.DEFAULT_MODEL)
-    model = M.load_causal_lm(path, M.load_tokenizer(path))
+    path = hub.resolve_model_path(defaults.DEFAULT_MODEL)
+    model = M.load_causal_lm(path, chat.load_tokenizer(path))
     mb = sum(t.numel() * t.element_size() for t in trainable_tensors(model).values()) / 2**20
-    print(f"{M.DEFAULT_MODEL}: {mb:.0f} MiB of trainable tensors per push; torch threads {torch.get_num_threads()}")
+    print(
+        f"{defaults.DEFAULT_MODEL}: {mb:.0f} MiB of trainable tensors per push; torch threads {torch.get_num_threads()}"
+    )
     print("| route | push_s (trainer) | load_s (generator, waits for the push included) |\n|---|---|---|")
     ctx = GeneratorProcess.context()
     for route in ("shm", "broadcast"):

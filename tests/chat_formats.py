@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-from common import models as M
-from common.data import encode_conversation
-from common.envs import TOOL_SCHEMAS, format_tool_call, resolve_tool_format
+from common.core import chat, defaults
+from common.core import models as M
+from common.core.chat import TOOL_SCHEMAS, format_tool_call, resolve_tool_format
+from common.core.data import encode_conversation
 
 QWEN_TEMPLATE = """\
 {%- if tools %}<|im_start|>system
@@ -100,7 +101,7 @@ FORMATS = ("qwen2.5-base", "qwen3", "llama3.1")
 def tiny_chat_model(out_dir, fmt: str, hidden: int = 64, layers: int = 2, heads: int = 1, init_std: float = 0.2,
                     seed: int = 0) -> str:  # fmt: skip
     """A random model of format `fmt` (FORMATS) saved to `out_dir` with its tokenizer, template and generation
-    config; returns the folder (load it with common.models.load_tokenizer / load_causal_lm, as users do)."""
+    config; returns the folder (load it with common.core.chat.load_tokenizer / load_causal_lm, as users do)."""
     from transformers import (
         AddedToken,
         LlamaConfig,
@@ -111,10 +112,10 @@ def tiny_chat_model(out_dir, fmt: str, hidden: int = 64, layers: int = 2, heads:
         Qwen3ForCausalLM,
     )
 
-    from common import models as M
+    from common.core import chat
 
     out_dir = Path(out_dir)
-    tok = M.load_tokenizer(M.DEFAULT_MODEL)
+    tok = chat.load_tokenizer(defaults.DEFAULT_MODEL)
     if fmt == "llama3.1":
         tok.add_special_tokens({"additional_special_tokens": LLAMA3_TOKENS})
         tok.bos_token, tok.eos_token, tok.pad_token = "<|begin_of_text|>", "<|end_of_text|>", None
@@ -155,7 +156,7 @@ def tool_agent(fmt: str, path: str, out, call: dict = CALL) -> str:
     format on turn 1 and answer "2" after the result:
     the conversations encoded by encode_conversation (the template's tools= listing, its end of turn, its tool
     messages), as multi-turn SFT encodes them."""
-    tok = M.load_tokenizer(path)
+    tok = chat.load_tokenizer(path)
     model = M.load_causal_lm(path, tok)
     seqs = []
     for i in range(8):

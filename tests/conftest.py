@@ -3,7 +3,7 @@ test tiers.
 
 Tiers (pytest.ini): a test that launches a script, a tool or a launcher as a process carries a marker:
     smoke        one short run per script (the fast tier's launches: tests/test_smoke.py)
-    bare         a bare interpreter in the fast tier: the standard library and common/sandbox.py, no torch (a
+    bare         a bare interpreter in the fast tier: the standard library and common/integrations/sandbox.py, no torch (a
                  venv under /tmp running the Python tool: well under a second)
     e2e          other script or tool runs as processes (resume, learning, pipelines, refusals)
     distributed  `accelerate launch` / torchrun with 2-4 processes
@@ -32,7 +32,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """A 2-layer, hidden-64 Llama with the SmolLM2 tokenizer (init std 0.02)."""
-    from common.models import tiny_model
+    from common.core.models import tiny_model
 
     return tiny_model(tmp_path_factory.mktemp("tiny"))
 
@@ -40,7 +40,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_peaky(tmp_path_factory):
     """The same with init std 0.2: peaky next-token distributions, for learning tests."""
-    from common.models import tiny_model
+    from common.core.models import tiny_model
 
     return tiny_model(tmp_path_factory.mktemp("tiny_peaky"), init_std=0.2)
 
@@ -55,11 +55,12 @@ def tiny_agent(tmp_path_factory):
 
     import torch
 
-    from common import models as M
-    from common.envs import ToolEnv
+    from common.core import chat
+    from common.core import models as M
+    from common.integrations.builtin_envs import ToolEnv
 
     src = M.tiny_model(tmp_path_factory.mktemp("tiny_agent_init"), heads=1, init_std=0.2)
-    tok = M.load_tokenizer(src)
+    tok = chat.load_tokenizer(src)
     model = M.load_causal_lm(src, tok)
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
     words = ["hi", "hello", "count", "go", "yes", "no", "up", "down"]
@@ -67,7 +68,7 @@ def tiny_agent(tmp_path_factory):
     for i in range(16):  # each prompt plain (--env feedback) and with the calculator's protocol (--env tools)
         user = SimpleNamespace(messages=[{"role": "user", "content": f"{words[i % 8]} {i}"}], text="")
         for messages in (user.messages, ToolEnv(("calculator",)).reset(user)):
-            p = tok(M.apply_chat(tok, messages), add_special_tokens=False)["input_ids"]
+            p = tok(chat.apply_chat(tok, messages), add_special_tokens=False)["input_ids"]
             seqs.append((p, tok(call if i % 2 else str(i), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
     L = max(len(p) + len(r) for p, r in seqs)
     x = torch.full((len(seqs), L), tok.pad_token_id)
@@ -248,7 +249,10 @@ def _one_thread_per_launched_process():
 
 def _launches_python(cmd) -> bool:
     argv = [cmd] if isinstance(cmd, (str, os.PathLike)) else list(cmd)
-    if argv[1:3] == ["-I", "-S"]:  # the Python tool's child (common/sandbox.py): a bare interpreter, milliseconds
+    if argv[1:3] == [
+        "-I",
+        "-S",
+    ]:  # the Python tool's child (common/integrations/sandbox.py): a bare interpreter, milliseconds
         return False
     words = " ".join(map(str, argv)).split()
     first = Path(words[0]).name if words else ""

@@ -10,7 +10,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from common.ops import all_sum, masked_mean, masked_var, masked_whiten  # noqa: E402
+from common.core.ops import all_sum, masked_mean, masked_var, masked_whiten  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "algos"))
 from grpo_llm import compute_advantages  # noqa: E402
@@ -54,7 +54,7 @@ np.testing.assert_allclose(
     atol=1e-6,
 )
 # the token-mean divisor: rank 0 holds 3 tokens, rank 1 holds 5; each divides by 8 / 2
-from common.ops import global_mean_divisor  # noqa: E402
+from common.core.ops import global_mean_divisor  # noqa: E402
 
 assert global_mean_divisor(torch.tensor(3.0 if rank == 0 else 5.0)).item() == 4.0
 print(f"rank {rank}: distributed stats OK")

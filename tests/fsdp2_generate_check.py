@@ -1,5 +1,5 @@
 """Run under torchrun (2 CPU processes, gloo): generation from an FSDP2-sharded model through
-common.distributed.unwrap_for_generation equals generation from the unsharded model, and the
+common.parallel.sharded.unwrap_for_generation equals generation from the unsharded model, and the
 parameters are sharded again afterwards. Used by tests/test_distributed.py."""
 
 import sys
@@ -12,15 +12,16 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from common import models as M  # noqa: E402
-from common.distributed import _reshard_setting, unwrap_for_generation  # noqa: E402
-from common.rollout import generate, tokenize_queries  # noqa: E402
+from common.core import chat
+from common.core import models as M  # noqa: E402
+from common.core.generation import generate, tokenize_queries  # noqa: E402
+from common.parallel.sharded import _reshard_setting, unwrap_for_generation  # noqa: E402
 
 dist.init_process_group("gloo")
 path = sys.argv[1]
-tok = M.load_tokenizer(path)
+tok = chat.load_tokenizer(path)
 model = M.load_causal_lm(path, tok).eval()
-q, qm = tokenize_queries(tok, [M.apply_chat(tok, "hello"), M.apply_chat(tok, "count to three")])
+q, qm = tokenize_queries(tok, [chat.apply_chat(tok, "hello"), chat.apply_chat(tok, "count to three")])
 plain = generate(model, tok, q, qm, 8, temperature=1.0, seeds=[1, 2])
 for layer in model.model.layers:
     fully_shard(layer)

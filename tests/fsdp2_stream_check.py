@@ -1,5 +1,5 @@
 """Run under `accelerate launch --config_file configs/accelerate/cpu_2proc_fsdp2.yaml` (2 CPU processes, gloo,
-Accelerate's FSDP2 path as common.distributed.make_accelerator switches it on): the prepared model reduces its
+Accelerate's FSDP2 path as common.parallel.accelerator.make_accelerator switches it on): the prepared model reduces its
 gradients in float32, and `engine_weights` streamed from the sharded model equals the stream of the unsharded model
 tensor for tensor (plain and LoRA), with a fingerprint that is the same on both ranks, unchanged by a stream and
 changed by an optimizer step. Used by tests/test_distributed.py."""
@@ -14,13 +14,14 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from common import models as M  # noqa: E402
-from common.distributed import make_accelerator  # noqa: E402
-from common.weight_stream import _full_by_pieces, engine_weights, is_sharded, trainable_fingerprint  # noqa: E402
+from common.core import chat
+from common.core import models as M  # noqa: E402
+from common.parallel.accelerator import make_accelerator  # noqa: E402
+from common.parallel.weight_stream import _full_by_pieces, engine_weights, is_sharded, trainable_fingerprint  # noqa: E402
 
 path, lora = sys.argv[1], sys.argv[2] == "lora"
 acc = make_accelerator()
-tok = M.load_tokenizer(path)
+tok = chat.load_tokenizer(path)
 model = M.load_causal_lm(path, tok)
 if lora:  # random B (init_lora_weights=False), so the merge really changes the weights
     torch.manual_seed(0)  # the same factors on both ranks (fully_shard keeps each rank's own slice)

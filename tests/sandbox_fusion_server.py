@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from sandbox_fusion.models import CommandRunResult, CommandRunStatus, RunCodeRequest, RunCodeResponse, RunStatus
 
-from common.sandbox import run_python
+from common.integrations.sandbox import run_python
 
 
 class FusionServer:

@@ -1,4 +1,4 @@
-"""The shared flag groups (common/args.py): flat names, per-field checks, the resume rule, the flat record."""
+"""The shared flag groups (common/harness/args.py): flat names, per-field checks, the resume rule, the flat record."""
 
 import sys
 from dataclasses import dataclass, field
@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import pytest
 
-from common.args import (
+from common.core.errors import UserError
+from common.harness.args import (
     RESUME_MAY_CHANGE,
     Check,
     GenerationArgs,
@@ -21,9 +22,8 @@ from common.args import (
     group,
     resume_may_change,
 )
-from common.cli import parse_args
-from common.errors import UserError
-from common.health import HealthConfig
+from common.harness.cli import parse_args
+from common.harness.health import HealthConfig
 from conftest import REPO
 
 
@@ -91,7 +91,7 @@ def test_check_bounds_word_their_rule():
 
 
 def test_the_resume_rule_is_the_one_before_the_groups():
-    """The flags a resume may change are those the list in common/run.py named before the groups (1dbb602), and
+    """The flags a resume may change are those the list in common/harness/run.py named before the groups (1dbb602), and
     the flags added since that are marked so."""
     sys.path.insert(0, str(REPO / "algos"))
     import ppo_llm
@@ -116,6 +116,6 @@ def test_the_resume_rule_is_the_one_before_the_groups():
 
 
 def test_model_args_default_is_the_offline_model():
-    from common.models import DEFAULT_MODEL
+    from common.core.defaults import DEFAULT_MODEL
 
     assert ModelArgs().model_name_or_path == DEFAULT_MODEL

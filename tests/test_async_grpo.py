@@ -11,8 +11,9 @@ import time
 import pytest
 import torch
 
-from common.async_rollout import BatchStream, GeneratorFailed, generator_env, make_mailbox, split_threads
-from common.errors import UserError
+from common.core.errors import UserError
+from common.integrations.async_generator import BatchStream, GeneratorFailed, generator_env, split_threads
+from common.integrations.weight_mailbox import make_mailbox
 from conftest import REPO, only_run, read_metrics, run_script
 
 TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
@@ -150,7 +151,7 @@ def test_batches_travel_whole_and_a_frozen_generator_is_bounded_by_the_timeout()
     wait for the next batch at the timeout; stop() leaves no process and no batch file."""
     import os
 
-    from common.async_rollout import GeneratorProcess
+    from common.integrations.async_generator import GeneratorProcess
 
     gen = GeneratorProcess(_big_then_stop, {}, max_ahead=2, threads=1, timeout=3)
     gen.start()
@@ -173,7 +174,7 @@ def test_the_generator_does_not_outlive_a_killed_trainer(tmp_path):
     import sys
 
     code = (f"import sys, time; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]\n"
-            "from common.async_rollout import GeneratorProcess\nfrom test_async_grpo import _slow_to_start\n"
+            "from common.integrations.async_generator import GeneratorProcess\nfrom test_async_grpo import _slow_to_start\n"
             "g = GeneratorProcess(_slow_to_start, dict(setup_s=0, then_hang=True), max_ahead=2, threads=1, timeout=60)\n"
             "g.start(); g.get(); print(g.proc.pid, flush=True); time.sleep(600)\n")  # fmt: skip
     trainer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -275,7 +276,7 @@ def _slow_to_start(put, setup_s, then_hang):
 def test_the_generator_timeout_counts_from_its_set_up_and_a_start_that_never_ends_is_bounded_too():
     """--generator-timeout bounds the wait for each batch once the generator is set up (a loaded machine's start
     took longer than a 20 s timeout in CI); its start is bounded by max(timeout, STARTUP_S)."""
-    from common.async_rollout import GeneratorProcess
+    from common.integrations.async_generator import GeneratorProcess
 
     gen = GeneratorProcess(_slow_to_start, dict(setup_s=4, then_hang=True), max_ahead=2, threads=1, timeout=2)
     gen.start()
@@ -296,7 +297,7 @@ class _FakeAccelerator:
 
 
 def _rollout(step, rows=("not saved", "not saved")):
-    from common.sampling import Rollout
+    from common.core.sampling import Rollout
 
     x, z = torch.full((2,), float(step)), torch.zeros(2, dtype=torch.bool)
     return Rollout(rows=list(rows), texts=["a", "b"], queries=torch.ones(2, 3, dtype=torch.long),
@@ -548,7 +549,7 @@ def test_vllm_engine_in_the_generator_process(tmp_path_factory, toy_prompts, tmp
     each pushed version (on the staleness-0 first step, pi_old vs the sampler is the engine's own small gap; after
     that the gap is the staleness, which the --tis-cap weights correct)."""
     pytest.importorskip("vllm")
-    from common import models as M
+    from common.core import models as M
 
     model = M.tiny_model(tmp_path_factory.mktemp("peaky_vllm_async"), heads=1, init_std=0.2)
     run_script("async_grpo.py", *_flags(model, toy_prompts, tmp_path, "--total-steps", 4, "--rollout-engine", "vllm"),

@@ -177,7 +177,7 @@ def test_user_error_is_one_line_exit_2_nothing_written(
 
     named = {**bad_files, "tiny": tiny}
     flags = [f.format(**named) if any(f"{{{k}}}" in f for k in named) else f for f in flags]
-    from common.cli import cli
+    from common.harness.cli import cli
 
     sys.path.insert(0, str(REPO / "algos"))
     module = importlib.import_module(script[:-3])
@@ -223,7 +223,7 @@ def test_tool_user_error_is_one_line_exit_2(tiny, tmp_path, monkeypatch, capsys,
     """The tools (`python -m tools.X`) run through the same cli: one line, exit 2, nothing written."""
     import importlib
 
-    from common.cli import cli
+    from common.harness.cli import cli
 
     module = importlib.import_module(tool)
     monkeypatch.chdir(tmp_path)
@@ -477,8 +477,8 @@ def test_planted_pickle_payloads_never_run(tiny, toy_prompts, tmp_path):
     assert proc.returncode == 2 and "refusing to load it" in proc.stderr and not marker.exists(), proc.stderr[-1500:]
     # model weights are safetensors: a pickle in their place is a format error, never executed
     torch.save(_Payload(marker), ckpt / "policy" / "model.safetensors")
-    from common import models as M
-    from common.checkpoint import load_weights
+    from common.core import models as M
+    from common.harness.checkpoint import load_weights
 
     with pytest.raises(Exception):
         load_weights(M.load_causal_lm(tiny), ckpt / "policy")
@@ -489,7 +489,7 @@ def test_deepspeed_engine_files_are_vetted_before_loading(tmp_path):
     """DeepSpeed's load_checkpoint unpickles with weights_only=False: its files are scanned first."""
     import torch
 
-    from common.distributed import check_deepspeed_files
+    from common.parallel.sharded import check_deepspeed_files
 
     folder = tmp_path / "deepspeed" / "state"
     folder.mkdir(parents=True)
@@ -511,8 +511,8 @@ def test_deepspeed_engine_files_are_vetted_before_loading(tmp_path):
 def test_rollout_engine_vllm_without_vllm_names_the_install(monkeypatch):
     import sys
 
-    from common.errors import UserError
-    from common.vllm_engine import require_vllm
+    from common.core.errors import UserError
+    from common.integrations.vllm_engine import require_vllm
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
     with pytest.raises(UserError, match="requirements-vllm.txt.*pip install vllm"):
@@ -523,7 +523,7 @@ def test_output_dir_that_is_a_dangling_symlink_or_a_file(tiny, tmp_path, monkeyp
     """--output-dir is checked before anything loads: a symlink to nothing, or a file, is one line and exit 2."""
     import importlib
 
-    from common.cli import cli
+    from common.harness.cli import cli
 
     sys.path.insert(0, str(REPO / "algos"))
     module = importlib.import_module("grpo_llm")
@@ -542,7 +542,7 @@ def test_output_dir_that_is_a_dangling_symlink_or_a_file(tiny, tmp_path, monkeyp
 
 def test_a_preset_with_a_name_and_its_alias_for_one_field_is_refused(tmp_path, capsys):
     """YAML keeps the last of two keys for one field without a word; the preset is refused, naming both."""
-    from common.cli import parse_args
+    from common.harness.cli import parse_args
 
     sys.path.insert(0, str(REPO / "algos"))
     import grpo_llm
@@ -558,7 +558,7 @@ def test_a_preset_with_a_name_and_its_alias_for_one_field_is_refused(tmp_path, c
 def test_a_torn_metrics_line_is_skipped_by_compare_and_dropped_on_resume(tmp_path, capsys):
     """A crash mid-write tears the last line of metrics.jsonl: tools.compare skips it with a warning, and the
     resume's clean-up (rows after the checkpoint's step) drops it instead of dying on it."""
-    from common.run import _drop_rows_after
+    from common.harness.tracking import _drop_rows_after
     from tools.compare import load_run
 
     run = tmp_path / "ppo_llm__x__1__1"
@@ -581,7 +581,7 @@ def test_a_damaged_args_json_on_resume_is_one_line(tmp_path, capsys):
 
     import torch
 
-    from common.run import resolve_resume
+    from common.harness.tracking import resolve_resume
 
     run = tmp_path / "ppo_llm__x__1__1"
     (run / "checkpoints" / "step_1").mkdir(parents=True)
@@ -603,8 +603,8 @@ def test_a_model_folder_whose_bin_holds_code_is_one_line(tiny, tmp_path):
 
     import torch
 
-    from common import models as M
-    from common.errors import UserError
+    from common.core import models as M
+    from common.core.errors import UserError
 
     folder = tmp_path / "evil_model"
     shutil.copytree(tiny, folder)
@@ -621,7 +621,7 @@ def test_a_model_folder_whose_bin_holds_code_is_one_line(tiny, tmp_path):
 def _resume_args(**run):
     from dataclasses import dataclass
 
-    from common.args import Group, RunArgs, group
+    from common.harness.args import Group, RunArgs, group
 
     @dataclass
     class Args:
@@ -636,8 +636,8 @@ def _run_with_checkpoint(root, name, lr=0.1, run_id=None, args_json=True):
     """A run folder as save_checkpoint and make_run_dir leave it: checkpoints/step_1 with checkpoint.json."""
     from accelerate import Accelerator
 
-    from common import checkpoint as C
-    from common.args import RunArgs, flat_args
+    from common.harness import checkpoint as C
+    from common.harness.args import RunArgs, flat_args
 
     Args = _resume_args()
     run = root / name
@@ -651,8 +651,8 @@ def _run_with_checkpoint(root, name, lr=0.1, run_id=None, args_json=True):
 
 
 def _resume(path, lr=0.1):
-    from common.args import RunArgs
-    from common.run import resolve_resume
+    from common.harness.args import RunArgs
+    from common.harness.tracking import resolve_resume
 
     Args = _resume_args()
     return resolve_resume(Args(lr=lr, run=RunArgs(exp_name="x", resume=str(path), total_steps=5)), "ppo_llm")
@@ -702,7 +702,7 @@ def test_export_leaves_out_stray_files(tiny, tmp_path, capsys):
     what it left out, and refuses a folder with no safetensors weights."""
     import shutil
 
-    from common.errors import UserError
+    from common.core.errors import UserError
     from tools import export
 
     src = tmp_path / "ckpt" / "policy"
@@ -730,9 +730,9 @@ def test_a_damaged_checkpoint_names_the_file_and_the_intact_one(tmp_path, capsys
     import torch
     from accelerate import Accelerator
 
-    from common import checkpoint as C
-    from common.args import RunArgs, flat_args
-    from common.errors import UserError
+    from common.core.errors import UserError
+    from common.harness import checkpoint as C
+    from common.harness.args import RunArgs, flat_args
 
     Args = _resume_args()
     run = tmp_path / "ppo_llm__x__1__1"
@@ -765,7 +765,7 @@ def test_a_damaged_checkpoint_names_the_file_and_the_intact_one(tmp_path, capsys
         err = capsys.readouterr().err
         assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
         assert f"{damaged}: damaged" in err and "step_1 is intact: --resume" in err, err
-    from common.run import resolve_resume
+    from common.harness.tracking import resolve_resume
 
     auto = Args(run=RunArgs(exp_name="x", resume="auto", output_dir=str(tmp_path), total_steps=5))
     assert resolve_resume(auto, "ppo_llm") == run / "checkpoints/step_1"
@@ -779,14 +779,15 @@ def test_a_damaged_model_folder_is_one_line_for_every_loader(tiny, tmp_path):
     SafetensorError tracebacks (issue 38's neighbours); one line naming the folder for each loader."""
     import shutil
 
-    from common import models as M
-    from common.errors import UserError
+    from common.core import chat
+    from common.core import models as M
+    from common.core.errors import UserError
 
     bad = tmp_path / "bad"
     shutil.copytree(tiny, bad)
     f = bad / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     for load in (M.load_causal_lm, M.load_value_model, M.load_reward_model):
         with pytest.raises(UserError, match=r"model .*bad: a damaged .safetensors weights file"):
             load(str(bad), tok)
@@ -799,15 +800,16 @@ def test_a_damaged_json_file_in_a_model_folder_is_one_line(tiny, tmp_path, name)
     tokenizer and every model loader."""
     import shutil
 
-    from common import models as M
-    from common.errors import UserError
+    from common.core import chat
+    from common.core import models as M
+    from common.core.errors import UserError
 
     bad = tmp_path / "bad"
     shutil.copytree(tiny, bad)
     f = bad / name
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    tok = M.load_tokenizer(tiny)
-    loaders = (M.load_tokenizer, lambda p: M.load_causal_lm(p, tok), lambda p: M.load_reward_model(p, tok))
+    tok = chat.load_tokenizer(tiny)
+    loaders = (chat.load_tokenizer, lambda p: M.load_causal_lm(p, tok), lambda p: M.load_reward_model(p, tok))
     for load in loaders:
         with pytest.raises(UserError, match=rf"model .*bad: {name} is damaged \(not valid JSON"):
             load(str(bad))
@@ -815,7 +817,7 @@ def test_a_damaged_json_file_in_a_model_folder_is_one_line(tiny, tmp_path, name)
 
 HUNG_ENV = """import signal, time
 
-from common.envs import Environment
+from common.core.envs import Environment
 
 
 class Env(Environment):

@@ -9,10 +9,13 @@ import pytest
 import torch
 from chat_formats import CALL, FORMATS, QWEN_TEMPLATE, sum_task, tiny_chat_model, tool_agent
 
-from common import models as M
-from common.data import encode_conversation, observation_ids, turn_glue
-from common.envs import Episodes, ToolEnv, format_tool_call, parse_tool_calls, resolve_tool_format
-from common.errors import UserError
+from common.core import chat
+from common.core import models as M
+from common.core.chat import format_tool_call, parse_tool_calls, resolve_tool_format
+from common.core.data import encode_conversation, observation_ids, turn_glue
+from common.core.envs import Episodes
+from common.core.errors import UserError
+from common.integrations.builtin_envs import ToolEnv
 
 
 @pytest.fixture(scope="module", params=FORMATS)
@@ -28,19 +31,19 @@ def test_each_format_stops_at_its_templates_end_of_turn(chat_model):
     """Qwen2.5 base: EOS <|endoftext|>, turns end <|im_end|> (from the template); Qwen3: the pad <|endoftext|> is in
     its generation config but never a stop; Llama 3.1 base: <|eot_id|> and <|eom_id|> from the generation config."""
     fmt, path = chat_model
-    tok = M.load_tokenizer(path)
+    tok = chat.load_tokenizer(path)
     want = {
         "qwen2.5-base": (["<|im_end|>", "<|endoftext|>"], "\n", "hermes"),
         "qwen3": (["<|im_end|>"], "\n", "hermes"),
         "llama3.1": (["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"], "", "llama3"),
     }[fmt]
-    assert (_names(tok, M.stop_ids(tok)), turn_glue(tok), resolve_tool_format(tok)) == want
-    assert tok.pad_token_id not in M.stop_ids(tok) and M.turn_end_id(tok) == M.stop_ids(tok)[0]
+    assert (_names(tok, chat.stop_ids(tok)), turn_glue(tok), resolve_tool_format(tok)) == want
+    assert tok.pad_token_id not in chat.stop_ids(tok) and chat.turn_end_id(tok) == chat.stop_ids(tok)[0]
     # SFT's rows end with the template's end of turn, as the template renders an assistant message
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
     ids, mask = encode_conversation(tok, msgs)
-    assert ids[-1] == M.turn_end_id(tok) and mask[-1] == 1
-    assert tok.decode(ids + tok(turn_glue(tok), add_special_tokens=False)["input_ids"]) == M.apply_chat(
+    assert ids[-1] == chat.turn_end_id(tok) and mask[-1] == 1
+    assert tok.decode(ids + tok(turn_glue(tok), add_special_tokens=False)["input_ids"]) == chat.apply_chat(
         tok, msgs, False
     )
     # a tool result renders as the template renders a `tool` message
@@ -71,7 +74,7 @@ def test_tool_calls_parse_in_each_format():
 
 def test_a_template_with_an_unknown_tool_format_is_one_line(tmp_path):
     path = tiny_chat_model(tmp_path / "m", "qwen3")
-    tok = M.load_tokenizer(path)
+    tok = chat.load_tokenizer(path)
     score = lambda row, text: 0.0  # noqa: E731
     tok.chat_template = QWEN_TEMPLATE.replace("<tool_call>", "<call>").replace("</tool_call>", "</call>")
     with pytest.raises(UserError, match="renders tools= in a format the tool parser does not know.*--tool-format text"):
@@ -91,7 +94,7 @@ def test_a_tool_call_in_each_format_runs_and_the_turn_ends_at_the_template_stop(
     <|end_of_text|>), the calculator runs (no tool error), the result is rendered by the template, and turn 2
     answers "2", scored 1."""
     agent = tool_agent(fmt, tiny_chat_model(tmp_path / "init", fmt), tmp_path / "agent")
-    tok = M.load_tokenizer(agent)
+    tok = chat.load_tokenizer(agent)
     model = M.load_causal_lm(agent, tok)
     score = lambda row, text: float(text.strip() == "2")  # noqa: E731
     episodes = Episodes(partial(ToolEnv, ("calculator",)), tok, score, 3, 96, 30.0, workers=False)
@@ -100,7 +103,7 @@ def test_a_tool_call_in_each_format_runs_and_the_turn_ends_at_the_template_stop(
     ro = episodes.run(model, rows, None, max_new_tokens=40)
     assert ro.stats["env/tool_calls"].tolist() == [1.0, 1.0] and ro.stats["env/tool_errors"].tolist() == [0.0, 0.0]
     assert ro.scores.tolist() == [1.0, 1.0] and ro.is_eos.all() and ro.stats["env/turns"].tolist() == [2.0, 2.0]
-    end = M.turn_end_id(tok)
+    end = chat.turn_end_id(tok)
     for b in range(2):
         (_, first), (context, second) = ro.turn_ids[b]  # each turn: (the ids it was given, the ids it sampled)
         assert first[-1] == second[-1] == end and end not in first[:-1] + second[:-1]
@@ -133,9 +136,9 @@ def test_grpo_env_tools_on_a_llama3_format_model(tmp_path):
 def test_the_vllm_server_engine_stops_at_the_templates_end_of_turn(tmp_path, monkeypatch):
     """The server is asked to stop at every stop id (stop_token_ids), and a response that ends at <|eot_id|> (a Llama
     3.1 base model's EOS is <|end_of_text|>) counts as ended, not truncated; one cut by max_tokens is truncated."""
-    from common.vllm_server import ServerEngine
+    from common.integrations.vllm_server import ServerEngine
 
-    tok = M.load_tokenizer(tiny_chat_model(tmp_path / "m", "llama3.1"))
+    tok = chat.load_tokenizer(tiny_chat_model(tmp_path / "m", "llama3.1"))
     eot, word = tok.convert_tokens_to_ids("<|eot_id|>"), tok("ok", add_special_tokens=False)["input_ids"][0]
     sent = []
 
@@ -151,7 +154,7 @@ def test_the_vllm_server_engine_stops_at_the_templates_end_of_turn(tmp_path, mon
     monkeypatch.setattr(engine, "_ready", lambda: None, raising=False)
     queries, mask = torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long)
     gen = engine.generate(queries, mask, 3, seeds=None)
-    assert [c[1]["sampling_params"]["stop_token_ids"] for c in sent] == [M.stop_ids(tok)] * 2
-    assert set(_names(tok, M.stop_ids(tok))) == {"<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"}
+    assert [c[1]["sampling_params"]["stop_token_ids"] for c in sent] == [chat.stop_ids(tok)] * 2
+    assert set(_names(tok, chat.stop_ids(tok))) == {"<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"}
     assert gen.is_eos.tolist() == [True, False] and gen.truncated.tolist() == [False, True]
     assert gen.response_mask.tolist() == [[1, 1, 0], [1, 1, 1]]

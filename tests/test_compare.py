@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from common.errors import UserError
+from common.core.errors import UserError
 from tools.compare import Args, load_run, main, smooth
 
 

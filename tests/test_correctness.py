@@ -21,12 +21,14 @@ import grpo_llm as GRPO  # noqa: E402
 import ppo_llm as PPO  # noqa: E402
 import rm_llm as RM  # noqa: E402
 
-from common import models as M  # noqa: E402
-from common.data import PromptRow, encode_prompt_response, load_preferences  # noqa: E402
-from common.errors import UserError
-from common.ops import kl_estimate, selective_log_softmax  # noqa: E402
-from common.rewards import Reward  # noqa: E402
-from common.rollout import forward_logprobs, generate, sequence_attention_mask, tokenize_queries  # noqa: E402
+from common.core import chat
+from common.core import models as M  # noqa: E402
+from common.core.data import PromptRow, encode_prompt_response, load_preferences  # noqa: E402
+from common.core.errors import UserError
+from common.core.forwards import forward_logprobs  # noqa: E402
+from common.core.generation import generate, sequence_attention_mask, tokenize_queries
+from common.core.ops import kl_estimate, selective_log_softmax  # noqa: E402
+from common.core.rewards import Reward  # noqa: E402
 
 TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
 
@@ -37,13 +39,13 @@ TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
 @pytest.mark.e2e
 @pytest.mark.parametrize("system_prompt", [None, "You grade answers strictly."])
 def test_trained_rm_scores_identically_in_rl_and_in_rm_eval(tiny, tmp_path, system_prompt):
-    """Through rm_llm's evaluation and through the RL scripts' scorer (common.rewards.reward_from_args): the same
+    """Through rm_llm's evaluation and through the RL scripts' scorer (common.integrations.inputs.reward_from_args): the same
     scores. With --system-prompt (issue 32.6): the prompt format is saved with the reward model and the RL side
     renders prompts with it (before: the RM tokenizer's defaults, no system prompt)."""
     from accelerate import Accelerator
 
-    from common.args import ModelArgs, RewardArgs
-    from common.rewards import reward_from_args
+    from common.harness.args import ModelArgs, RewardArgs
+    from common.integrations.inputs import reward_from_args
 
     rows = [{"prompt": f"Question {i}?", "chosen": "yes indeed", "rejected": "no way"} for i in range(16)]
     pd.DataFrame(rows).to_parquet(tmp_path / "pairs.parquet")
@@ -76,8 +78,8 @@ def test_trained_rm_scores_identically_in_rl_and_in_rm_eval(tiny, tmp_path, syst
     rm_dir = only_run(tmp_path / "rm") / "reward_model"
     cfg = json.loads((rm_dir / "config.json").read_text())
     assert cfg["reward_max_length"] == 512
-    tok = M.load_tokenizer(str(rm_dir))  # saved next to the model: the RL scripts load the RM's own
-    M.set_prompt_format(tok, system_prompt=system_prompt)  # as rm_llm's flags rendered its prompts
+    tok = chat.load_tokenizer(str(rm_dir))  # saved next to the model: the RL scripts load the RM's own
+    chat.set_prompt_format(tok, system_prompt=system_prompt)  # as rm_llm's flags rendered its prompts
     rm = M.load_reward_model(str(rm_dir), tok).eval()
     pairs = load_preferences([str(tmp_path / "pairs.parquet")], tok)[:4]
     with torch.no_grad():  # rm_llm's eval path (raw scores), normalised as the loader does
@@ -95,7 +97,7 @@ def test_trained_rm_scores_identically_in_rl_and_in_rm_eval(tiny, tmp_path, syst
     scores, _, _ = rl(prow * 2, responses, torch.ones(8), is_eos=[True] * 8)
     assert torch.allclose(scores, expected, atol=1e-5), (scores, expected)
     if system_prompt:  # the RM tokenizer's defaults (what RL used before) score other text
-        plain, _, _ = Reward("model:1.0", reward_model=rm, reward_tok=M.load_tokenizer(str(rm_dir)))(
+        plain, _, _ = Reward("model:1.0", reward_model=rm, reward_tok=chat.load_tokenizer(str(rm_dir)))(
             prow * 2, responses, torch.ones(8), is_eos=[True] * 8
         )
         assert (plain - expected).abs().max() > 1e-3
@@ -146,7 +148,7 @@ def test_rm_with_its_own_tokenizer_and_absolute_positions(tmp_path):
         resid_pdrop=0.3,
     )
     GPT2ForSequenceClassification(cfg).save_pretrained(tmp_path)
-    tok = M.load_tokenizer(str(tmp_path))
+    tok = chat.load_tokenizer(str(tmp_path))
     rm = M.load_reward_model(str(tmp_path), tok).eval()
     messages = [[{"role": "user", "content": "What is 3 + 4?"}], [{"role": "user", "content": "yes"}]]
     rows = [PromptRow("<policy-templated text>", "x", None, {}, i, m) for i, m in enumerate(messages)]
@@ -165,7 +167,7 @@ def test_rm_with_its_own_tokenizer_and_absolute_positions(tmp_path):
 
 
 def test_encoder_truncation_and_eos_rules(tiny):
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     eos, pad = tok.eos_token_id, tok.pad_token_id
     p_ids = tok("one two three four", add_special_tokens=False)["input_ids"]
     c_ids = tok(" five six", add_special_tokens=False)["input_ids"]
@@ -196,9 +198,9 @@ def test_generation_config_penalties_do_not_change_sampling(tiny_peaky, tmp_path
     model.generation_config.no_repeat_ngram_size = 2
     model.generation_config.suppress_tokens = list(range(1000, 20000))
     model.save_pretrained(tmp_path)
-    M.load_tokenizer(tiny_peaky).save_pretrained(tmp_path)
+    chat.load_tokenizer(tiny_peaky).save_pretrained(tmp_path)
     assert json.loads((tmp_path / "generation_config.json").read_text())["repetition_penalty"] == 1.3
-    tok = M.load_tokenizer(str(tmp_path))
+    tok = chat.load_tokenizer(str(tmp_path))
     policy = M.load_causal_lm(str(tmp_path), tok).eval()
     q, qm = tokenize_queries(tok, ["hello there", "count to ten please"])
     ro = generate(policy, tok, q, qm, 24, temperature=1.0, seeds=[1, 2])
@@ -358,7 +360,7 @@ def test_k3_is_clamped_so_one_token_cannot_dominate():
 # 6. online DPO ids, dropout, gen_preferences lengths
 # ---------------------------------------------------------------------------------------------
 def test_online_dpo_pairs_keep_generated_ids(tiny):
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     ids, _, comp = DPO.encode_pairs(
         tok, [{"prompt": "hi", "chosen": [11, 12, 13], "rejected": [14, 15]}], 64, 64, "cpu"
     )
@@ -369,7 +371,7 @@ def test_online_dpo_pairs_keep_generated_ids(tiny):
 def test_dropout_is_off_in_train_mode(tmp_path, tiny):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     GPT2LMHeadModel(
         GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)
     ).save_pretrained(tmp_path)
@@ -418,8 +420,8 @@ def test_gen_preferences_scores_real_lengths(tiny_peaky, toy_prompts, tmp_path, 
 def test_builtin_splits_share_no_problem(tiny, tmp_path):
     import subprocess
 
-    from common.data import overlap_report, problem_key, read_table
-    from common.tasks import reasoning_gym_rows
+    from common.core.data import overlap_report, problem_key, read_table
+    from common.core.tasks import reasoning_gym_rows
 
     assert problem_key("What is 3 + 5 =") == problem_key("What is 5 + 3 =") != problem_key("What is 3 + 6 =")
     out = tmp_path / "data"
@@ -453,7 +455,7 @@ def test_builtin_splits_share_no_problem(tiny, tmp_path):
         pairs = read_table(str(out / task / "pairs_test.parquet"))  # derived files inherit the split
         assert overlap_report(train, pairs)["test_rows_with_problem_in_train"] == 0
     # the old split (two seeds over the same space) shares every chain_sum_1d test question; inspect_data says so
-    from common.data import write_rows
+    from common.core.data import write_rows
 
     write_rows(reasoning_gym_rows("chain_sum_1d", 2000, 0, "train"), tmp_path / "old_train.parquet")
     write_rows(reasoning_gym_rows("chain_sum_1d", 40, 1_000_000, "test"), tmp_path / "old_test.parquet")

@@ -7,10 +7,10 @@ import sys
 import pandas as pd
 import pytest
 
-from common import models as M
-from common.data import DataError, Sampler, load_preferences, load_prompts, load_sft, write_rows
-from common.rewards import compute_score
-from common.tasks import reasoning_gym_rows
+from common.core import chat as M
+from common.core.data import DataError, Sampler, load_preferences, load_prompts, load_sft, write_rows
+from common.core.scorers import compute_score
+from common.core.tasks import reasoning_gym_rows
 from tools.prepare_data import gsm8k_rows, last_boxed, math_rows, preference_rows
 
 
@@ -135,7 +135,7 @@ def test_preferences_and_sft(tmp_path, tok):
     r = load_preferences([str(tmp_path / "implicit.jsonl")], tok)[0]
     assert (r["chosen"], r["rejected"]) == ("y", "n") and "q<|im_end|>" in r["prompt"]
     # SFT rows: the prompt's ids, then the response's and EOS, the loss mask on the last two
-    from common.models import apply_chat
+    from common.core.chat import apply_chat
 
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]
     write_rows([{"messages": conv + [{"role": "assistant", "content": "a"}]}], tmp_path / "sft.jsonl")
@@ -200,8 +200,8 @@ def test_prepare_and_inspect_cli(tmp_path, tiny):
 
 
 def test_bad_rows_and_files_are_named(tmp_path, tiny):
-    from common.data import DataError, load_prompts, load_sft, read_table
-    from common.models import load_tokenizer
+    from common.core.chat import load_tokenizer
+    from common.core.data import DataError, load_prompts, load_sft, read_table
 
     tok = load_tokenizer(tiny)
     (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "caf\xe9", "data_source": "x"}\n'.encode("latin-1"))

@@ -150,16 +150,16 @@ def test_sampled_reverse_kl_estimator_has_the_exact_gradient_in_expectation():
 
 
 def test_a_teacher_with_another_tokenizer_is_refused(tiny, tmp_path):
-    from common import models as M
-    from common.errors import UserError
+    from common.core import chat
+    from common.core.errors import UserError
 
-    tok = M.load_tokenizer(tiny)
-    other = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
+    other = chat.load_tokenizer(tiny)
     other.add_tokens(["<an_extra_token>"])
     other.save_pretrained(tmp_path / "other")
     with pytest.raises(UserError, match="--teacher .*tokenizer differs from the student's .*<an_extra_token>"):
-        M.check_same_tokenizer(tok, str(tmp_path / "other"), "--teacher")
-    M.check_same_tokenizer(tok, tiny, "--teacher")  # the same: passes
+        chat.check_same_tokenizer(tok, str(tmp_path / "other"), "--teacher")
+    chat.check_same_tokenizer(tok, tiny, "--teacher")  # the same: passes
 
 
 def _flags(student, teacher, prompts, out, *extra):
@@ -205,14 +205,15 @@ def test_resume_gives_identical_metrics_with_lmbda(tiny, tiny_peaky, toy_prompts
 def test_a_teacher_whose_head_is_padded_past_the_shared_tokenizer(tiny, tiny_peaky, toy_prompts, tmp_path):
     """The same tokenizer, the teacher's head padded by 64 rows (as sizes of one family differ): each loss runs (the
     exact reverse KL on the off-policy steps of reverse-kl-pg too), with the teacher cut to the student's rows."""
-    from common import models as M
+    from common.core import chat
+    from common.core import models as M
 
-    tok = M.load_tokenizer(tiny_peaky)
+    tok = chat.load_tokenizer(tiny_peaky)
     teacher = M.load_causal_lm(tiny_peaky, tok)
     teacher.resize_token_embeddings(teacher.config.vocab_size + 64)
     teacher.save_pretrained(tmp_path / "teacher")
     tok.save_pretrained(tmp_path / "teacher")
-    assert M.vocab_rows(str(tmp_path / "teacher")) == M.vocab_rows(tiny) + 64
+    assert chat.vocab_rows(str(tmp_path / "teacher")) == chat.vocab_rows(tiny) + 64
     refs = with_references(toy_prompts, tmp_path)
     for loss in ("gkd", "topk-fkl", "reverse-kl-pg"):
         out = tmp_path / loss
@@ -253,12 +254,13 @@ def test_a_teacher_served_by_vllm_grades_as_the_one_in_process(tmp_path_factory,
     teacher's (VLLMEngine.score against a forward here), and 2 steps of topk-fkl with either teacher log the same
     losses; gkd, which needs the whole vocabulary, is refused in one line."""
     pytest.importorskip("vllm")
-    from common import models as M
-    from common.rollout import generate, tokenize_queries
-    from common.vllm_engine import VLLMEngine
+    from common.core import chat
+    from common.core import models as M
+    from common.core.generation import generate, tokenize_queries
+    from common.integrations.vllm_engine import VLLMEngine
 
     teacher = M.tiny_model(tmp_path_factory.mktemp("teacher_vllm"), heads=1, init_std=0.2)  # head size 64: vLLM CPU
-    tok = M.load_tokenizer(teacher)
+    tok = chat.load_tokenizer(teacher)
     model = M.load_causal_lm(teacher, tok)
     q, qm = tokenize_queries(tok, ["<|im_start|>user\nhi<|im_end|>\n", "count to three"], "cpu")
     ro = generate(model, tok, q, qm, max_new_tokens=6, seeds=[1, 2])

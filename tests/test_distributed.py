@@ -1,6 +1,6 @@
 """Two CPU processes over gloo through `accelerate launch`: DDP (configs/accelerate/cpu_2proc.yaml),
 FSDP2 (cpu_2proc_fsdp2.yaml: Accelerate's fully_shard path, switched on for CPU processes by
-common.distributed.make_accelerator) and DeepSpeed ZeRO-2/3 (cpu_2proc_zero{2,3}.yaml: DeepSpeed's
+common.parallel.accelerator.make_accelerator) and DeepSpeed ZeRO-2/3 (cpu_2proc_zero{2,3}.yaml: DeepSpeed's
 CPU accelerator over gloo)."""
 
 import atexit
@@ -234,9 +234,10 @@ def assert_same_update(a_dir, b_dir, base, rel=1e-4):
 
 def base_weights(path, value=False):
     """The state dict a policy (or critic) built from `path` starts with, keyed as save_pretrained keys it."""
-    from common import models as M
+    from common.core import chat
+    from common.core import models as M
 
-    tok = M.load_tokenizer(path)
+    tok = chat.load_tokenizer(path)
     model = M.load_value_model(path, tok) if value else M.load_causal_lm(path, tok)
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -438,7 +439,7 @@ def test_fsdp_param_groups_on_either_torch():
     one group or None before (torch 2.11 on a GPU image failed with AttributeError: benchmarks/gpu_check.sh)."""
     from types import SimpleNamespace
 
-    from common.distributed import _param_groups
+    from common.parallel.sharded import _param_groups
 
     assert _param_groups(SimpleNamespace(_fsdp_param_groups=["a", "b"], _fsdp_param_group="a")) == ["a", "b"]
     assert _param_groups(SimpleNamespace(_fsdp_param_group="a")) == ["a"]
@@ -453,7 +454,7 @@ def test_fsdp2_reduces_gradients_in_float32():
     from accelerate.utils import FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from common.distributed import _fp32_reduction, _mp_policy
+    from common.parallel.accelerator import _fp32_reduction, _mp_policy
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
     plugin.set_mixed_precision("bf16")  # what accelerate launch --mixed_precision bf16 does
@@ -726,7 +727,7 @@ def test_sharded_checkpoint_resumes_on_1_2_and_4_processes_and_loads_as_a_model(
     import torch
     from safetensors.torch import load_file
 
-    from common import models as M
+    from common.core import hub
 
     flags = lambda out, n: ["--model-name-or-path", tiny, "--output-dir", out, "--total-steps", n, "--eval-every", 0,
                             "--batch-size", 4, "--micro-batch-size", 1, "--learning-rate", 1e-3]  # noqa: E731  # fmt: skip
@@ -737,7 +738,7 @@ def test_sharded_checkpoint_resumes_on_1_2_and_4_processes_and_loads_as_a_model(
     ckpt = sharded / "checkpoints" / "step_2"
     assert (ckpt / "sharded" / ".metadata").is_file() and not list(ckpt.glob("*/*.safetensors"))
     assert json.loads((ckpt / "checkpoint.json").read_text())["format"] == "sharded"
-    converted = load_file(Path(M.resolve_model_path(str(ckpt / "policy"))) / "model.safetensors")
+    converted = load_file(Path(hub.resolve_model_path(str(ckpt / "policy"))) / "model.safetensors")
     gathered = load_file(full / "checkpoints" / "step_2" / "policy" / "model.safetensors")
     assert set(gathered) <= set(converted)
     assert all(torch.allclose(converted[k], gathered[k], atol=1e-6) for k in gathered)

@@ -44,7 +44,7 @@ def test_losses_at_chosen_values():
 
 
 def test_encode_pairs_masks_completions(tiny):
-    from common.models import load_tokenizer
+    from common.core.chat import load_tokenizer
 
     tok = load_tokenizer(tiny)
     ids, attn, comp = D.encode_pairs(

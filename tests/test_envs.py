@@ -1,4 +1,4 @@
-"""Environments (common/envs.py, common/sandbox.py): the Python tool's guarantees, tool-call parsing, token in / token
+"""Environments (common/core/envs.py, common/integrations/sandbox.py): the Python tool's guarantees, tool-call parsing, token in / token
 out over several turns (the trainer scores exactly the sampled ids), observation tokens out of every loss, and
 failures of user environments bounded."""
 
@@ -12,12 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import models as M
-from common.data import PromptRow
-from common.envs import Environment, Episodes, FeedbackEnv, Step, ToolEnv, load_env_class, parse_tool_calls
-from common.errors import UserError
-from common.rollout import Generation, forward_logprobs, response_masks, sequence_attention_mask
-from common.sandbox import calculator, run_python
+from common.core import chat
+from common.core import models as M
+from common.core.chat import parse_tool_calls
+from common.core.data import PromptRow
+from common.core.envs import Environment, Episodes, Step
+from common.core.errors import UserError
+from common.core.forwards import forward_logprobs
+from common.core.generation import Generation, response_masks, sequence_attention_mask
+from common.integrations.builtin_envs import FeedbackEnv, ToolEnv, load_env_class
+from common.integrations.sandbox import calculator, run_python
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "algos"))
@@ -114,7 +118,7 @@ def test_parse_tool_calls():
 
 # ------------------------------------------------------------------ a scripted sampler: the rollout loop, exactly
 class ScriptedEngine:
-    """Stands in for an engine (common.rollout.generate's `engine=`): replies with `reply(context_text, row_index)`
+    """Stands in for an engine (common.core.generation.generate's `engine=`): replies with `reply(context_text, row_index)`
     + EOS, token ids of the policy's tokenizer, log-probs -1 each. Records every context it was given."""
 
     def __init__(self, tok, reply):
@@ -172,7 +176,7 @@ def _check_token_in_token_out(ro, engine_contexts=None):
 
 
 def test_tool_environment_rollout_keeps_sampled_ids(tiny):
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok)
 
     def reply(ctx):
@@ -195,7 +199,7 @@ def test_tool_environment_rollout_keeps_sampled_ids(tiny):
 
 
 def test_malformed_and_unknown_tool_calls_get_error_observations(tiny):
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     replies = iter(
         ["<tool_call>{not json}</tool_call>", '<tool_call>{"name": "shell", "arguments": {}}</tool_call>', "42"]
     )
@@ -208,7 +212,7 @@ def test_malformed_and_unknown_tool_calls_get_error_observations(tiny):
 
 
 def test_feedback_environment_gives_another_turn(tiny):
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     engine = ScriptedEngine(tok, lambda ctx: "41" if ctx.count("<|im_start|>assistant") == 1 else "42")
     eps = Episodes(partial(FeedbackEnv, turn_cost=0.1), tok, _score, max_turns=3, max_tokens=100, timeout=10)
     ro = eps.run(M.load_causal_lm(tiny, tok), _rows(), seeds=[0, 1], engine=engine)
@@ -222,7 +226,7 @@ def test_feedback_environment_gives_another_turn(tiny):
 
 
 def test_budgets_mark_trajectories_truncated(tiny):
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     engine = ScriptedEngine(tok, lambda ctx: "wrong answer " * 3)
     eps = Episodes(FeedbackEnv, tok, _score, max_turns=5, max_tokens=30, timeout=10)
     ro = eps.run(M.load_causal_lm(tiny, tok), _rows(1), seeds=[0], engine=engine)
@@ -242,7 +246,7 @@ THINK_DROPPING_TEMPLATE = (
 
 
 def test_a_template_that_rewrites_earlier_turns_does_not_change_what_is_scored(tiny):
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     tok.chat_template = THINK_DROPPING_TEMPLATE  # as Qwen3's and DeepSeek-R1's templates drop past reasoning
     engine = ScriptedEngine(tok, lambda ctx: "<think>six sevens</think>41" if "incorrect" not in ctx else "42")
     eps = Episodes(FeedbackEnv, tok, _score, max_turns=2, max_tokens=100, timeout=10)
@@ -262,7 +266,7 @@ def test_a_template_that_rewrites_earlier_turns_does_not_change_what_is_scored(t
 def test_hf_sampler_turns_are_scored_on_their_own_ids_and_logprobs(tiny):
     """The real decoding loop (no engine): the trainer's forward over the assembled rows gives the sampler's own
     log-probs on every model token, turn after turn (observations in between are attended, never scored)."""
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok).eval()
     eos_bias = lambda module, inputs, logits: logits.index_add(
         -1, torch.tensor([tok.eos_token_id]), logits[..., :1] * 0 + 9
@@ -293,9 +297,9 @@ def test_observation_tokens_get_no_gradient(tiny):
     positions, non-zero on model tokens."""
     import grpo_llm as G
 
-    from common.ops import kl_estimate
+    from common.core.ops import kl_estimate
 
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     engine = ScriptedEngine(tok, lambda ctx: "41" if ctx.count("<|im_start|>assistant") == 1 else "42")
     eps = Episodes(FeedbackEnv, tok, _score, max_turns=2, max_tokens=100, timeout=10)
     ro = eps.run(M.load_causal_lm(tiny, tok), _rows(2), seeds=[0, 1], engine=engine)
@@ -336,10 +340,10 @@ def test_ppo_credits_each_turns_reward_to_its_own_turn(tiny):
     own turn, what the score adds beyond them (a missing-EOS penalty) on the last; GAE (gamma 0.9, lam 1, values 0)
     then gives turn 1's tokens 1 + 0.9^k * 10 and turn 2's only their own: against a loop over the model tokens.
     (Before: the whole 11 on turn 2's last token, so turn 1's tokens were credited with turn 2's reward.)"""
-    from common.ops import gae
-    from common.sampling import sample
+    from common.core.ops import gae
+    from common.core.sampling import sample
 
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     engine = ScriptedEngine(tok, lambda ctx: "41" if ctx.count("<|im_start|>assistant") == 1 else "42")
     eps = Episodes(PaysEachTurn, tok, _score, max_turns=3, max_tokens=100, timeout=10)
     ro = sample(M.load_causal_lm(tiny, tok), tok, _rows(2), None, eps, "cpu", [0, 1], engine)
@@ -414,7 +418,7 @@ class Forks(Environment):
 
 @pytest.mark.parametrize("workers", [False, True], ids=["in-process", "workers"])
 def test_failing_or_hanging_environments_are_counted_not_fatal(tiny, workers):
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok)
     engine = ScriptedEngine(tok, lambda ctx: "42")
     logs = []
@@ -435,7 +439,7 @@ def test_in_worker_processes_no_environment_can_hang_or_end_the_run(tiny, cls):
     """What in-process bounds cannot hold against (docs/agents.md): an environment that ignores the timeout's
     signals, catches its exception and sleeps on, or calls os._exit. In a worker each is a counted failure within
     --env-timeout (the worker killed, and replaced for the next batch, which runs as usual)."""
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     model, logs = M.load_causal_lm(tiny, tok), []
     eps = Episodes(cls, tok, _score, max_turns=2, max_tokens=50, timeout=1.0, log=logs.append, workers=True)
     t0 = time.time()
@@ -456,7 +460,7 @@ def test_an_environment_that_forks_leaves_one_trainer(tiny, tmp_path, workers):
     """In process (--no-env-workers), a fork's copy returning into the harness would run a second trainer; in a
     worker, a second reader of the worker's pipe that outlives the run (and holds its output open). The copy ends
     where it returns (os._exit): after the batch only this process writes, and no copy runs on."""
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     eps = Episodes(Forks, tok, _score, max_turns=2, max_tokens=50, timeout=5, workers=workers)
     me = os.getpid()
     ro = eps.run(M.load_causal_lm(tiny, tok), _rows(2), seeds=[0, 1], engine=ScriptedEngine(tok, lambda ctx: "42"))
@@ -482,7 +486,7 @@ def test_an_environment_that_forks_leaves_one_trainer(tiny, tmp_path, workers):
 def test_environments_in_workers_give_what_they_give_in_process(tiny, env):
     """The same trajectories, ids, masks and scores with the environments in worker processes: the tool environment
     (its sandboxed Python from inside the worker) and the feedback environment (its score() asked of the trainer)."""
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok)
 
     def reply(ctx):
@@ -529,7 +533,7 @@ def test_a_first_message_beyond_the_prompt_budget_is_a_counted_failure(tiny):
     """reset() returning 200,000 words (the catalogue: never checked, minutes of sampling on it): a counted failure
     (env/errors, one line) within seconds, the trajectory on the row's own prompt with no turns; a first message
     within --max-prompt-length runs as usual."""
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     logs, engine = [], ScriptedEngine(tok, lambda ctx: "42")
     huge = [{"role": "user", "content": "word " * 200_000}]
     eps = Episodes(partial(Returns, "reset", huge), tok, _score, max_turns=2, max_tokens=50, timeout=30,
@@ -561,7 +565,7 @@ WRONG = [("reset", None), ("reset", 3), ("reset", []), ("reset", [{"role": "user
 @pytest.fixture(scope="module")
 def tiny_loaded(tiny):
     """(tokenizer, model) of the tiny model, loaded once for the module's many short trajectories."""
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     return tok, M.load_causal_lm(tiny, tok)
 
 
@@ -589,7 +593,7 @@ def test_an_environment_that_changes_the_working_directory_is_put_back(tiny_load
 def test_env_flag_loads_user_classes_and_refuses_bad_specs(tmp_path):
     f = tmp_path / "my_env.py"
     f.write_text(
-        "from common.envs import Environment, Step\n"
+        "from common.core.envs import Environment, Step\n"
         "class Guess(Environment):\n"
         "    def step(self, text, ids):\n"
         "        return Step(None, float(len(text) < 5), True)\n"
@@ -737,7 +741,7 @@ def test_the_environment_written_in_the_docs_runs(tiny, tmp_path):
     assert len(code.strip().splitlines()) <= 22
     (tmp_path / "guess.py").write_text(code)
     cls = load_env_class(f"{tmp_path / 'guess.py'}:Guess")
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     guesses = iter(["50", "25", "hmm", "37"])
     engine = ScriptedEngine(tok, lambda ctx: next(guesses))
     row = PromptRow(text="", data_source="x", ground_truth="37", messages=None)

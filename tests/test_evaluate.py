@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from common.eval import majority_correct, pass_at_k
+from common.harness.eval import majority_correct, pass_at_k
 from conftest import REPO
 
 

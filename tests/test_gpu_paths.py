@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common import models as M
-from common.weight_stream import engine_weight_meta, engine_weights, trainable_fingerprint, weights_bytes
+from common.core import chat
+from common.core import models as M
+from common.parallel.weight_stream import engine_weight_meta, engine_weights, trainable_fingerprint, weights_bytes
 
 
 def _file_weights(folder) -> dict:
@@ -21,7 +22,7 @@ def _file_weights(folder) -> dict:
 
 def test_the_stream_is_the_saved_weights_in_the_engines_dtype(tiny):
     """A plain policy: every saved tensor once (tied lm_head under its own name too), in order of the meta, cast."""
-    model = M.load_causal_lm(tiny, M.load_tokenizer(tiny))
+    model = M.load_causal_lm(tiny, chat.load_tokenizer(tiny))
     saved = _file_weights(tiny)
     for dtype in (torch.float32, torch.bfloat16):
         out = dict(engine_weights(model, dtype))
@@ -38,7 +39,7 @@ def test_a_lora_policy_streams_merged_weights(tiny):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    model = M.load_causal_lm(tiny, M.load_tokenizer(tiny))
+    model = M.load_causal_lm(tiny, chat.load_tokenizer(tiny))
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj"], init_lora_weights=False))
     saved = _file_weights(tiny)
     out = dict(engine_weights(model, torch.float32))
@@ -138,7 +139,7 @@ class _StubLLM:
 
 
 def _stub_engine(monkeypatch, sleep: bool):
-    from common.vllm_engine import VLLMEngine
+    from common.integrations.vllm_engine import VLLMEngine
 
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: kw))  # no 13 s import
     engine = object.__new__(VLLMEngine)
@@ -154,8 +155,8 @@ def test_one_wake_and_one_push_per_rollout_phase(monkeypatch, sleep):
     """A phase with three generate calls (a multi-turn rollout's turns): --vllm-sleep wakes the weights, pushes,
     wakes the KV cache, generates three times, and sleeps once at the end (TRL's order); perf/vllm_wakes counts 1 a
     phase. Awake: a phase whose weights did not change pushes nothing."""
-    from common.distributed import unwrap_for_generation
-    from common.engines import engine_perf
+    from common.integrations.engines import engine_perf
+    from common.parallel.sharded import unwrap_for_generation
 
     engine, model = _stub_engine(monkeypatch, sleep), torch.nn.Linear(3, 2)
     q, qm = torch.tensor([[0, 7, 8]]), torch.tensor([[0, 1, 1]])
@@ -195,8 +196,8 @@ def test_enforce_eager_is_a_flag_off_on_gpus_by_default(tmp_path, monkeypatch):
     (auto: on CPU). The process itself is not started (Popen replaced)."""
     import subprocess
 
-    from common.args import GenerationArgs
-    from common.vllm_server import ServerProcess
+    from common.harness.args import GenerationArgs
+    from common.integrations.vllm_server import ServerProcess
 
     assert [GenerationArgs(vllm_enforce_eager=v).enforce_eager() for v in ("auto", "on", "off")] == [None, True, False]
     monkeypatch.setattr(
@@ -216,7 +217,7 @@ def test_the_nccl_address_is_the_route_not_the_hosts_file(monkeypatch):
     interface's address for another host, never Debian's 127.0.1.1); NO_PROXY gains the server's host."""
     import socket
 
-    from common.vllm_server import no_proxy, route_address
+    from common.integrations.http import no_proxy, route_address
 
     assert route_address("127.0.0.1") == "127.0.0.1"
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")  # what Debian's /etc/hosts says
@@ -252,7 +253,7 @@ def test_a_push_leaves_dev_shm_when_it_has_no_room(tmp_path, monkeypatch):
     import tempfile
     from pathlib import Path
 
-    from common import vllm_server as S
+    from common.integrations import vllm_server as S
 
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm on this machine")
@@ -267,7 +268,7 @@ def test_a_push_leaves_dev_shm_when_it_has_no_room(tmp_path, monkeypatch):
 def test_the_lm_head_chunk_follows_the_devices_memory(monkeypatch):
     """32 MB of (chunk, V) float32 temporaries on CPU; on a GPU 1/64 of its memory, capped at 2 GiB: an 80 GB card at
     Qwen's 151,936 vocabulary takes 2,056 positions per chunk (the CPU's budget gave 55); the result is unchanged."""
-    from common.ops import head_chunk, head_logprobs
+    from common.core.ops import head_chunk, head_logprobs
 
     assert head_chunk(151_936, torch.device("cpu")) == 2**25 // (4 * 151_936) == 55
     assert head_chunk(10**9, "cpu") == 1  # never zero

@@ -2,7 +2,7 @@
 
 import pytest
 
-from common.health import ADVICE, HealthConfig, HealthMonitor
+from common.harness.health import ADVICE, HealthConfig, HealthMonitor
 
 
 def healthy(step):

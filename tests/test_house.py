@@ -12,6 +12,7 @@ import pytest
 from conftest import REPO
 
 SCRIPTS = sorted((REPO / "algos").glob("*.py"))
+LIBRARY = sorted((REPO / "common").rglob("*.py"))  # every module of common/, folders included
 # A copy kept identical on purpose carries transformers' marker on the line above its `def` / `class`:
 #     # Copied from grpo_llm.grpo_loss
 # or, for a section of copies, one line under its `# ALGO LOGIC` heading (every definition up to the next heading):
@@ -104,7 +105,7 @@ def test_the_copy_check_finds_a_drifted_copy_and_leaves_an_unmarked_one_alone(tm
     assert "grpo_llm.nope, which does not exist" in drifted_copies([mine])[0]
 
 
-# How every script drives the run's life (common.run.Run), checked as code: each name a call in main, in this order
+# How every script drives the run's life (common.harness.run.Run), checked as code: each name a call in main, in this order
 LIFECYCLE = ["Run", "UpdateGuard", "run.load_weights", "run.begin", "run.steps", "run.logging", "run.log", "run.end"]
 
 
@@ -142,14 +143,14 @@ def test_every_script_drives_the_run_the_same_way():
     for path in SCRIPTS:
         want = [c for c in LIFECYCLE if not (c == "run.load_weights" and path.stem == "rm_llm")]
         got = [c for c in lifecycle_calls(path) if c in want or c.startswith("(")]
-        assert got == want, f"{path.name}: the run's life calls {got}, want {want} (common/run.py)"
+        assert got == want, f"{path.name}: the run's life calls {got}, want {want} (common/harness/run.py)"
 
 
 def test_library_apart_from_tools_and_scripts():
     """Scripts import the library (common/) only: never a tool, never another script; the library
     never imports a tool."""
     script_names = {p.stem for p in SCRIPTS}
-    for path in SCRIPTS + sorted((REPO / "common").glob("*.py")):
+    for path in SCRIPTS + LIBRARY:
         for node in ast.walk(ast.parse(path.read_text())):
             mods = (
                 [a.name for a in node.names]
@@ -165,7 +166,7 @@ def test_library_apart_from_tools_and_scripts():
 
 def test_no_algorithm_in_common():
     """Advantage estimators other than GAE, losses and KL controllers belong to the scripts."""
-    for path in sorted((REPO / "common").glob("*.py")):
+    for path in LIBRARY:
         names = [n.name for n in ast.parse(path.read_text()).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
         bad = [n for n in names if re.search(r"advantages|_loss$|KLController", n)]
         assert not bad, f"{path.name} defines {bad}"
@@ -259,46 +260,57 @@ def test_accelerate_launches_take_a_free_port():
             assert "--standalone" in call, path.name
 
 
-# common/ in layers, bottom first (docs/architecture.md): a module imports from its own layer or below, never
-# above, and no two modules import each other, directly or round a longer circle. Imports inside functions
+# common/ in four folders, bottom first (docs/architecture.md): a module imports from its own folder or one before it,
+# never after, and no two modules import each other, directly or round a longer circle. Imports inside functions
 # count too (a lazy import is still a dependency).
-LAYERS = [
-    (
-        "floor: errors, seeds, process groups, the tools' sandbox, defaults",
-        {"errors", "parallel", "health", "sandbox", "defaults"},
-    ),
-    ("tensor functions", {"ops", "attention", "optim", "weight_stream"}),
-    ("models and data files", {"models", "data"}),
-    ("placement, generation, tasks", {"distributed", "rollout", "tasks", "vllm_engine", "vllm_server", "engines"}),
-    ("rewards, environments", {"rewards", "remote_rewards", "sandbox_service", "envs"}),
-    ("--env -> environments: the built-ins, a user's class, the hubs' adapters", {"hub_envs"}),
-    ("a step's sampling, evaluation", {"sampling", "async_rollout", "eval"}),
-    ("run harness: flags, checkpoints, run folder, perf metrics", {"args", "cli", "checkpoint", "run", "perf"}),
+FOLDERS = [
+    ("core", "what every RL script reads: tensors, models, data, generation, forwards, rewards, the Rollout"),
+    ("parallel", "placement: the Accelerator, sharded steps, optimizers, weights out of shards"),
+    ("integrations", "what talks to another system: vLLM, HTTP services, the sandbox, environments"),
+    ("harness", "the run's life: flags, presets, the run folder, checkpoints, evaluation"),
 ]
+MAX_LINES = 565  # "no file over ~550 lines" (issue 65)
+
+
+def module_name(path) -> str:
+    """common/core/models.py -> core.models"""
+    return ".".join(path.relative_to(REPO / "common").with_suffix("").parts)
 
 
 def common_imports() -> dict[str, set[str]]:
+    """{folder.module: the folder.modules it imports}, every `from common.x.y import` / `from common.x import y` /
+    `import common.x.y` in its text."""
     graph = {}
-    for path in sorted((REPO / "common").glob("*.py")):
+    for path in LIBRARY:
+        if path.name == "__init__.py":
+            continue
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "common":
-                deps |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("common."):
-                deps.add(node.module.split(".")[1])
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("common."):
+                parts = node.module.split(".")
+                deps |= {f"{parts[1]}.{a.name}" for a in node.names} if len(parts) == 2 else {".".join(parts[1:3])}
             elif isinstance(node, ast.Import):
-                deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("common.")}
-        graph[path.stem] = deps - {path.stem}
+                deps |= {".".join(a.name.split(".")[1:3]) for a in node.names if a.name.startswith("common.")}
+        graph[module_name(path)] = deps - {module_name(path)}
     return graph
+
+
+def test_common_is_four_folders_of_small_files():
+    """`ls common/` shows the shape: the four folders and the package's own __init__.py, every module in a folder,
+    none over MAX_LINES."""
+    top = sorted(p.name for p in (REPO / "common").iterdir() if p.name != "__pycache__")
+    assert top == sorted(["__init__.py", *(f for f, _ in FOLDERS)]), top
+    long = {module_name(p): n for p in LIBRARY if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"common/ files over {MAX_LINES} lines: {long}"
 
 
 def test_common_reads_flags_through_their_groups():
     """common/ never reads a script's flag by its spelling: a whole Args reaches common/ only in the harness, which
-    reads its `run` group (common.args.RunArgs) and walks its fields by type (flat_args, check_args); every other
+    reads its `run` group (common.harness.args.RunArgs) and walks its fields by type (flat_args, check_args); every other
     function takes the typed group it needs (ModelArgs, PromptArgs, ...). Checked with ast: no `args.<x>` but
-    `args.run`, no getattr/hasattr on `args`, outside common/args.py."""
+    `args.run`, no getattr/hasattr on `args`, outside common/harness/args.py."""
     bad = []
-    for path in sorted((REPO / "common").glob("*.py")):
+    for path in LIBRARY:
         if path.name == "args.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
@@ -311,13 +323,13 @@ def test_common_reads_flags_through_their_groups():
     assert not bad, f"common/ reads flags by their spelling: {bad}"
 
 
-def test_common_is_in_layers_without_circles():
+def test_common_is_in_folders_without_circles():
     graph = common_imports()
-    layer = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
-    unplaced = set(graph) - set(layer) - {"__init__"}
-    assert not unplaced, f"common/ modules not in a layer of tests/test_house.LAYERS: {unplaced}"
-    upward = [f"{m} ({LAYERS[layer[m]][0]}) imports {d} ({LAYERS[layer[d]][0]})"
-              for m, deps in graph.items() for d in deps if layer[d] > layer[m]]  # fmt: skip
+    order = {f: i for i, (f, _) in enumerate(FOLDERS)}
+    unknown = [f"{m} imports {d}" for m, deps in graph.items() for d in deps if d not in graph]
+    assert not unknown, f"imports of modules common/ does not have: {unknown}"
+    upward = [f"{m} ({FOLDERS[order[m.split('.')[0]]][0]}) imports {d} ({FOLDERS[order[d.split('.')[0]]][0]})"
+              for m, deps in graph.items() for d in deps if order[d.split(".")[0]] > order[m.split(".")[0]]]  # fmt: skip
     assert not upward, upward
     # circles: depth-first search for a back edge
     state, stack = {}, []
@@ -337,22 +349,55 @@ def test_common_is_in_layers_without_circles():
             visit(m)
 
 
-def test_the_layer_test_finds_a_circle_and_an_upward_import(monkeypatch):
+def test_the_folder_test_finds_a_circle_and_an_upward_import(monkeypatch):
     """The check above can fail: an upward import and a circle planted in the graph are found."""
     base = common_imports()
-    graph = {**base, "errors": {"run"}}
+    graph = {**base, "core.errors": {"harness.run"}}
     monkeypatch.setattr(sys.modules[__name__], "common_imports", lambda: graph)
-    with pytest.raises(AssertionError, match="errors .* imports run"):
-        test_common_is_in_layers_without_circles()
-    graph = {**base, "models": base["models"] | {"data"}}  # data imports models, same layer
+    with pytest.raises(AssertionError, match="core.errors .* imports harness.run"):
+        test_common_is_in_folders_without_circles()
+    graph = {**base, "core.chat": base["core.chat"] | {"core.models"}}  # models imports chat, same folder
     monkeypatch.setattr(sys.modules[__name__], "common_imports", lambda: graph)
     with pytest.raises(AssertionError, match="import circle"):
-        test_common_is_in_layers_without_circles()
+        test_common_is_in_folders_without_circles()
 
 
-# every flag of every script as the commit before the groups (common/args.py) had it: name, default, aliases
+def test_the_old_flat_names_still_import_for_one_release():
+    """`from common.models import ...`, `from common.envs import Environment` (a user's environment file, a copied
+    script of the previous release) find the names where they moved, with a DeprecationWarning; a name that never
+    was there is an AttributeError naming the new modules."""
+    import importlib
+    import warnings
+
+    import common
+
+    for old, targets in common.MOVED.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sys.modules.pop(f"common.{old}", None)
+            module = importlib.import_module(f"common.{old}")
+        assert any(issubclass(w.category, DeprecationWarning) and targets[0] in str(w.message) for w in caught), old
+        first = importlib.import_module(targets[0])
+        name = next(n for n in vars(first) if not n.startswith("_") and getattr(first, n) is not None)
+        assert getattr(module, name) is getattr(first, name), (old, name)
+    from common.core.envs import Environment
+    from common.envs import Environment as Before
+    from common.envs import ToolEnv
+    from common.integrations.builtin_envs import ToolEnv as Now
+
+    assert Before is Environment and ToolEnv is Now
+    import common.core.process_groups as groups
+    import common.parallel
+
+    with pytest.warns(DeprecationWarning, match="common.core.process_groups.STATE"):
+        assert common.parallel.STATE is groups.STATE  # the old module of that name is a folder now
+    with pytest.raises(AttributeError, match="moved to common.core.generation, common.core.forwards"):
+        importlib.import_module("common.rollout").no_such_name
+
+
+# every flag of every script as the commit before the groups (common/harness/args.py) had it: name, default, aliases
 FLAGS_BEFORE = json.loads((REPO / "tests" / "data" / "flags_1dbb602.json").read_text())
-RETIRED = {"values_from_update"}  # flags removed since, still accepted with a note (common.cli.RETIRED_FLAGS)
+RETIRED = {"values_from_update"}  # flags removed since, still accepted with a note (common.harness.cli.RETIRED_FLAGS)
 
 
 @pytest.mark.parametrize("script", sorted(FLAGS_BEFORE))
@@ -362,8 +407,8 @@ def test_every_flag_of_before_the_groups_still_parses_with_its_default(script):
     still sets its field."""
     import importlib
 
-    from common.args import flat_args
-    from common.cli import _preset_flags, _tyro_cli
+    from common.harness.args import flat_args
+    from common.harness.cli import _preset_flags, _tyro_cli
 
     sys.path.insert(0, str(REPO / "algos"))
     Args = importlib.import_module(script).Args
@@ -388,7 +433,7 @@ def test_help_shows_the_algorithm_first(script, capsys):
     """--help lists the script's own flags (its algorithm) first, then one box per shared group."""
     import importlib
 
-    from common.cli import parse_args
+    from common.harness.cli import parse_args
 
     sys.path.insert(0, str(REPO / "algos"))
     Args = importlib.import_module(script).Args

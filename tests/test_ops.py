@@ -1,4 +1,4 @@
-"""Every common/ops.py helper against an independent computation (numpy or plain loops)."""
+"""Every common/core/ops.py helper against an independent computation (numpy or plain loops)."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.ops import (
+from common.core.ops import (
     entropy_from_logits,
     exact_div,
     gae,
@@ -100,7 +100,7 @@ def test_gae_against_loop(gamma, lam):
 
 @pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.8)])
 def test_gae_over_turns_skips_observation_tokens(gamma, lam):
-    """A multi-turn row (common/envs.py): model tokens (mask 1) with observation tokens (mask 0) between turns, then
+    """A multi-turn row (common/core/envs.py): model tokens (mask 1) with observation tokens (mask 0) between turns, then
     padding. GAE equals a textbook loop over the model's tokens alone (observations removed), scattered back; the
     observation and padding positions get 0. Rewards and values there are ignored (set to garbage here)."""
     g = torch.Generator().manual_seed(2)
@@ -145,7 +145,7 @@ def test_logprobs_and_entropy_in_one_pass_match_naive():
 
 
 # ---------------------------------------------------------------------------------------------
-# Attention of short sequences in low precision (common.attention.small_attention_forward)
+# Attention of short sequences in low precision (common.core.attention.small_attention_forward)
 # ---------------------------------------------------------------------------------------------
 def naive_attention(q, k, v, allowed):
     """float64 loops: head h reads key/value head h // g; allowed[b][i][j] = query i may see key j."""
@@ -172,7 +172,7 @@ def test_small_attention_matches_plain_loops_under_bf16_autocast(case):
     a fully masked query row (left padding) stays finite. Gradients match the float64 ones too."""
     from types import SimpleNamespace
 
-    from common.attention import small_attention_forward
+    from common.core.attention import small_attention_forward
 
     g = torch.Generator().manual_seed(0)
     Q, K = {"padded": (5, 5), "causal": (5, 5), "decode": (1, 7), "suffix": (2, 6)}[case]
@@ -211,7 +211,7 @@ def test_small_attention_without_a_mask_is_causal_only_in_a_causal_module():
     computed here: the encoder sees every key; a causal module still masks the future."""
     from types import SimpleNamespace
 
-    import common.attention as O
+    import common.core.attention as O
 
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 5, 8, generator=g) for _ in range(3))
@@ -231,9 +231,10 @@ def test_an_encoder_reward_model_scores_as_with_sdpa(tiny, tmp_path):
     transformers' SDPA (before: the small path's causal mask gave other, near-identical scores)."""
     from transformers import RobertaConfig, RobertaForSequenceClassification
 
-    from common import models as M
+    from common.core import attention, chat
+    from common.core import models as M
 
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     cfg = RobertaConfig(
         vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
         num_labels=1, pad_token_id=tok.pad_token_id, max_position_embeddings=64,
@@ -242,14 +243,14 @@ def test_an_encoder_reward_model_scores_as_with_sdpa(tiny, tmp_path):
     RobertaForSequenceClassification(cfg).save_pretrained(tmp_path / "enc")
     tok.save_pretrained(tmp_path / "enc")
     rm = M.load_reward_model(str(tmp_path / "enc"), tok, dtype="bfloat16").eval()
-    assert rm.config._attn_implementation == M.SMALL_ATTENTION
+    assert rm.config._attn_implementation == attention.SMALL_ATTENTION
     with torch.no_grad():
         for text in ("hello there my friend", "what a different text"):
             ids = tok(text, return_tensors="pt")
             got = rm(**ids).logits
             rm.set_attn_implementation("sdpa")
             want = rm(**ids).logits
-            rm.set_attn_implementation(M.SMALL_ATTENTION)
+            rm.set_attn_implementation(attention.SMALL_ATTENTION)
             assert torch.equal(got, want), text
 
 
@@ -260,7 +261,7 @@ def test_small_attention_is_sdpa_in_float32_and_beyond_its_size(monkeypatch):
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    import common.attention as O
+    import common.core.attention as O
 
     g = torch.Generator().manual_seed(1)
     q, k, v = (

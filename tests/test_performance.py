@@ -8,19 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-import common.rollout as R
-from common import models as M
-from common.distributed import cpu_has_native_bf16
-from common.rollout import (
-    forward_by_micro_batch,
-    forward_logprobs,
-    generate,
-    micro_batches,
-    padding_counts,
-    sample_tokens,
-    sequence_attention_mask,
-    tokenize_queries,
-)
+import common.core.generation as R
+from common.core import attention, chat, defaults
+from common.core import models as M
+from common.core.forwards import forward_by_micro_batch, forward_logprobs, micro_batches, padding_counts
+from common.core.generation import generate, sample_tokens, sequence_attention_mask, tokenize_queries
+from common.parallel.accelerator import cpu_has_native_bf16
 
 
 def _np_filtered_probs(logits, temperature, top_k, top_p):
@@ -69,9 +62,9 @@ def _tok_with_eos(tok, eos):
 
 
 def test_finished_rows_leave_the_batch_and_repeated_prompts_are_encoded_once(tiny_peaky):
-    tok = M.load_tokenizer(tiny_peaky)
+    tok = chat.load_tokenizer(tiny_peaky)
     model = M.load_causal_lm(tiny_peaky, tok).eval()
-    texts = [M.apply_chat(tok, p) for p in ["hi", "what is two plus two, tell me", "ok", "count"]]
+    texts = [chat.apply_chat(tok, p) for p in ["hi", "what is two plus two, tell me", "ok", "count"]]
     q, qm = tokenize_queries(tok, texts)
     free = generate(model, tok, q, qm, 12)
     eos = free.responses[0, 3].item()  # a token the model emits: rows now finish at different steps
@@ -140,9 +133,9 @@ def test_micro_batches_by_token_budget():
 
 
 def test_token_budget_micro_batches_give_the_same_gradient(tiny):
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok)
-    texts = [M.apply_chat(tok, "x" * k) for k in (1, 30, 5, 12, 2, 40)]
+    texts = [chat.apply_chat(tok, "x" * k) for k in (1, 30, 5, 12, 2, 40)]
     q, qm = tokenize_queries(tok, texts)
     ro = generate(model, tok, q, qm, 10, 1.0, seeds=list(range(6)))
     mask = ro.response_mask
@@ -174,9 +167,9 @@ def test_token_budget_micro_batches_give_the_same_gradient(tiny):
 def test_bf16_autocast_log_probs_within_tolerance(tiny):
     """bf16 autocast (--mixed-precision bf16) vs float32 on one batch: mean |d log p| < 0.02 nats on the
     tiny model (SmolLM2-135M measured: mean 0.042, max 0.23; docs/performance.md), and the loss within 2 %."""
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok)
-    q, qm = tokenize_queries(tok, [M.apply_chat(tok, t) for t in ("hello there", "count to ten please")])
+    q, qm = tokenize_queries(tok, [chat.apply_chat(tok, t) for t in ("hello there", "count to ten please")])
     ro = generate(model, tok, q, qm, 12, 1.0, seeds=[1, 2])
     attn = sequence_attention_mask(qm, ro.responses.shape[1])
     with torch.no_grad():
@@ -191,9 +184,9 @@ def test_bf16_autocast_log_probs_within_tolerance(tiny):
 
 
 def test_mfu_arithmetic(tiny, monkeypatch):
-    import common.perf as perf
+    import common.harness.perf as perf
 
-    model = M.load_causal_lm(tiny, M.load_tokenizer(tiny))
+    model = M.load_causal_lm(tiny, chat.load_tokenizer(tiny))
     monkeypatch.setattr(perf, "matmul_peak_flops", lambda device, dtype: 1e9)
     n = sum(p.numel() for p in model.parameters())
     if model.get_input_embeddings().weight is not model.get_output_embeddings().weight:
@@ -203,8 +196,8 @@ def test_mfu_arithmetic(tiny, monkeypatch):
 
 
 def test_micro_batch_budget_under_deepspeed():
-    from common.distributed import micro_batch_budget
-    from common.errors import UserError
+    from common.core.errors import UserError
+    from common.parallel.accelerator import micro_batch_budget
 
     ds, ddp = (
         type("Acc", (), {"distributed_type": t})() for t in ("DistributedType.DEEPSPEED", "DistributedType.MULTI_CPU")
@@ -237,7 +230,7 @@ def test_micro_batch_counts_agree_across_processes_and_default_budget():
 
 
 def test_auto_mixed_precision(tiny, tmp_path, monkeypatch):
-    import common.distributed as D
+    import common.parallel.accelerator as D
 
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     big = tmp_path / "big"
@@ -295,9 +288,9 @@ def test_scripts_resolve_auto_mixed_precision(toy_prompts, tmp_path):
 def test_smollm2_greedy_matches_transformers_and_bf16_stays_within_tolerance():
     """On the real default model: our greedy decoding is transformers' token for token; bf16 autocast
     log-probs of a sampled batch stay within mean 0.06 / max 0.5 nats of float32 (measured 0.042 / 0.23)."""
-    tok = M.load_tokenizer(M.DEFAULT_MODEL)
-    model = M.load_causal_lm(M.DEFAULT_MODEL, tok).eval()
-    texts = [M.apply_chat(tok, p) for p in ["hi", "What is 2+3?", "Write a haiku about rain.", "ok"]]
+    tok = chat.load_tokenizer(defaults.DEFAULT_MODEL)
+    model = M.load_causal_lm(defaults.DEFAULT_MODEL, tok).eval()
+    texts = [chat.apply_chat(tok, p) for p in ["hi", "What is 2+3?", "Write a haiku about rain.", "ok"]]
     q, qm = tokenize_queries(tok, texts)
     ours = generate(model, tok, q, qm, 40)
     with torch.no_grad():
@@ -320,9 +313,9 @@ def test_bf16_reference_weights_are_bit_identical_under_autocast(tiny):
     """prepare_frozen(..., under_autocast=True) under bf16: Linear weights stored in bf16 give exactly the
     log-probs of float32 weights cast by autocast, with less memory; a tied head and the embedding stay
     float32; without bf16 autocast nothing changes."""
-    from common.distributed import prepare_frozen
+    from common.parallel.sharded import prepare_frozen
 
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     q, qm = tokenize_queries(tok, ["a b c", "hello there, a longer prompt"])
     qr = torch.cat([q, torch.randint(0, 1000, (2, 6), generator=torch.Generator().manual_seed(0))], 1)
     attn = sequence_attention_mask(qm, 6)
@@ -352,7 +345,7 @@ def test_bf16_reference_weights_are_bit_identical_under_autocast(tiny):
 def test_entropy_is_detached_unless_it_is_in_the_loss(tiny):
     """with_entropy gives the same values either way; only entropy_grad=True keeps the (B, T, V) graph,
     and the log-probs' gradient is the same."""
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok)
     q, qm = tokenize_queries(tok, ["a b c", "hello"])
     qr = torch.cat([q, torch.randint(0, 1000, (2, 5), generator=torch.Generator().manual_seed(0))], 1)
@@ -369,7 +362,7 @@ def test_entropy_is_detached_unless_it_is_in_the_loss(tiny):
 def test_fused_adamw_follows_foreach_adamw(tiny):
     """The scripts' fused AdamW (one kernel per step) takes the same steps as the foreach AdamW they used
     before, to float32 rounding: 5 steps of a tiny model, max |diff| of the weights < 1e-6."""
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     q, qm = tokenize_queries(tok, ["a b c", "hello"])
     qr = torch.cat([q, torch.randint(0, 1000, (2, 5), generator=torch.Generator().manual_seed(0))], 1)
     attn = sequence_attention_mask(qm, 5)
@@ -390,13 +383,13 @@ def test_fused_adamw_follows_foreach_adamw(tiny):
 def test_one_autocast_region_per_rollout_changes_no_sample(tiny):
     """unwrap_for_generation makes the rollout one bf16 autocast region (weights cast once, not per
     decoding step): the samples and their log-probs are exactly those of per-forward autocast."""
-    from common.distributed import unwrap_for_generation
+    from common.parallel.sharded import unwrap_for_generation
 
     # a stand-in for a bf16 Accelerator (its state is a process-wide singleton, set by other tests) and a model
     # prepared by it: each forward its own autocast region, as Accelerate wraps it
     bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
     acc = SimpleNamespace(unwrap_model=lambda m: m, autocast=bf16, state=SimpleNamespace())
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     policy = M.load_causal_lm(tiny, tok)
     policy.forward = bf16()(policy.forward)
     q, qm = tokenize_queries(tok, ["a b c", "hello there", "one two three four"])
@@ -413,7 +406,7 @@ def test_one_autocast_region_per_rollout_changes_no_sample(tiny):
 def test_the_engines_weight_fingerprint_sees_a_change_no_version_counter_sees():
     """A fused AdamW step and a `.data` write (DeepSpeed ZeRO-1/2's copy-back) leave the parameters' version counters
     where they were; the vLLM engine decides "changed" from the weights' fingerprint, which moves (issue 32.2)."""
-    from common.vllm_engine import weights_fingerprint
+    from common.integrations.vllm_engine import weights_fingerprint
 
     m = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(m.parameters(), lr=0.1, fused=True)
@@ -437,14 +430,14 @@ def test_pi_old_from_the_rollouts_prompt_cache_equals_a_full_forward(tiny, bf16,
     the decoding never wrote into the kept cache; no cache unless asked for. `long`: prompts of ~200 tokens, where
     the full forward's (p+t)^2 scores pass SMALL_ATTENTION_MAX_SCORES and the cached one's t(p+t) do not (issue
     32.4: the two took different kernels, |d log p| ~1e-2 in bf16 before any update)."""
-    from common.attention import SMALL_ATTENTION_MAX_SCORES
+    from common.core.attention import SMALL_ATTENTION_MAX_SCORES
 
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok)
-    assert model.config._attn_implementation == M.SMALL_ATTENTION
-    texts = [M.apply_chat(tok, "x" * k) for k in (1, 30, 5, 12, 2, 40)]
+    assert model.config._attn_implementation == attention.SMALL_ATTENTION
+    texts = [chat.apply_chat(tok, "x" * k) for k in (1, 30, 5, 12, 2, 40)]
     if long:
-        texts = [M.apply_chat(tok, " x" * (170 + k)) for k in (1, 30, 5, 12, 2, 20)]
+        texts = [chat.apply_chat(tok, " x" * (170 + k)) for k in (1, 30, 5, 12, 2, 20)]
         P = tokenize_queries(tok, texts)[0].shape[1]
         assert (P + 10) ** 2 > SMALL_ATTENTION_MAX_SCORES >= 10 * (P + 10), P
     region = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
@@ -467,21 +460,21 @@ def test_pi_old_from_the_rollouts_prompt_cache_equals_a_full_forward(tiny, bf16,
 
 
 def test_models_load_with_the_small_attention_and_save_plain_configs(tiny, tmp_path):
-    """Every loader swaps transformers' default SDPA for common.attention's SMALL_ATTENTION (SDPA beyond its sizes and in
+    """Every loader swaps transformers' default SDPA for common.core.attention's SMALL_ATTENTION (SDPA beyond its sizes and in
     float32); a saved checkpoint does not name it, so plain transformers loads it with its own default. Under bf16
     autocast the log-probs agree with SDPA's to bf16 noise."""
     import json
 
     from transformers import AutoModelForCausalLM
 
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok)
     critic, rm = M.load_value_model(tiny, tok), M.load_reward_model(tiny, tok)
-    assert {x.config._attn_implementation for x in (model, critic, rm)} == {M.SMALL_ATTENTION}
+    assert {x.config._attn_implementation for x in (model, critic, rm)} == {attention.SMALL_ATTENTION}
     model.save_pretrained(tmp_path)
     assert "cleanrlhf" not in json.dumps(json.load(open(tmp_path / "config.json")))
     assert AutoModelForCausalLM.from_pretrained(tmp_path).config._attn_implementation == "sdpa"
-    q, qm = tokenize_queries(tok, [M.apply_chat(tok, t) for t in ("hello there", "count to ten please")])
+    q, qm = tokenize_queries(tok, [chat.apply_chat(tok, t) for t in ("hello there", "count to ten please")])
     ro = generate(model, tok, q, qm, 12, 1.0, seeds=[1, 2])
     attn, m = sequence_attention_mask(qm, ro.responses.shape[1]), ro.response_mask
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -497,7 +490,7 @@ def test_the_weight_fingerprint_is_computed_in_chunks(monkeypatch):
     (a 49k x 2k embedding would be 0.8 GB more on the device); its values are the naive sums (float64 rounding)."""
     import numpy as np
 
-    from common.vllm_engine import weights_fingerprint
+    from common.integrations.vllm_engine import weights_fingerprint
 
     big = torch.randn(3 << 21, generator=torch.Generator().manual_seed(0))  # 6.3M elements: two chunks
     small = torch.randn(7, 3, dtype=torch.bfloat16)

@@ -233,7 +233,7 @@ def test_yaml_preset_values_parse_like_the_cli(tmp_path):
     sys.path.insert(0, str(REPO / "algos"))
     import grpo_llm as G
 
-    from common.cli import parse_args
+    from common.harness.cli import parse_args
 
     (tmp_path / "p.yaml").write_text(
         "learning_rate: 1e-5\nscale_rewards: none\nhealth:\n  kl_max: 2\nmask_truncated: true\n"
@@ -253,7 +253,7 @@ def test_yaml_preset_values_parse_like_the_cli(tmp_path):
 
 
 def test_prompt_formatting_flags(tiny):
-    from common import models as M
+    from common.core import chat as M
 
     tok = M.load_tokenizer(tiny)
     msgs = [{"role": "user", "content": "What is 2+2?"}]
@@ -320,7 +320,7 @@ def test_preset_keys_may_be_the_old_or_trl_flag_names(tmp_path):
     sets the field, as the alias does on the command line."""
     import importlib
 
-    from common.cli import parse_args
+    from common.harness.cli import parse_args
 
     sys.path.insert(0, str(REPO / "algos"))
     (tmp_path / "p.yaml").write_text("ppo_epochs: 3\n")

@@ -265,7 +265,7 @@ def test_config_preset_loads_and_cli_overrides():
     sys.path.insert(0, str(REPO / "algos"))
     import ppo_llm
 
-    from common.cli import parse_args
+    from common.harness.cli import parse_args
 
     preset = str(REPO / "configs" / "ppo_smollm2_cpu.yaml")
     a = parse_args(ppo_llm.Args, ["--config", preset])
@@ -282,7 +282,7 @@ def test_the_retired_values_from_update_is_accepted_and_read_nowhere(script, tmp
     has it. GAE and whitening run in one place."""
     import importlib
 
-    from common.cli import parse_args
+    from common.harness.cli import parse_args
 
     sys.path.insert(0, str(REPO / "algos"))
     module = importlib.import_module(script)

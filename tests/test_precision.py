@@ -6,11 +6,12 @@ dtypes the loaders and make_accelerator pick for cuda) and the same update arith
 import pytest
 import torch
 
-from common import models as M
-from common.args import ModelArgs, OptimArgs, check_args
-from common.distributed import auto_mixed_precision
-from common.errors import UserError
-from common.optim import KahanAdamW, adamw
+from common.core import chat
+from common.core import models as M
+from common.core.errors import UserError
+from common.harness.args import ModelArgs, OptimArgs, check_args
+from common.parallel.accelerator import auto_mixed_precision
+from common.parallel.optim import KahanAdamW, adamw
 from conftest import REPO, only_run, read_metrics, run_script
 
 
@@ -25,10 +26,10 @@ def a_bf16_gpu(monkeypatch):
 
 
 def _load_as_on_the_gpu(gpu, loader, tiny, kw):
-    """The loader at the dtype it resolves for cuda (common.models.default_dtype, which the loaders call)."""
+    """The loader at the dtype it resolves for cuda (common.core.models.default_dtype, which the loaders call)."""
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[M.default_dtype(override=kw.pop("dtype"))]
     gpu.undo()
-    return loader(tiny, M.load_tokenizer(tiny), dtype=dtype, **kw)
+    return loader(tiny, chat.load_tokenizer(tiny), dtype=dtype, **kw)
 
 
 def _steps(model, opt, n, autocast=True):
@@ -102,7 +103,7 @@ def test_bf16_weights_keep_the_float32_trajectory_under_kahan_adamw(tiny):
     """--dtype bfloat16: the same gradients into float32 AdamW, torch's AdamW on bf16 weights and KahanAdamW on bf16
     weights, 30 steps at 5e-6. torch's bf16 update loses > 90 % of the float32 update; Kahan's stored weight plus
     its carried remainder loses < 2 %, and its stored weight is within half a bf16 ULP of that."""
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     fp32 = M.load_causal_lm(tiny, tok, dtype="float32")
     plain = {n: p.detach().bfloat16().requires_grad_() for n, p in fp32.named_parameters()}
     kahan = M.load_causal_lm(tiny, tok, **M.train_kwargs(ModelArgs(model_name_or_path=tiny, dtype="bfloat16")))
@@ -194,7 +195,7 @@ def test_adamw_8bit_follows_float32_adamw_and_resumes_exactly(tiny):
 
     import bitsandbytes as bnb
 
-    from common.distributed import load_optimizer_state, optimizer_state
+    from common.parallel.sharded import load_optimizer_state, optimizer_state
 
     ref, ours = M.load_causal_lm(tiny), M.load_causal_lm(tiny)
     w0 = {n: p.detach().clone() for n, p in ref.named_parameters()}

@@ -1,5 +1,5 @@
 """Issue 52's two levers, each against the computation it replaces: the LM head applied in chunks from the hidden
-states (common.ops.head_logprobs) and a group's prompt run once in the forward and backward
+states (common.core.ops.head_logprobs) and a group's prompt run once in the forward and backward
 (forward_logprobs(share_prompts=True)): the same values and gradients, on every GRPO loss and aggregation, with
 the KL term, multi-turn masks, LoRA, packed micro-batches, and (distributed tier) DDP with 2 processes."""
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common import models as M
-from common.ops import head_logprobs, kl_estimate, logprobs_and_entropy
-from common.rollout import (
+from common.core import chat
+from common.core import models as M
+from common.core.forwards import (
     MicroBatch,
     can_share_prompts,
     chunkable_head,
@@ -23,8 +23,9 @@ from common.rollout import (
     head_returns_hidden,
     micro_batches,
     padding_counts,
-    sequence_attention_mask,
 )
+from common.core.generation import sequence_attention_mask
+from common.core.ops import head_logprobs, kl_estimate, logprobs_and_entropy
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "algos"))
@@ -88,10 +89,10 @@ def test_chunked_head_under_bf16_autocast_follows_the_full_logits():
 def group_batch(tok, G_=3, T=6, seed=0):
     """Three prompts of different lengths (left padding) x G rows each, random responses whose masks hold a shorter
     response and multi-turn holes (observation tokens: mask 0 between real ones)."""
-    from common.rollout import tokenize_queries
+    from common.core.generation import tokenize_queries
 
     g = torch.Generator().manual_seed(seed)
-    texts = [M.apply_chat(tok, "x" * k) for k in (3, 11, 6) for _ in range(G_)]
+    texts = [chat.apply_chat(tok, "x" * k) for k in (3, 11, 6) for _ in range(G_)]
     q, qm = tokenize_queries(tok, texts)
     r = torch.randint(5, len(tok) - 1, (len(texts), T), generator=g)
     mask = torch.ones(len(texts), T)
@@ -143,7 +144,7 @@ def assert_same(a, b, what):
 
 @pytest.fixture(scope="module")
 def policy_and_ref(tiny):
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     policy = M.load_causal_lm(tiny, tok).float()
     ref = M.load_causal_lm(tiny, tok).float()
     with torch.no_grad():  # a reference that differs from the policy: the KL term has a gradient
@@ -211,7 +212,7 @@ def test_packed_micro_batches_share_prompts_and_give_the_same_gradient(policy_an
 def test_packed_sequences_hold_each_prompt_once_and_split_past_the_length_cap():
     """packed_by_prompt by hand on two prompts (one left-padded) x 2 and 1 responses: ids, positions, the mask and the
     gather index; with a cap of one response per sequence, a prompt with two rows becomes two sequences."""
-    from common.rollout import packed_by_prompt
+    from common.core.forwards import packed_by_prompt
 
     q = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9]])
     qm = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1]])
@@ -235,7 +236,7 @@ def test_packed_sequences_hold_each_prompt_once_and_split_past_the_length_cap():
 def test_shared_prompts_with_lora_equal_the_full_forward(tiny, monkeypatch):
     from peft import LoraConfig, get_peft_model
 
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     base = M.load_causal_lm(tiny, tok).float()
     torch.manual_seed(0)
     policy = get_peft_model(
@@ -257,7 +258,7 @@ def test_where_the_levers_are_off(tiny):
     from peft import LoraConfig, get_peft_model
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     adapted = get_peft_model(M.load_causal_lm(tiny, tok), LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
     assert chunkable_head(adapted) is None
     hooked = M.load_causal_lm(tiny, tok)
@@ -292,10 +293,10 @@ def test_shared_prompts_under_gradient_checkpointing(policy_and_ref, tiny):
 def test_sft_and_dpo_log_probs_take_the_chunked_head(tiny, monkeypatch):
     """token_logprobs (SFT's and DPO's log-probs of given tokens, right padding) with the head in chunks equals the
     full logits' log-softmax, values and gradients, in float32 and under bf16 autocast."""
-    from common.ops import selective_log_softmax
-    from common.rollout import token_logprobs
+    from common.core.forwards import token_logprobs
+    from common.core.ops import selective_log_softmax
 
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok).float()
     ids = torch.randint(5, 1000, (3, 300), generator=torch.Generator().manual_seed(0))  # > one chunk of positions
     attn = torch.ones_like(ids)
@@ -319,7 +320,7 @@ def test_sft_and_dpo_log_probs_take_the_chunked_head(tiny, monkeypatch):
 
 def test_rows_as_rollout_moves_right_padded_rows_into_the_rollout_layout():
     """By hand: prompt lengths 2 and 3, responses 3 and 1, right-padded rows -> prompts left-padded to P = 3."""
-    from common.rollout import rows_as_rollout
+    from common.core.forwards import rows_as_rollout
 
     ids = torch.tensor([[11, 12, 21, 22, 23, 0], [13, 14, 15, 24, 0, 0]])
     attn = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
@@ -339,9 +340,13 @@ def test_dpo_pairs_share_their_prompt_with_the_loss_and_gradients_of_the_rows(po
 
     tok, policy, ref = policy_and_ref
     pairs = [
-        {"prompt": M.apply_chat(tok, "What is 2+3?"), "chosen": "5", "rejected": "six or seven"},
-        {"prompt": M.apply_chat(tok, "Name a colour, please, any colour."), "chosen": "red and blue", "rejected": ""},
-        {"prompt": M.apply_chat(tok, "Hi"), "chosen": "hello there, friend", "rejected": "no"},
+        {"prompt": chat.apply_chat(tok, "What is 2+3?"), "chosen": "5", "rejected": "six or seven"},
+        {
+            "prompt": chat.apply_chat(tok, "Name a colour, please, any colour."),
+            "chosen": "red and blue",
+            "rejected": "",
+        },
+        {"prompt": chat.apply_chat(tok, "Hi"), "chosen": "hello there, friend", "rejected": "no"},
     ]
     batch = D.encode_pairs(tok, pairs, 256, 64, None)
     b = len(pairs)
@@ -360,7 +365,7 @@ def test_dpo_pairs_share_their_prompt_with_the_loss_and_gradients_of_the_rows(po
     monkeypatch.setenv("CLEANRLHF_LM_HEAD", "full")
     l0, g0, s0, m0 = run(False)
     monkeypatch.delenv("CLEANRLHF_LM_HEAD")
-    import common.rollout as R
+    import common.core.forwards as R
 
     packed, sequences = R.packed_by_prompt, []
     monkeypatch.setattr(R, "packed_by_prompt", lambda *a, **k: sequences.append(packed(*a, **k)[0]) or packed(*a, **k))
@@ -377,9 +382,9 @@ def test_dpo_pairs_share_their_prompt_with_the_loss_and_gradients_of_the_rows(po
 def test_the_chunked_head_runs_in_the_dtype_of_the_models_autocast(tiny, monkeypatch):
     """accelerate runs a prepared model's forward under autocast (--mixed-precision bf16), while the caller is not in
     one: the head applied after the forward takes the forward's bf16, as the model's own head would have."""
-    import common.rollout as R
+    import common.core.forwards as R
 
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok)
     # what accelerate's prepare does under --mixed-precision bf16 (its AcceleratorState is a process singleton, so
     # an Accelerator made here would take an earlier test's precision)
@@ -398,7 +403,7 @@ def test_the_chunked_head_runs_in_the_dtype_of_the_models_autocast(tiny, monkeyp
 def test_the_head_returns_hidden_states_only_in_the_thread_that_asked(tiny):
     """Another thread's forward on the same model (an async generator sharing it) gets logits while one thread is
     inside `head_returns_hidden`; after it, the head is the class's again."""
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok)
     head, ids = chunkable_head(model), torch.randint(100, (1, 5))
     inside, done, widths = threading.Event(), threading.Event(), {}
@@ -422,7 +427,7 @@ def test_the_head_returns_hidden_states_only_in_the_thread_that_asked(tiny):
 def test_the_chunked_head_holds_no_full_logits(tiny):
     """What autograd saves for backward: the full path keeps (B, T, V) float32 logits, the chunked head only the
     hidden states (B, T, H) and two floats per position (the weight is a parameter either way)."""
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok).float()
     qr = torch.randint(5, 1000, (4, 30))
     am = torch.ones_like(qr)

@@ -10,10 +10,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from common.data import PromptRow
-from common.errors import UserError
-from common.remote_rewards import JudgeScorer, RemoteScorer, ServiceConfig, ServiceError, parse_judge_score
-from common.rewards import Reward
+from common.core.data import PromptRow
+from common.core.errors import UserError
+from common.core.rewards import Reward
+from common.integrations.remote_rewards import JudgeScorer, RemoteScorer, ServiceConfig, ServiceError, parse_judge_score
 from conftest import REPO, only_run, read_metrics, run_script
 
 ROWS = [PromptRow(f"q{i}", "match", str(i), {"i": i}, uid=i, messages=f"what is {i}?") for i in range(7)]
@@ -117,7 +117,8 @@ def test_terms_and_services_go_together():
 
 def test_serve_rm_scores_as_the_reward_model_in_process(tiny, tmp_path):
     """tools.serve_rm over HTTP = --reward-model in process, to 1e-5 (the same encoding, the same normalisation)."""
-    from common import models as M
+    from common.core import chat
+    from common.core import models as M
     from tools.serve_rm import make_server
 
     rm_dir = tmp_path / "rm"
@@ -125,14 +126,14 @@ def test_serve_rm_scores_as_the_reward_model_in_process(tiny, tmp_path):
     torch.manual_seed(0)
     torch.nn.init.normal_(rm.score.weight, std=0.5)
     rm.save_pretrained(rm_dir)
-    M.load_tokenizer(tiny).save_pretrained(rm_dir)
+    chat.load_tokenizer(tiny).save_pretrained(rm_dir)
     server = make_server(str(rm_dir))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/score"
         is_eos = torch.tensor([True, False] * 3 + [True])
         remote = Reward("remote:1.0", remote=RemoteScorer(ServiceConfig(url, batch_size=4)))
-        tok = M.load_reward_tokenizer(str(rm_dir))
+        tok = chat.load_reward_tokenizer(str(rm_dir))
         local = Reward("model:1.0", reward_model=M.load_reward_model(str(rm_dir), tok).eval(), reward_tok=tok)
         a = remote(ROWS, RESPONSES, torch.full((7,), 5), is_eos=is_eos)[0]
         b = local(ROWS, RESPONSES, torch.full((7,), 5), is_eos=is_eos)[0]
@@ -149,14 +150,15 @@ def test_serve_rm_refuses_a_causal_lm_a_busy_port_and_an_oversized_request(tiny,
     import urllib.error
     import urllib.request
 
-    from common import models as M
+    from common.core import chat
+    from common.core import models as M
     from tools import serve_rm
 
     with pytest.raises(UserError, match="not a reward model .*ForCausalLM"):
         serve_rm.make_server(tiny)
     rm_dir = tmp_path / "rm"
     M.load_reward_model(tiny).save_pretrained(rm_dir)
-    M.load_tokenizer(tiny).save_pretrained(rm_dir)
+    chat.load_tokenizer(tiny).save_pretrained(rm_dir)
     server = serve_rm.make_server(str(rm_dir))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     port = server.server_address[1]
@@ -326,10 +328,11 @@ def test_grpo_with_a_served_reward_model_mixed_with_rules(tiny_peaky, toy_prompt
 # ------------------------------------------------------------------ reward calls overlap the decoding (37.3)
 def _early_ending(tiny):
     """The tiny model and a tokenizer whose EOS is the token row 0 samples third: rows end at different steps."""
-    from common import models as M
-    from common.rollout import generate, tokenize_queries
+    from common.core import chat
+    from common.core import models as M
+    from common.core.generation import generate, tokenize_queries
 
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok).eval()
     rows = [PromptRow(f"count {i}", "toy", str(i), {"i": i}, uid=i) for i in range(12)]
     q, qm = tokenize_queries(tok, [r.text for r in rows])
@@ -342,8 +345,8 @@ def _early_ending(tiny):
 def test_scores_as_rows_finish_equal_the_batch_scores(tiny, tmp_path):
     """sample_and_score (the worker pool and a service called on groups of finished rows while the rest decode)
     gives exactly generate() then Reward on the whole batch; the service sees more than one group."""
-    from common.rollout import generate
-    from common.sampling import sample_and_score
+    from common.core.generation import generate
+    from common.core.sampling import sample_and_score
 
     tok, model, rows, q, qm, sampling = _early_ending(tiny)
     (tmp_path / "fn.py").write_text(
@@ -370,7 +373,7 @@ def test_scores_as_rows_finish_equal_the_batch_scores(tiny, tmp_path):
 
 
 def test_a_service_is_called_while_the_batch_still_decodes_and_its_failure_is_raised_here(tiny):
-    from common.sampling import sample_and_score
+    from common.core.sampling import sample_and_score
 
     tok, model, rows, q, qm, sampling = _early_ending(tiny)
     hook = model.register_forward_hook(lambda *a: time.sleep(0.05))  # a slow decoding step: ~2 s for 40 tokens
@@ -378,14 +381,14 @@ def test_a_service_is_called_while_the_batch_still_decodes_and_its_failure_is_ra
     stamps = []
     try:
         reward = Reward("remote:1.0", remote=RemoteScorer(ServiceConfig(stub.url)))
-        import common.sampling
+        import common.core.sampling
 
-        real = common.sampling.generate
-        common.sampling.generate = lambda *a, **k: (real(*a, **k), stamps.append(time.time()))[0]
+        real = common.core.sampling.generate
+        common.core.sampling.generate = lambda *a, **k: (real(*a, **k), stamps.append(time.time()))[0]
         try:
             sample_and_score(model, tok, q, qm, rows, reward, "cpu", **sampling)
         finally:
-            common.sampling.generate = real
+            common.core.sampling.generate = real
         assert stub.times[0] < stamps[0] - 0.5  # the first group was scored while decoding went on
         dead = Reward("remote:1.0", remote=RemoteScorer(ServiceConfig("http://127.0.0.1:9/s", retries=0, timeout=2)))
         with pytest.raises(ServiceError, match="http://127.0.0.1:9/s"):

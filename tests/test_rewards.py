@@ -9,17 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.data import PromptRow
-from common.rewards import (
-    Reward,
-    RewardError,
-    check_data_sources,
-    compute_score,
-    extract_tag_answer,
-    load_reward_fn,
-    parse_mix,
-)
-from common.tasks import reasoning_gym_rows
+from common.core.data import PromptRow
+from common.core.reward_workers import RewardError
+from common.core.rewards import Reward, parse_mix
+from common.core.scorers import check_data_sources, compute_score, extract_tag_answer, load_reward_fn
+from common.core.tasks import reasoning_gym_rows
 
 
 def rg_row(task="chain_sum", i=0):
@@ -52,7 +46,7 @@ def test_reasoning_gym_scorer_exact_and_partial():
 
 
 def test_gsm8k_modes_and_math():
-    from common.rewards import gsm8k_score
+    from common.core.scorers import gsm8k_score
 
     assert gsm8k_score("openai/gsm8k", "blah 12 then 7", "7", mode="flexible")["score"] == 1.0
     assert gsm8k_score("openai/gsm8k", "blah 12 then 7", "7", mode="strict")["score"] == 0.0
@@ -121,7 +115,8 @@ def test_exact_reward_drops_partial_credit():
 
 
 def test_reward_model_scores_batched(tiny):
-    from common.models import load_reward_model, load_tokenizer
+    from common.core.chat import load_tokenizer
+    from common.core.models import load_reward_model
 
     tok = load_tokenizer(tiny)
     rm = load_reward_model(tiny, tok).eval()
@@ -303,8 +298,8 @@ def test_reward_workers_die_with_the_trainer(tmp_path):
         "    return {'score': 1.0, 'pid': os.getpid()}\n"
     )
     code = (
-        "import os, sys, torch\nsys.path.insert(0, sys.argv[1])\nfrom common.rewards import Reward\n"
-        "from common.data import PromptRow\n"
+        "import os, sys, torch\nsys.path.insert(0, sys.argv[1])\nfrom common.core.rewards import Reward\n"
+        "from common.core.data import PromptRow\n"
         f"r = Reward('rule:1.0', '{tmp_path}/pid.py:score', workers=2)\n"
         "rows = [PromptRow('p', 'x', None, {}, i) for i in range(4)]\n"
         "r(rows, ['a'] * 4, torch.ones(4))\n"
@@ -333,7 +328,7 @@ def test_reward_workers_die_with_the_trainer(tmp_path):
 def test_the_failed_row_is_the_error_not_a_row_skipped_after_it(tmp_path):
     """Groups scored as rows finish (ScoreAsTheyFinish) come back in any order: the pool marks the rows after a
     failure in its group "not scored", and the error names the row that failed, even when a skipped row is earlier."""
-    from common.rewards import NOT_SCORED
+    from common.core.reward_workers import NOT_SCORED
 
     (tmp_path / "f.py").write_text("def score(ds, s, gt, extra_info=None):\n    return 1.0\n")
     reward = Reward("rule:1.0", reward_fn=f"{tmp_path}/f.py:score", workers=1)
@@ -349,7 +344,7 @@ def test_reward_workers_outlive_the_scoring_thread(tmp_path):
     a child exits: the workers were killed after every batch, restarted the next, and a worker killed holding the
     task queue's lock left the run hanging at exit (CI, a DDP GRPO test). They start in the trainer's thread now and
     serve every batch."""
-    from common.rewards import ScoreAsTheyFinish
+    from common.core.rewards import ScoreAsTheyFinish
 
     (tmp_path / "pid.py").write_text(
         "import os\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"

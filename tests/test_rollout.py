@@ -2,15 +2,17 @@
 
 import torch
 
-from common import models as M
-from common.errors import mix_seed
-from common.rollout import forward_logprobs, generate, response_masks, sequence_attention_mask, tokenize_queries
+from common.core import chat
+from common.core import models as M
+from common.core.errors import mix_seed
+from common.core.forwards import forward_logprobs
+from common.core.generation import generate, response_masks, sequence_attention_mask, tokenize_queries
 
 
 def _setup(tiny):
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok).eval()
-    texts = [M.apply_chat(tok, p) for p in ["hi", "what is two plus two, tell me", "ok"]]
+    texts = [chat.apply_chat(tok, p) for p in ["hi", "what is two plus two, tell me", "ok"]]
     q, qm = tokenize_queries(tok, texts)
     return tok, model, q, qm
 
@@ -87,9 +89,9 @@ def test_stop_strings_end_responses(tiny_peaky):
 
 
 def test_generation_mode_is_restored(tiny):
-    from common.distributed import unwrap_for_generation
+    from common.parallel.sharded import unwrap_for_generation
 
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok, gradient_checkpointing=True)
     assert model.training
     with unwrap_for_generation(None, model) as m:
@@ -98,14 +100,14 @@ def test_generation_mode_is_restored(tiny):
 
 
 def test_the_decoding_cache_is_written_in_place_not_copied_per_token(tiny, monkeypatch):
-    """generate's KV cache (common.attention.preallocate_cache): each token's key and value are written into one
+    """generate's KV cache (common.core.attention.preallocate_cache): each token's key and value are written into one
     buffer per layer sized for the prompt and every new token (its storage never moves while the batch keeps its
     rows), where DynamicLayer's torch.cat allocated a new, one-longer copy of every layer at every token; the
     responses and log-probs are those of the DynamicCache decoding, bit for bit."""
     from transformers import cache_utils
 
-    from common import rollout
-    from common.attention import preallocate_cache
+    from common.core import generation as rollout
+    from common.core.attention import preallocate_cache
 
     tok, model, q, qm = _setup(tiny)
     pointers, lengths = [], []

@@ -16,11 +16,12 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from common import checkpoint as C
-from common import cli as CLI
-from common import errors as E
-from common import run as R
-from common.args import Group, RunArgs, group
+from common.core import errors as E
+from common.harness import checkpoint as C
+from common.harness import cli as CLI
+from common.harness import run as R
+from common.harness import tracking
+from common.harness.args import Group, RunArgs, group
 
 
 @dataclass
@@ -46,7 +47,7 @@ def test_config_preset_then_cli_overrides(tmp_path, capsys):
 
 def test_run_dir_and_args_json(tmp_path):
     args = ToyArgs(run=RunArgs(exp_name="toy", output_dir=str(tmp_path)))
-    d = R.make_run_dir(Accelerator(cpu=True), "toyalgo", args)
+    d = tracking.make_run_dir(Accelerator(cpu=True), "toyalgo", args)
     assert d.name.startswith("toyalgo__toy__1__")
     rec = json.loads((d / "args.json").read_text())
     assert rec["lr"] == 0.1 and rec["world_size"] == 1 and "git_commit" in rec and "git_dirty" in rec
@@ -67,7 +68,7 @@ def test_rng_state_round_trip(tmp_path):
 
 TOY_LOOP = textwrap.dedent('''
     """A toy training loop: a tiny model trained with AdamW on random data drawn from the global RNG,
-    checkpointed with common.checkpoint; used to test exact resume and crash safety."""
+    checkpointed with common.harness.checkpoint; used to test exact resume and crash safety."""
     import sys, time
     from pathlib import Path
     sys.path.insert(0, {repo!r})
@@ -168,16 +169,17 @@ def test_keep_last_and_resume_errors(tmp_path):
 
 
 def test_optimizer_state_is_keyed_by_name_and_loads_old_checkpoints(tiny):
-    """Single process: common.distributed.optimizer_state keys Adam's moments by parameter name and
+    """Single process: common.parallel.sharded.optimizer_state keys Adam's moments by parameter name and
     load_optimizer_state restores them exactly; a plain opt.state_dict() (checkpoints written before the
     name-keyed format) still loads."""
     from types import SimpleNamespace
 
-    from common import models as M
-    from common.distributed import load_optimizer_state, optimizer_state
+    from common.core import chat
+    from common.core import models as M
+    from common.parallel.sharded import load_optimizer_state, optimizer_state
 
     acc = SimpleNamespace(distributed_type="DistributedType.NO", num_processes=1)
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
 
     def trained():
         model = M.load_causal_lm(tiny, tok)
@@ -286,7 +288,7 @@ def test_damaged_foreign_or_non_finite_weights_are_one_line(tiny, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from common import models as M
+    from common.core import models as M
 
     model = M.load_causal_lm(tiny, None)
     good = tmp_path / "good"
@@ -329,10 +331,10 @@ def test_a_run_folder_takes_one_run_at_a_time(tmp_path):
     fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
     acc = types.SimpleNamespace(is_main_process=True, print=print, wait_for_everyone=lambda: None)
     with pytest.raises(E.UserError, match="in use by pid 4242"):
-        R.make_run_dir(acc, "ppo_llm", None, run / "checkpoints" / "step_1")
+        tracking.make_run_dir(acc, "ppo_llm", None, run / "checkpoints" / "step_1")
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'  # untouched
     held.close()  # the other run ended: its lock went with it
-    R.lock_run_dir(run)
+    tracking.lock_run_dir(run)
     assert "pid" in (run / ".lock").read_text()
 
 
@@ -342,14 +344,15 @@ def test_a_real_full_disk_keeps_the_previous_checkpoint(tiny, tmp_path):
     full), and the earlier checkpoint still loads."""
     import subprocess
 
-    from common import models as M
+    from common.core import chat
+    from common.core import models as M
 
     disk = tmp_path / "disk"
     disk.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(disk)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
-        acc, tok = Accelerator(cpu=True), M.load_tokenizer(tiny)
+        acc, tok = Accelerator(cpu=True), chat.load_tokenizer(tiny)
         model = M.load_causal_lm(tiny, tok)
         run = disk / "run"
         C.save_checkpoint(acc, run, 1, {"policy": model}, {}, tokenizer=tok)
@@ -372,9 +375,10 @@ def test_a_sharded_checkpoint_restores_weights_and_optimizer_and_loads_as_a_mode
     model (converted once into the cache); a save that fails midway leaves step_1 as the only checkpoint."""
     import torch.distributed.checkpoint as dcp
 
-    from common import models as M
+    from common.core import chat
+    from common.core import models as M
 
-    acc, tok = Accelerator(cpu=True), M.load_tokenizer(tiny)
+    acc, tok = Accelerator(cpu=True), chat.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(input_ids=torch.tensor([[1, 2, 3]])).logits.mean().backward()
@@ -407,7 +411,7 @@ def test_sharded_critic_and_reward_model_folders_load_as_what_they_are(tiny, toy
     loads it (as save_pretrained does), so a PPO checkpoint's critic folder converts to a critic (its trained head,
     not a causal LM's), loads as --critic-model and exports, and an rm_llm.py checkpoint's folder serves as
     --reward-model (the audit: `Missing key ... lm_head.weight` for both)."""
-    from common import models as M
+    from common.core import models as M
     from conftest import REPO, only_run, run_script, run_tool
 
     monkeypatch.setenv("CLEANRLHF_CACHE", str(tmp_path / "cache"))
@@ -451,10 +455,11 @@ def test_a_damaged_shard_is_one_line_naming_it_and_the_intact_step_before(tiny, 
 
     import torch.distributed.checkpoint as dcp
 
-    from common import models as M
+    from common.core import chat
+    from common.core import models as M
 
     monkeypatch.setenv("CLEANRLHF_CACHE", str(tmp_path / "cache"))
-    acc, tok = Accelerator(cpu=True), M.load_tokenizer(tiny)
+    acc, tok = Accelerator(cpu=True), chat.load_tokenizer(tiny)
     model = M.load_causal_lm(tiny, tok)
     saved = tmp_path / "saved"
     for step in (1, 2):

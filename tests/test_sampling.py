@@ -1,13 +1,20 @@
-"""common.sampling's helpers around a step's Rollout: the prompt draw and its seeds, DAPO's dynamic sampling, the
-group reward keys, the samples table. Each against a plain computation in the test."""
+"""GRPO's step helpers (algos/grpo_llm.py, copied into async_grpo.py) around common.core.sampling's Rollout: the prompt
+draw and its seeds, DAPO's dynamic sampling, the group reward keys, the reward by data source; the samples table.
+Each against a plain computation in the test."""
+
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from common.data import Sampler
-from common.errors import mix_seed
-from common.sampling import Rollout, draw_rows, dynamic_sampling, group_metrics, take_informative_groups
+from common.core.data import Sampler
+from common.core.errors import mix_seed
+from common.core.sampling import Rollout
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "algos"))
+from grpo_llm import draw_rows, dynamic_sampling, group_metrics, reward_by_data_source, take_informative_groups  # noqa: E402
 
 
 class OneProcess:
@@ -99,3 +106,21 @@ def test_samples_rows_carry_the_columns():
         {"prompt": "a", "response": "1.0", "reward": 0.5, "advantage": 2.0, "split": "train"},
         {"prompt": "b", "response": "0.0", "reward": -1.0, "advantage": -2.0, "split": "train"},
     ]
+
+
+def test_reward_by_data_source_is_each_sources_mean_when_the_batch_mixes_them():
+    """reward/<source>: the plain mean of its rows' scores; one source: no keys (train/reward says it)."""
+
+    class Row:
+        def __init__(self, source):
+            self.data_source = source
+
+    sources = ["a", "b", "a", "c", "b", "a"]
+    scores = torch.tensor([1.0, 0.0, 0.5, 0.25, 1.0, 0.0])
+    got = reward_by_data_source([Row(s) for s in sources], scores)
+    want = {}
+    for s in sorted(set(sources)):
+        picked = [float(v) for v, src in zip(scores, sources) if src == s]
+        want[f"reward/{s}"] = sum(picked) / len(picked)
+    assert got == pytest.approx(want) and list(got) == ["reward/a", "reward/b", "reward/c"]
+    assert reward_by_data_source([Row("a"), Row("a")], torch.tensor([1.0, 0.0])) == {}

@@ -1,4 +1,4 @@
-"""The Python tool as an OS-level boundary (common/sandbox.py, namespaces mode): each escape found by trying the tool as
+"""The Python tool as an OS-level boundary (common/integrations/sandbox.py, namespaces mode): each escape found by trying the tool as
 an attacker would, with the standard library only, fails to get out. Every probe runs with the audit hook on (the
 default) and off (the OS layer alone must hold: the hook is Python-level and was switched off from inside before),
 and on both of the sandbox's paths: as root (the model's process becomes nobody) and through a user namespace (the
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from common import sandbox
-from common.sandbox import SandboxUnavailable, run_python
+from common.integrations import sandbox
+from common.integrations.sandbox import SandboxUnavailable, run_python
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = [
@@ -275,9 +275,9 @@ def test_a_tool_environment_refuses_at_start_up_and_takes_the_flag(monkeypatch, 
     (one line naming --tool-sandbox where namespaces are refused); --tool-sandbox audit reaches the tool."""
     from transformers import AutoTokenizer
 
-    from common.args import EnvArgs
-    from common.envs import ToolEnv
-    from common.hub_envs import episodes_from_args
+    from common.harness.args import EnvArgs
+    from common.integrations.builtin_envs import ToolEnv
+    from common.integrations.inputs import episodes_from_args
 
     monkeypatch.setattr(sandbox, "_UNSHARE_EXTRA", 0x1)
     sandbox.check_sandbox.cache_clear()
@@ -299,7 +299,7 @@ def test_a_tool_environment_refuses_at_start_up_and_takes_the_flag(monkeypatch, 
 
 ATTACK_ENV = r'''
 import json, os
-from common.envs import ToolEnv
+from common.core.envs import ToolEnv
 
 TRAINER, CWD, PORT = os.getpid(), os.getcwd(), int(os.environ["ATTACK_PORT"])  # what an attacker may guess or learn
 ATTACK = f"""
@@ -409,7 +409,7 @@ def test_a_grpo_run_whose_model_writes_the_escapes_keeps_its_secrets_files_and_p
 # ---------------------------------------------------------------------------------------------
 PROBE = (
     "import sys; sys.path.insert(0, {repo!r})\n"
-    "from common.sandbox import run_python\n"
+    "from common.integrations.sandbox import run_python\n"
     "print(sys.prefix)\n"
     "print(repr(run_python('import math, decimal, os; print(math.lcm(16, 18), decimal.Decimal(1) / 4, "
     'sorted(os.listdir("/tmp")) == sorted(os.listdir("/work")))\')))\n'
@@ -417,7 +417,7 @@ PROBE = (
 
 
 def _tool_from(python):
-    """The tool's answer when the trainer runs on `python` (common/sandbox.py needs the standard library only)."""
+    """The tool's answer when the trainer runs on `python` (common/integrations/sandbox.py needs the standard library only)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     out = subprocess.run([str(python), "-c", PROBE.format(repo=str(REPO))], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]

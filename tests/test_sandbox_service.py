@@ -1,4 +1,4 @@
-"""--tool-sandbox remote (common/sandbox_service.py) against a local server speaking SandboxFusion's API
+"""--tool-sandbox remote (common/integrations/sandbox_service.py) against a local server speaking SandboxFusion's API
 (tests/sandbox_fusion_server.py: the sandbox-fusion package's own request and answer models): the code runs there,
 each call is bounded, a failing service is retried then counted (the run goes on), its key is sent to it and never
 across a redirect, and a run with no service there stops at start-up with one line."""
@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 from sandbox_fusion_server import FusionServer
 
-from common import sandbox_service
-from common.envs import ToolEnv
-from common.errors import UserError
-from common.sandbox_service import SandboxServiceError, check_service, run_remote
+from common.core.errors import UserError
+from common.integrations import sandbox_service
+from common.integrations.builtin_envs import ToolEnv
+from common.integrations.sandbox_service import SandboxServiceError, check_service, run_remote
 
 
 @pytest.fixture

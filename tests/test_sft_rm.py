@@ -14,8 +14,8 @@ import sft_llm as S  # noqa: E402
 
 
 def test_prompt_tokens_are_masked(tiny):
-    from common.data import encode_conversation
-    from common.models import load_tokenizer
+    from common.core.chat import load_tokenizer
+    from common.core.data import encode_conversation
 
     tok = load_tokenizer(tiny)
     row = lambda p, r: dict(zip(("ids", "loss_mask"), encode_conversation(tok, [{"role": "user", "content": p}, {"role": "assistant", "content": r}], prompt_text=p)))  # fmt: skip
@@ -26,7 +26,7 @@ def test_prompt_tokens_are_masked(tiny):
         assert mask[i, :n_p].sum() == 0 and mask[i, n_p : n_p + n_r].eq(1).all() and mask[i, n_p + n_r :].sum() == 0
         assert ids[i, n_p + n_r - 1] == tok.eos_token_id
     # the loss only counts response tokens: changing the prompt's targets does not change the count
-    model = __import__("common.models", fromlist=["x"]).load_causal_lm(tiny, tok)
+    model = __import__("common.core.models", fromlist=["x"]).load_causal_lm(tiny, tok)
     s, n = S.sft_loss_sum(model, ids, attn, mask)
     assert n == mask[:, 1:].sum() and s > 0
     # truncation keeps the response and cuts the prompt's start
@@ -165,9 +165,10 @@ def test_rm_learns_normalises_and_feeds_ppo(tiny, toy_pairs, toy_prompts, tmp_pa
     norm = rows[-1]
     assert abs(norm["rm/norm_mean"]) < 1e-4 and norm["rm/norm_std"] == pytest.approx(1.0, abs=1e-4)
     # the saved folder, loaded as users do, reproduces the normalised scores
-    from common.data import PromptRow, load_preferences
-    from common.models import load_reward_model, load_tokenizer
-    from common.rewards import Reward
+    from common.core.chat import load_tokenizer
+    from common.core.data import PromptRow, load_preferences
+    from common.core.models import load_reward_model
+    from common.core.rewards import Reward
 
     rm_dir = run / "reward_model"
     tok = load_tokenizer(str(rm_dir))

@@ -45,8 +45,8 @@ def launch_tp(nproc, script, *flags, env=None):
 
 def test_mesh_arithmetic():
     """(data-parallel, tensor-parallel) sizes of a launch; TP groups are neighbouring ranks."""
-    from common.distributed import tp_mesh_shape
-    from common.errors import UserError
+    from common.core.errors import UserError
+    from common.parallel.accelerator import tp_mesh_shape
 
     assert tp_mesh_shape(2, 2) == (1, 2) and tp_mesh_shape(8, 2) == (4, 2) and tp_mesh_shape(8, 4) == (2, 4)
     assert tp_mesh_shape(3, 1) == (3, 1)
@@ -187,7 +187,7 @@ def test_other_scripts_run_under_tp2(script, nproc, tiny, tiny_peaky, toy_prompt
     run = only_run(tmp_path)
     assert read_metrics(run)[-1]["step"] == 1
     folder = run / "reward_model" if script == "rm_llm.py" else run / "checkpoints/step_1/policy"
-    from common import models as M
+    from common.core import models as M
 
     loaded = (M.load_reward_model if script == "rm_llm.py" else M.load_causal_lm)(str(folder))
     full = (M.load_reward_model if script == "rm_llm.py" else M.load_causal_lm)(

@@ -10,9 +10,11 @@ import pytest
 import torch
 from test_envs import ScriptedEngine, _rows, _score
 
-from common import models as M
-from common.data import PromptRow, encode_conversation, load_sft, read_table, write_rows
-from common.envs import Episodes, ToolEnv, tool_metrics
+from common.core import chat
+from common.core import models as M
+from common.core.data import PromptRow, encode_conversation, load_sft, read_table, write_rows
+from common.core.envs import Episodes, tool_metrics
+from common.integrations.builtin_envs import ToolEnv
 from conftest import REPO, only_run, read_metrics, run_script, run_tool
 
 sys.path.insert(0, str(REPO / "algos"))
@@ -46,7 +48,7 @@ def test_multi_turn_sft_ids_equal_the_rollouts_ids_and_its_mask_the_response_mas
     renders tools= itself."""
     from test_envs import THINK_DROPPING_TEMPLATE
 
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     tok.chat_template = {"smollm2": tok.chat_template, "think_dropping": THINK_DROPPING_TEMPLATE}.get(
         template, TOOLS_TEMPLATE
     )
@@ -78,11 +80,11 @@ def test_multi_turn_sft_ids_equal_the_rollouts_ids_and_its_mask_the_response_mas
 def test_encode_conversation_against_a_naive_rendering(tiny):
     """One turn: the template's prompt, the response, EOS (mask on the last two parts). Two turns: the observation in
     between is the template's rendering of the whole conversation minus what the turns contribute."""
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]
     user = [{"role": "user", "content": "What is 6*7?"}]
     ids, mask = encode_conversation(tok, user + [{"role": "assistant", "content": "42"}])
-    p = enc(M.apply_chat(tok, user))
+    p = enc(chat.apply_chat(tok, user))
     assert ids == p + enc("42") + [tok.eos_token_id] and mask == [0] * len(p) + [1] * (len(ids) - len(p))
     conv = user + [
         {"role": "assistant", "content": CALL},
@@ -90,7 +92,7 @@ def test_encode_conversation_against_a_naive_rendering(tiny):
         {"role": "assistant", "content": "42"},
     ]
     ids, mask = encode_conversation(tok, conv)
-    full = M.apply_chat(tok, conv, add_generation_prompt=False)  # the template's text of the whole conversation
+    full = chat.apply_chat(tok, conv, add_generation_prompt=False)  # the template's text of the whole conversation
     assert tok.decode(ids) == full.rstrip("\n")  # the template's trailing glue after the last EOS is not a turn's
     text_of = lambda keep: tok.decode([t for t, m in zip(ids, mask) if m == keep])
     assert text_of(1) == f"{CALL}<|im_end|>42<|im_end|>"
@@ -98,9 +100,9 @@ def test_encode_conversation_against_a_naive_rendering(tiny):
 
 
 def test_sft_refuses_conversations_that_do_not_end_with_the_assistant(tiny, tmp_path):
-    from common.data import DataError
+    from common.core.data import DataError
 
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     bad = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
     write_rows([{"messages": bad}], tmp_path / "bad.jsonl")
     with pytest.raises(DataError, match=r"bad.jsonl row 0: 'messages' must end with an assistant turn"):
@@ -108,7 +110,7 @@ def test_sft_refuses_conversations_that_do_not_end_with_the_assistant(tiny, tmp_
 
 
 def test_forced_prefix_starts_the_first_turn_and_is_part_of_it(tiny):
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     prefix = '<tool_call>{"name": "calculator", "arguments": {"expression": "'
     reply = lambda ctx: "The answer is 42." if "<tool_response>42" in ctx else '6*7"}}</tool_call>'
     ro, engine = _trajectories(tok, M.load_causal_lm(tiny, tok), reply, n=1, prefix=prefix)
@@ -122,7 +124,7 @@ def test_forced_prefix_starts_the_first_turn_and_is_part_of_it(tiny):
 
 def test_tool_learning_rates(tiny):
     """Three trajectories: a call then the answer, an answer without a call, a failing call then the answer."""
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     bad = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*"}}</tool_call>'
 
     def reply(ctx):
@@ -145,7 +147,7 @@ def test_tool_learning_rates(tiny):
 @pytest.fixture(scope="module")
 def tool_prompts(tmp_path_factory):
     """8 train rows of products_3d and 8 of gcd_3d, as prepare_data writes them."""
-    from common.tasks import split_task_rows
+    from common.core.tasks import split_task_rows
 
     d = tmp_path_factory.mktemp("tool_tasks")
     files = []
@@ -157,10 +159,10 @@ def tool_prompts(tmp_path_factory):
 
 
 def test_tool_programs_print_the_answer_of_every_tool_family():
-    """common.tasks.tool_program, for each tool family (trained and held out): the program, run by the Python tool,
+    """common.core.tasks.tool_program, for each tool family (trained and held out): the program, run by the Python tool,
     prints the generator's answer; a family without a writer gets None."""
-    from common.sandbox import run_python
-    from common.tasks import TOOL_TASKS_HELD_OUT, TOOL_TASKS_TRAINED, split_task_rows, tool_program
+    from common.core.tasks import TOOL_TASKS_HELD_OUT, TOOL_TASKS_TRAINED, split_task_rows, tool_program
+    from common.integrations.sandbox import run_python
 
     for task in TOOL_TASKS_TRAINED + TOOL_TASKS_HELD_OUT:
         for r in split_task_rows(task, 3, 0, seed=1)[0]:
@@ -194,7 +196,7 @@ def test_program_demonstrations_are_correct_replayed_and_load_as_sft(tiny, tool_
         gt = src["reward_model"]["ground_truth"]
         assert row["messages"][3]["content"] == f"<tool_response>{gt}</tool_response>"
         assert row["messages"][4]["content"] == f"<answer>{gt}</answer>"
-    sft = load_sft([str(out)], M.load_tokenizer(tiny))
+    sft = load_sft([str(out)], chat.load_tokenizer(tiny))
     assert len(sft) == 16 and all(sum(r["loss_mask"]) > 0 for r in sft)
 
 
@@ -232,13 +234,13 @@ def test_policy_demonstrations_sample_k_per_prompt_with_a_forced_prefix(tiny, to
     """The tiny random model's samples are wrong: with --min-reward 0 and no tool requirement every distinct one is
     kept (the rejection threshold decides), each starting with the forced prefix; at the default threshold none is,
     which is one line naming what to try."""
-    from common.errors import UserError
+    from common.core.errors import UserError
 
     prefix = '<tool_call>{"name": "python", "arguments": {"code": "print('
     kw = dict(prompts=tool_prompts[:1], model=tiny, num_prompts=2, k=3, prefix=prefix, max_new_tokens=8,
               max_per_prompt=3, env={"env": "tools", "tools": "python", "max_turns": 1})  # fmt: skip
     import tools.gen_demos as G
-    from common.args import EnvArgs
+    from common.harness.args import EnvArgs
 
     args = lambda **extra: G.Args(**{**kw, **extra, "env": EnvArgs(**kw["env"])})
     report = G.main(args(out=str(tmp_path / "p.jsonl"), min_reward=0.0, require_tool=False))
@@ -292,7 +294,7 @@ def test_kv_cache_across_turns_gives_the_same_trajectories(tiny_agent, sampled, 
     """The agent calls the calculator on half its prompts, then answers: trajectories of 1-3 turns. With each
     trajectory's cache kept across turns (a turn prefills only the EOS and the observation) the ids are those of a full
     prefill per turn, and the sampler's log-probs agree to float rounding."""
-    tok = M.load_tokenizer(tiny_agent)
+    tok = chat.load_tokenizer(tiny_agent)
     model = M.load_causal_lm(tiny_agent, tok)
     words = ["hi", "hello", "count", "go", "yes", "no", "up", "down"]
     rows = [
@@ -301,7 +303,7 @@ def test_kv_cache_across_turns_gives_the_same_trajectories(tiny_agent, sampled, 
     ]  # fmt: skip
     eps = Episodes(partial(ToolEnv, ("calculator",)), tok, _score, max_turns=3, max_tokens=160, timeout=10)
     seeds = list(range(12)) if sampled else None
-    import common.rollout as R
+    import common.core.generation as R
 
     prefills, real = [], R._prefill_after
     monkeypatch.setattr(R, "_prefill_after", lambda *a: prefills.append(a[2].shape) or real(*a))

@@ -57,8 +57,8 @@ def test_wandb_offline_run_holds_the_logged_keys(tiny, tmp_path):
 
 @pytest.mark.e2e
 def test_evaluate_two_models_side_by_side(tiny, tiny_peaky, tmp_path):
-    from common.data import write_rows
-    from common.tasks import reasoning_gym_rows
+    from common.core.data import write_rows
+    from common.core.tasks import reasoning_gym_rows
 
     data = tmp_path / "test.parquet"
     write_rows(reasoning_gym_rows("chain_sum", 4, 5, "test"), data)

@@ -14,10 +14,16 @@ from conftest import REPO, accelerate_launch, only_run, read_metrics, run_script
 
 pytest.importorskip("vllm", reason="vLLM is part of the CI install (requirements-vllm.txt)")
 
-from common import models as M  # noqa: E402
-from common.errors import mix_seed
-from common.rollout import forward_logprobs, generate, sequence_attention_mask, tokenize_queries  # noqa: E402
-from common.vllm_engine import VLLMEngine  # noqa: E402
+from common.core import (
+    chat,
+    defaults,
+    hub,  # noqa: E402
+)
+from common.core import models as M
+from common.core.errors import mix_seed
+from common.core.forwards import forward_logprobs  # noqa: E402
+from common.core.generation import generate, sequence_attention_mask, tokenize_queries
+from common.integrations.vllm_engine import VLLMEngine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -29,7 +35,7 @@ PROMPTS = ["hi", "count to three please", "yes", "a much longer prompt than the 
 @pytest.fixture(scope="module")
 def tiny_vllm(tmp_path_factory):
     path = M.tiny_model(tmp_path_factory.mktemp("tiny_vllm"), heads=1, init_std=0.2)
-    tok = M.load_tokenizer(path)
+    tok = chat.load_tokenizer(path)
     model = M.load_causal_lm(path, tok).eval()
     engine = VLLMEngine(path, tok, max_model_len=256, seed=0)
     return path, tok, model, engine
@@ -316,14 +322,14 @@ def test_evaluate_tool_same_scores_on_both_engines(tiny_vllm, tmp_path):
 def test_smollm2_greedy_parity_and_logprob_gap():
     """The real default model in float32: greedy token ids identical to the hf engine's; the vllm engine's
     log-probs of its own samples vs the trainer's recomputation: mean |diff| < 1e-4 (measured: docs/rollout.md)."""
-    from common.data import load_prompts
-    from common.tasks import default_task_files
+    from common.core.data import load_prompts
+    from common.core.tasks import default_task_files
 
-    tok = M.load_tokenizer(M.DEFAULT_MODEL)
-    model = M.load_causal_lm(M.DEFAULT_MODEL, tok, dtype="float32").eval()
+    tok = chat.load_tokenizer(defaults.DEFAULT_MODEL)
+    model = M.load_causal_lm(defaults.DEFAULT_MODEL, tok, dtype="float32").eval()
     rows = load_prompts([default_task_files()[1]], tok, log=lambda *a: None)[:8]
     q, qm = tokenize_queries(tok, [r.text for r in rows])
-    engine = VLLMEngine(M.resolve_model_path(M.DEFAULT_MODEL), tok, max_model_len=512, seed=0)
+    engine = VLLMEngine(hub.resolve_model_path(defaults.DEFAULT_MODEL), tok, max_model_len=512, seed=0)
     hf = generate(model, tok, q, qm, 24)
     vl = generate(model, tok, q, qm, 24, engine=engine)
     assert torch.equal(vl.responses, hf.responses)
@@ -396,7 +402,7 @@ def test_under_zero_1_and_2_the_engine_samples_every_updated_policy(
 
 
 def test_gpu_only_engine_flags_are_refused_on_cpu(tiny_vllm):
-    from common.errors import UserError
+    from common.core.errors import UserError
 
     path, tok, _, _ = tiny_vllm
     with pytest.raises(UserError, match="--vllm-sleep .* needs a GPU"):
@@ -481,9 +487,9 @@ def test_engine_start_up_refusals_are_one_line(tiny, tmp_path):
     architecture vLLM cannot load is one line naming the model and suggesting --rollout-engine hf."""
     import shutil
 
-    from common.errors import UserError
+    from common.core.errors import UserError
 
-    tok = M.load_tokenizer(tiny)
+    tok = chat.load_tokenizer(tiny)
     with pytest.raises(UserError, match=r"CPU attention supports head sizes .*has 16 .*--rollout-engine hf"):
         VLLMEngine(tiny, tok, max_model_len=64, seed=0)  # the tiny test model: hidden 64 over 4 heads
     odd = tmp_path / "odd"

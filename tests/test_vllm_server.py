@@ -86,9 +86,9 @@ def _queries():
 
 @pytest.mark.e2e  # seconds of waiting for a deadline: beside the fast tier
 def test_a_push_that_hangs_is_ended_by_its_timeout(tmp_path):
-    from common.errors import EngineFailed
-    from common.vllm_engine import merged_state_dict
-    from common.vllm_server import ServerEngine
+    from common.core.errors import EngineFailed
+    from common.integrations.vllm_engine import merged_state_dict
+    from common.integrations.vllm_server import ServerEngine
 
     fake = _Fake(**{"/collective_rpc": lambda b: (200, {}, 60, 0)})
     engine = ServerEngine(fake.url, TOK, timeout=1.5, weights_dir=str(tmp_path))
@@ -103,8 +103,8 @@ def test_a_push_that_hangs_is_ended_by_its_timeout(tmp_path):
 @pytest.mark.e2e  # seconds of waiting for a deadline: beside the fast tier
 def test_an_answer_dripped_a_byte_at_a_time_is_bounded_as_a_whole(tmp_path):
     """The deadline bounds the whole request, not each socket read (a reward-service lesson of issue 54)."""
-    from common.errors import EngineFailed
-    from common.vllm_server import ServerEngine
+    from common.core.errors import EngineFailed
+    from common.integrations.vllm_server import ServerEngine
 
     fake = _Fake()
     engine = ServerEngine(fake.url, TOK, timeout=1.5, weights_dir=str(tmp_path))
@@ -121,7 +121,7 @@ def test_a_healthy_slow_server_with_many_rows_is_not_ended(tmp_path):
     """Each row its own request and its own deadline (issue 64): 12 rows answered in 0.6 s each, at most 3 in
     flight, take ~2.4 s in all, longer than the 1.5 s --vllm-server-timeout; the run goes on (one deadline for the
     whole batch ended it). At most `concurrency` requests are ever in flight."""
-    from common.vllm_server import ServerEngine
+    from common.integrations.vllm_server import ServerEngine
 
     live, most, lock = [0], [0], threading.Lock()
 
@@ -149,8 +149,8 @@ def test_a_healthy_slow_server_with_many_rows_is_not_ended(tmp_path):
     ids=["no-dev-mode", "no-scale-out"],
 )
 def test_attaching_to_a_server_without_its_flags_says_which(route, status, says, tmp_path):
-    from common.errors import EngineFailed
-    from common.vllm_server import ServerEngine
+    from common.core.errors import EngineFailed
+    from common.integrations.vllm_server import ServerEngine
 
     fake = _Fake(**{route: lambda b: (status, b"{}", 0, 0)})
     with pytest.raises(EngineFailed, match=f"--vllm-server-url {fake.url}.*{says}"):
@@ -160,7 +160,7 @@ def test_attaching_to_a_server_without_its_flags_says_which(route, status, says,
 
 def test_a_proxy_in_the_environment_does_not_carry_the_calls(tmp_path, monkeypatch):
     """A cluster's HTTP_PROXY (here one where nothing listens) must not carry the trainer's calls to its server."""
-    from common.vllm_server import ServerEngine
+    from common.integrations.vllm_server import ServerEngine
 
     monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
     monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
@@ -171,8 +171,9 @@ def test_a_proxy_in_the_environment_does_not_carry_the_calls(tmp_path, monkeypat
 
 
 def test_no_server_at_the_url_is_one_line(tmp_path):
-    from common.errors import EngineFailed
-    from common.vllm_server import ServerEngine, free_port
+    from common.core.errors import EngineFailed
+    from common.integrations.http import free_port
+    from common.integrations.vllm_server import ServerEngine
 
     with pytest.raises(EngineFailed, match="no vLLM server answers.*cannot reach the server"):
         ServerEngine(f"http://127.0.0.1:{free_port()}", TOK, timeout=5, weights_dir=str(tmp_path))
@@ -180,8 +181,8 @@ def test_no_server_at_the_url_is_one_line(tmp_path):
 
 def test_a_response_sampled_by_another_weight_version_is_refused(tmp_path):
     """After a push (version 1), an answer naming version 7 (another client pushed in between) is never trained on."""
-    from common.errors import EngineFailed
-    from common.vllm_server import ServerEngine
+    from common.core.errors import EngineFailed
+    from common.integrations.vllm_server import ServerEngine
 
     fake = _Fake()
     engine = ServerEngine(fake.url, TOK, timeout=5, weights_dir=str(tmp_path))
@@ -200,7 +201,7 @@ def test_a_response_sampled_by_another_weight_version_is_refused(tmp_path):
 def test_each_push_is_a_new_version_only_when_the_weights_changed(tmp_path):
     """Freshness by the weights (fingerprint), as the colocated engine: an unchanged model is not pushed again; the
     server is told each version; the previous version's folder is removed after the push."""
-    from common.vllm_server import ServerEngine
+    from common.integrations.vllm_server import ServerEngine
 
     seen = []
     fake = _Fake(**{"/update_weight_version": lambda b: seen.append(b["new_version"]) or (200, {}, 0, 0)})
@@ -218,7 +219,7 @@ def test_tied_weights_are_written_under_both_names(tmp_path):
     weights): both names go, each its own tensor, in the server's dtype."""
     from safetensors.torch import load_file
 
-    from common.vllm_server import write_weights
+    from common.integrations.vllm_server import write_weights
 
     emb = torch.randn(4, 3)
     write_weights({"model.embed_tokens.weight": emb, "lm_head.weight": emb, "step": torch.tensor(3)},
@@ -234,7 +235,7 @@ def test_pushed_weights_are_written_in_buckets(tmp_path):
     and 1 tensors, every tensor exactly once, and the folder appears whole (no .tmp left behind)."""
     from safetensors.torch import load_file
 
-    from common.vllm_server import write_weights
+    from common.integrations.vllm_server import write_weights
 
     ws = [(f"w{i}", torch.full((1024,), float(i))) for i in range(5)]
     assert write_weights(iter(ws), tmp_path / "v1", torch.float32, bucket_bytes=10_000) == 5 * 4096
@@ -253,8 +254,9 @@ def served(tmp_path_factory):
     """(model folder, URL) of a `vllm serve` this module started on a tiny model (one head of 64: vLLM's CPU
     attention needs >= 32), with the flags the engine needs and LoRA adapters up to rank 8."""
     pytest.importorskip("vllm", reason="vLLM is part of the CI install (requirements-vllm.txt)")
-    from common import models as M
-    from common.vllm_server import ServerProcess, free_port
+    from common.core import models as M
+    from common.integrations.http import free_port
+    from common.integrations.vllm_server import ServerProcess
 
     path = M.tiny_model(tmp_path_factory.mktemp("served"), heads=1, init_std=0.2)
     log = tmp_path_factory.mktemp("served_log") / "vllm_server.log"
@@ -265,7 +267,7 @@ def served(tmp_path_factory):
 
 
 def _templated(tok, texts):
-    from common.rollout import tokenize_queries
+    from common.core.generation import tokenize_queries
 
     return tokenize_queries(
         tok,
@@ -277,7 +279,8 @@ def _templated(tok, texts):
 
 
 def _gap(model, tok, q, qm, g):
-    from common.rollout import forward_logprobs, sequence_attention_mask
+    from common.core.forwards import forward_logprobs
+    from common.core.generation import sequence_attention_mask
 
     with torch.no_grad():
         lp = forward_logprobs(model, g.query_responses, sequence_attention_mask(qm, g.responses.shape[1]), q.shape[1])
@@ -288,14 +291,15 @@ def _gap(model, tok, q, qm, g):
 def test_the_server_samples_what_the_colocated_engine_samples(served):
     """Same weights, same per-request seeds: the server's ids equal the colocated engine's, token for token, and
     their log-probs agree (greedy and sampled, with top-k/top-p), and both equal the trainer's log-probs."""
-    from common import models as M
-    from common.errors import mix_seed
-    from common.rollout import generate
-    from common.vllm_engine import VLLMEngine
-    from common.vllm_server import ServerEngine
+    from common.core import chat
+    from common.core import models as M
+    from common.core.errors import mix_seed
+    from common.core.generation import generate
+    from common.integrations.vllm_engine import VLLMEngine
+    from common.integrations.vllm_server import ServerEngine
 
     path, url = served
-    tok = M.load_tokenizer(path)
+    tok = chat.load_tokenizer(path)
     model = M.load_causal_lm(path, tok).eval()
     server, colocated = ServerEngine(url, tok, timeout=120), VLLMEngine(path, tok, max_model_len=256, seed=0)
     q, qm = _templated(tok, ["hi", "count to three please", "yes", "a longer prompt, with commas, and words"] * 3)
@@ -321,13 +325,14 @@ def test_every_push_reaches_the_server(served, lora):
     version), the server's log-probs of what it sampled equal the trainer's; the server reports the version."""
     from peft import LoraConfig, get_peft_model
 
-    from common import models as M
-    from common.errors import mix_seed
-    from common.rollout import generate
-    from common.vllm_server import ServerEngine
+    from common.core import chat
+    from common.core import models as M
+    from common.core.errors import mix_seed
+    from common.core.generation import generate
+    from common.integrations.vllm_server import ServerEngine
 
     path, url = served
-    tok = M.load_tokenizer(path)
+    tok = chat.load_tokenizer(path)
     model = M.load_causal_lm(path, tok)
     if lora:
         model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
@@ -462,7 +467,7 @@ def test_the_other_samplers_and_the_tools_run_on_the_server(served, toy_prompts,
     """Every script that samples, 2 steps each on the module's server, validation through it too: online DPO with a
     LoRA policy (adapters pushed), dynamic-KL PPO, a LoRA student distilled from a preset; then tools.evaluate and
     tools.gen_preferences through it."""
-    from common import models as M
+    from common.core import models as M
     from conftest import run_tool
 
     path, url = served
@@ -533,9 +538,9 @@ def test_two_training_processes_share_one_server(served, toy_prompts, tmp_path):
 
 
 def test_the_nccl_route_without_gpus_is_refused_in_one_line():
-    from common.args import GenerationArgs
-    from common.errors import UserError
-    from common.vllm_server import make_server_engine
+    from common.core.errors import UserError
+    from common.harness.args import GenerationArgs
+    from common.integrations.vllm_server import make_server_engine
 
     gen = GenerationArgs(rollout_engine="vllm-server", vllm_server_transfer="nccl")
     with pytest.raises(UserError, match="--vllm-server-transfer nccl needs GPUs"):

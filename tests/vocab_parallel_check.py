@@ -1,4 +1,4 @@
-"""Run under torchrun (2 CPU processes, gloo): the vocabulary-parallel log-softmax (common.ops under
+"""Run under torchrun (2 CPU processes, gloo): the vocabulary-parallel log-softmax (common.core.ops under
 sharded_logits) on each rank's half of the vocabulary equals numpy's log-softmax and entropy over the
 whole rows, and its gradient equals the closed form, also from numpy. Used by tests/test_tensor_parallel.py."""
 
@@ -11,7 +11,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from common import ops, parallel  # noqa: E402
+from common.core import ops  # noqa: E402
+from common.core import process_groups as parallel
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -62,9 +63,9 @@ print(f"rank {rank}: vocab-parallel log-softmax ok")
 if len(sys.argv) > 1:
     from torch.distributed.tensor import DTensor
 
-    from common import models
-    from common.distributed import make_accelerator
-    from common.rollout import forward_logprobs
+    from common.core import models
+    from common.core.forwards import forward_logprobs
+    from common.parallel.accelerator import make_accelerator
 
     acc = make_accelerator(tp_size=2)
     sharded = models.load_causal_lm(sys.argv[1], dtype="float32")

@@ -1,5 +1,5 @@
 """Run under `accelerate launch --config_file configs/accelerate/cpu_2proc_zero3.yaml` (2 CPU processes, gloo,
-DeepSpeed ZeRO-3): generation through common.distributed.unwrap_for_generation runs no DeepSpeed module hook (they
+DeepSpeed ZeRO-3): generation through common.parallel.sharded.unwrap_for_generation runs no DeepSpeed module hook (they
 are removed for the rollout and put back after it), samples what the unsharded model samples, and the training
 step after it (hooks back: parameters fetched per module) still works. Used by tests/test_distributed.py."""
 
@@ -11,15 +11,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
-from common import models as M  # noqa: E402
-from common.distributed import configure_deepspeed, make_accelerator, unwrap_for_generation  # noqa: E402
-from common.rollout import generate, tokenize_queries  # noqa: E402
+from common.core import chat
+from common.core import models as M  # noqa: E402
+from common.core.generation import generate, tokenize_queries  # noqa: E402
+from common.parallel.accelerator import configure_deepspeed, make_accelerator  # noqa: E402
+from common.parallel.sharded import unwrap_for_generation
 
 path = sys.argv[1]
 accelerator = make_accelerator()
-tok = M.load_tokenizer(path)
+tok = chat.load_tokenizer(path)
 model = M.load_causal_lm(path, tok)
-q, qm = tokenize_queries(tok, [M.apply_chat(tok, "hello"), M.apply_chat(tok, "count to three")])
+q, qm = tokenize_queries(tok, [chat.apply_chat(tok, "hello"), chat.apply_chat(tok, "count to three")])
 configure_deepspeed(accelerator, micro_batch_size=2, accumulation_steps=1, max_grad_norm=1.0)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 engine, opt = accelerator.prepare(model, opt)

@@ -99,11 +99,11 @@ def serve(path: str) -> None:
     import transformers  # noqa: F401
     import tyro  # noqa: F401
 
-    import common.async_rollout  # noqa: F401
-    import common.cli  # noqa: F401
-    import common.eval  # noqa: F401
-    import common.run  # noqa: F401
-    import common.sampling  # noqa: F401
+    import common.core.sampling  # noqa: F401
+    import common.harness.cli  # noqa: F401
+    import common.harness.eval  # noqa: F401
+    import common.harness.run  # noqa: F401
+    import common.integrations.async_generator  # noqa: F401
 
     parent = os.getppid()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import tyro
 
-from common.args import PositiveInt
-from common.errors import UserError
-from common.run import json_rows
+from common.core.errors import UserError
+from common.harness.args import PositiveInt
+from common.harness.tracking import json_rows
 
 DEFAULT_METRICS = ["train/reward", "train/kl", "train/entropy", "train/response_len", "eval/accuracy", "loss/policy"]
 LOWER_IS_BETTER = ("loss/", "train/kl", "perf/step_s")
@@ -209,6 +209,6 @@ def main(args: Args) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from common.cli import cli
+    from common.harness.cli import cli
 
     cli(main, Args)  # flags checked, user errors as one line (exit 2)

@@ -17,19 +17,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
-from common import models as M
-from common.args import Check, EnvArgs, Group, NonNegFloat, NonNegInt, PositiveFloat, PositiveInt, group
-from common.data import load_prompts
-from common.engines import tool_engine
-from common.envs import evaluate_with_env
-from common.eval import answer, load_any, sampled_metrics, score
-from common.hub_envs import episodes_from_args
-from common.rewards import Reward
+from common.core import chat, defaults
+from common.core import hub as M
+from common.core.data import load_prompts
+from common.core.envs import evaluate_with_env
+from common.core.rewards import Reward
+from common.harness.args import Check, EnvArgs, Group, NonNegFloat, NonNegInt, PositiveFloat, PositiveInt, group
+from common.harness.eval import answer, load_any, sampled_metrics, score
+from common.integrations.engines import tool_engine
+from common.integrations.inputs import episodes_from_args
 
 
 @dataclass
 class Args:
-    models: list[str] = field(default_factory=lambda: [M.DEFAULT_MODEL])
+    models: list[str] = field(default_factory=lambda: [defaults.DEFAULT_MODEL])
     """models or checkpoint folders to compare"""
     data: list[str] = field(default_factory=list)
     """prompt files (verl schema); default: the built-in task's test split"""
@@ -71,9 +72,9 @@ class Args:
 
 
 def main(args: Args) -> dict:
-    from common.tasks import default_env_files, default_task_files, is_hub_spec
+    from common.core.tasks import default_env_files, default_task_files, is_hub_spec
 
-    tok = M.load_tokenizer(args.models[0])
+    tok = chat.load_tokenizer(args.models[0])
     # default: the built-in task's test split; a hub --env's held-out games (seeds never trained on)
     data = args.data or [default_env_files(args.env.env)[1] if is_hub_spec(args.env.env) else default_task_files()[1]]
     rows = load_prompts(data, tok, max_prompt_length=10_000)[: args.num_prompts]
@@ -84,7 +85,7 @@ def main(args: Args) -> dict:
     for name in args.models:
         model = load_any(
             M.resolve_model_path(name),
-            M.load_tokenizer(name) if Path(M.resolve_model_path(name), "tokenizer_config.json").exists() else tok,
+            chat.load_tokenizer(name) if Path(M.resolve_model_path(name), "tokenizer_config.json").exists() else tok,
         ).eval()
         engine = tool_engine(
             args.rollout_engine,
@@ -167,6 +168,6 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    from common.cli import cli
+    from common.harness.cli import cli
 
     cli(main, Args)  # flags checked, user errors as one line (exit 2)

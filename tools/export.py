@@ -22,8 +22,8 @@ from typing import Optional
 
 import tyro
 
-from common.checkpoint import list_checkpoints
-from common.errors import UserError
+from common.core.errors import UserError
+from common.harness.checkpoint import list_checkpoints
 
 
 @dataclass
@@ -114,7 +114,7 @@ def model_card(folder: Path, run_dir: Path | None) -> str:
 
 
 def main(args: Args) -> Path:
-    from common import models as M
+    from common.core import hub as M
 
     folder = find_model_folder(args.checkpoint, args.model)
     out = Path(args.out)
@@ -160,6 +160,6 @@ def main(args: Args) -> Path:
 
 
 if __name__ == "__main__":
-    from common.cli import cli
+    from common.harness.cli import cli
 
     cli(main, Args)  # flags checked, user errors as one line (exit 2)

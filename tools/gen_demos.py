@@ -30,13 +30,15 @@ from typing import Annotated, Literal, Optional
 
 import torch
 
-from common import models as M
-from common.args import Check, EnvArgs, Group, NonNegInt, PositiveFloat, PositiveInt, group
-from common.data import DataError, load_prompts, read_files, read_table, write_rows
-from common.envs import Step, format_tool_call
-from common.errors import UserError, mix_seed
-from common.hub_envs import episodes_from_args
-from common.rewards import Reward
+from common.core import chat, hub
+from common.core import defaults as M
+from common.core.chat import format_tool_call
+from common.core.data import DataError, load_prompts, read_files, read_table, write_rows
+from common.core.envs import Step
+from common.core.errors import UserError, mix_seed
+from common.core.rewards import Reward
+from common.harness.args import Check, EnvArgs, Group, NonNegInt, PositiveFloat, PositiveInt, group
+from common.integrations.inputs import episodes_from_args
 
 
 @dataclass
@@ -47,7 +49,7 @@ class Args:
     """output .jsonl or .parquet: SFT rows for algos/sft_llm.py --train-files"""
     source: Literal["policy", "program", "file"] = "policy"
     """policy: sample --model through --env (rejection sampling); program: a program per task family writes the
-    tool call from the problem's metadata (common.tasks.tool_program); file: replay --demos (hand-written)"""
+    tool call from the problem's metadata (common.core.tasks.tool_program); file: replay --demos (hand-written)"""
     model: str = M.DEFAULT_MODEL
     """--source policy: the sampler, hub id or checkpoint folder (the base, or a trained checkpoint as a teacher)"""
     demos: Optional[list[str]] = None
@@ -124,10 +126,10 @@ def replay(episodes, row, turns) -> tuple[list[dict], float, dict]:
 
 def from_policy(args, episodes, rows, tok) -> list[tuple[int, list[dict], float, dict]]:
     """K trajectories per prompt from --model through the environment: (prompt index, messages, reward, info)."""
-    from common.engines import tool_engine
-    from common.eval import load_any
+    from common.harness.eval import load_any
+    from common.integrations.engines import tool_engine
 
-    model = load_any(M.resolve_model_path(args.model), tok).eval()
+    model = load_any(hub.resolve_model_path(args.model), tok).eval()
     engine = tool_engine(
         args.rollout_engine, args.model, tok, model, None, 0.5, args.vllm_kv_cache_gb, args.vllm_server_url
     )
@@ -147,8 +149,8 @@ def from_policy(args, episodes, rows, tok) -> list[tuple[int, list[dict], float,
 
 def from_program(args, episodes, rows) -> list[tuple[int, list[dict], float, dict]]:
     """Per task family, a program writes the tool call from the generator's metadata; the tool runs it, and the
-    answer turn states what it printed (common.tasks.tool_program)."""
-    from common.tasks import tool_program
+    answer turn states what it printed (common.core.tasks.tool_program)."""
+    from common.core.tasks import tool_program
 
     out, unknown = [], set()
     for i, row in enumerate(rows):
@@ -194,7 +196,7 @@ def main(args: Args) -> dict:
         raise UserError("--source file needs --demos FILE (rows with `messages`)")
     if not args.env.env:
         raise UserError("--env '' : demonstrations go through an environment (--env tools, feedback or file.py:Class)")
-    tok = M.load_tokenizer(args.model)
+    tok = chat.load_tokenizer(args.model)
     rows = load_prompts(args.prompts, tok, max_prompt_length=10_000)
     raw = [r for f in args.prompts for r in read_table(f)]
     if args.num_prompts is not None:
@@ -272,7 +274,7 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    from common.cli import cli
+    from common.harness.cli import cli
 
     torch.set_grad_enabled(False)
     cli(main, Args)  # flags checked, user errors as one line (exit 2)

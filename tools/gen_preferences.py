@@ -16,13 +16,14 @@ from typing import Annotated, Literal, Optional
 import torch
 import tyro
 
-from common import models as M
-from common.args import Check, PositiveFloat, PositiveInt
-from common.data import load_prompts, read_table, write_rows
-from common.engines import tool_engine
-from common.errors import UserError
-from common.eval import answer, load_any
-from common.rewards import Reward
+from common.core import chat, defaults
+from common.core import hub as M
+from common.core.data import load_prompts, read_table, write_rows
+from common.core.errors import UserError
+from common.core.rewards import Reward
+from common.harness.args import Check, PositiveFloat, PositiveInt
+from common.harness.eval import answer, load_any
+from common.integrations.engines import tool_engine
 
 
 @dataclass
@@ -31,7 +32,7 @@ class Args:
     """prompt files in verl's schema"""
     out: str = "pairs.parquet"
     """output .parquet or .jsonl"""
-    model: str = M.DEFAULT_MODEL
+    model: str = defaults.DEFAULT_MODEL
     """model, hub id or checkpoint folder (a LoRA adapter folder loads its base)"""
     group_size: Annotated[int, tyro.conf.arg(aliases=("--k",)), Check(ge=2, note="a pair needs two responses")] = 4
     """G: responses per prompt (>= 2), as in grpo_llm.py"""
@@ -62,7 +63,7 @@ class Args:
 
 
 def main(args: Args) -> dict:
-    tok = M.load_tokenizer(args.model)
+    tok = chat.load_tokenizer(args.model)
     rows = load_prompts(args.prompts, tok, max_prompt_length=10_000)
     raw = [r for f in args.prompts for r in read_table(f)]
     if args.num_prompts is not None:
@@ -129,6 +130,6 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    from common.cli import cli
+    from common.harness.cli import cli
 
     cli(main, Args)  # flags checked, user errors as one line (exit 2)

@@ -6,7 +6,7 @@
 Prints: rows per file, columns, empty or missing fields, data_source counts, prompt token-length
 percentiles (after the chat template), duplicate prompts, and for preference / scored data the
 range of the scores. With `--against TRAIN...`: how much of the given (test) files occurs in
-the training files, as exact-duplicate prompts and as duplicate problems (`common.data.problem_key`:
+the training files, as exact-duplicate prompts and as duplicate problems (`common.core.data.problem_key`:
 the same question up to the order of its numbers).
 """
 
@@ -18,9 +18,9 @@ from collections import Counter
 
 import numpy as np
 
-from common.data import overlap_report, read_table
-from common.defaults import DEFAULT_MODEL
-from common.models import apply_chat, load_tokenizer
+from common.core.chat import apply_chat, load_tokenizer
+from common.core.data import overlap_report, read_table
+from common.core.defaults import DEFAULT_MODEL
 
 SCORE_COLUMNS = ("score", "reward", "chosen_score", "rejected_score")
 
@@ -91,7 +91,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from common.errors import UserError, user_error
+    from common.core.errors import UserError, user_error
 
     try:
         main()

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
-from common.args import Check, PositiveInt
-from common.data import read_table, write_rows
-from common.tasks import ANSWER_INSTRUCTION, TASKS, answer_pairs, sft_rows, write_task
+from common.core.data import read_table, write_rows
+from common.core.tasks import ANSWER_INSTRUCTION, TASKS, answer_pairs, sft_rows, write_task
+from common.harness.args import Check, PositiveInt
 
 
 # --------------------------------------------------------------------------------------------- converters
@@ -142,7 +142,7 @@ def _read_source(src: str, split: str) -> list[dict]:
 def main(args: Args) -> None:
     from reasoning_gym.factory import DATASETS
 
-    from common.errors import UserError
+    from common.core.errors import UserError
 
     out = Path(args.out)
     unknown = [t for t in args.tasks if t not in TASKS and t not in DATASETS]
@@ -175,6 +175,6 @@ def main(args: Args) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TQDM_DISABLE", "1")
-    from common.cli import cli
+    from common.harness.cli import cli
 
     cli(main, Args)  # flags checked, user errors as one line (exit 2)

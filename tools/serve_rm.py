@@ -20,9 +20,9 @@ from typing import Annotated
 
 import tyro
 
-from common.args import Check, PositiveInt
-from common.data import PromptRow
-from common.errors import UserError
+from common.core.data import PromptRow
+from common.core.errors import UserError
+from common.harness.args import Check, PositiveInt
 
 MAX_REQUEST_BYTES = 8 << 20  # a larger body is refused (413): one client's request cannot hold the model for minutes
 
@@ -45,11 +45,12 @@ def make_server(model_path: str, host: str = "127.0.0.1", port: int = 0, batch_s
     """A ThreadingHTTPServer scoring with the reward model at `model_path` (not started: call serve_forever)."""
     import torch
 
-    from common import models as M
-    from common.rewards import Reward
+    from common.core import chat
+    from common.core import models as M
+    from common.core.rewards import Reward
 
     M.check_reward_model(model_path, "tools.serve_rm")
-    tok = M.load_reward_tokenizer(model_path)  # with the prompt format it was trained with
+    tok = chat.load_reward_tokenizer(model_path)  # with the prompt format it was trained with
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rm = M.load_reward_model(model_path, tok, dtype).to(device).eval()
     reward = Reward("model:1.0", reward_model=rm, reward_tok=tok, batch_size=batch_size)
@@ -109,6 +110,6 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    from common.cli import cli
+    from common.harness.cli import cli
 
     cli(main, Args)  # flags checked, user errors as one line (exit 2)
