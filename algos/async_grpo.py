@@ -61,7 +61,7 @@ class Args:
     mini_batch_size: PositiveInt = 32
     """sequences per optimizer step, over all processes"""
     update_epochs: Annotated[PositiveInt, tyro.conf.arg(aliases=("--num-iterations",))] = 1
-    """mu: optimisation passes over each batch (1: on-policy, old log-probs = sampling log-probs); TRL's --num-iterations"""
+    """mu: passes over each batch (1: on-policy, old log-probs = sampling log-probs); TRL's --num-iterations"""
     baseline: Literal["group-mean", "rloo"] = "group-mean"
     """group-mean (GRPO) or rloo (leave-one-out mean of the other G-1 rewards)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
@@ -112,10 +112,10 @@ class Args:
     micro_batch_size: PositiveInt = 8
     """sequences per forward/backward on one process"""
     share_prompts: bool = True
-    """each group's prompt once per micro-batch, forward and backward: the same loss (common.core.forwards.can_share_prompts)"""
+    """each group's prompt once per micro-batch, forward and backward: the same loss (forwards.can_share_prompts)"""
     packing: Group[PackingArgs] = group(PackingArgs)  # --micro-batch-tokens: micro-batches packed by length
 
-    # --- the flags every script shares (common/harness/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
+    # --- the flags every script shares (common/harness/args.py), flat: --seed, --model-name-or-path, ...
     run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=100)
     model: Group[ModelArgs] = group(ModelArgs)
     data: Group[PromptArgs] = group(PromptArgs)
@@ -293,9 +293,10 @@ def sapo_loss(logprobs, old_logprobs, advantages, mask, tau_pos, tau_neg):
 
 # ALGO LOGIC: the generator process: each step's batch, sampled and scored by the policy K updates before it
 def generate_batches(put, args: Args, rank: int, W: int, first_step: int, first_version: int, sampler_state, mailbox):
-    """Runs in a process of its own (common.integrations.async_generator.GeneratorProcess) with its own copy of main's setup: the
-    batch of each step from `first_step`, sampled and scored as grpo_llm.py does (this rank's share of its prompts)
-    by the weights of version step - 1 - K (the policy after that many updates; none older than `first_version`)."""
+    """Runs in a process of its own (common.integrations.async_generator.GeneratorProcess) with its own copy of main's
+    setup: the batch of each step from `first_step`, sampled and scored as grpo_llm.py does (this rank's share of its
+    prompts) by the weights of version step - 1 - K (the policy after that many updates; none older than
+    `first_version`)."""
     accelerator, tok, reward, train_rows, episodes, sampler, policy, engine = generator_setup(args.model, args.data,
         args.rewards, args.gen, args.env, args.run.seed, rank, sampler_state)  # fmt: skip
     G, K = args.group_size, args.max_off_policy_steps

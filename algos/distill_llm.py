@@ -89,7 +89,7 @@ class Args:
     micro_batch_size: PositiveInt = 8
     """sequences per forward/backward on one process"""
 
-    # --- the flags every script shares (common/harness/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
+    # --- the flags every script shares (common/harness/args.py), flat: --seed, --model-name-or-path, ...
     run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=100)
     model: Group[ModelArgs] = group(ModelArgs)
     data: Group[PromptArgs] = group(PromptArgs)

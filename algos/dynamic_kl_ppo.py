@@ -5,12 +5,12 @@ rollout policy and the policy being trained (token mean of the k3 estimate r - 1
 and beta adapts once per iteration from the KL the update actually produced, measured after the
 iteration's last optimizer step over the whole rollout batch: x1.5 (capped at --beta-max) when it
 exceeds 1.5 x --policy-kl-target, x0.5 (floored at --beta-min) when it is below 0.5 x target (the
-adaptive KL penalty of Schulman et al. 2017, PPO paper section 4, where d is computed after the update). The reference-KL penalty in the reward,
-with --kl-coef / --kl-target, stays exactly as in ppo_llm.py.
+adaptive KL penalty of Schulman et al. 2017, PPO paper section 4, where d is computed after the update). The
+reference-KL penalty in the reward, with --kl-coef / --kl-target, stays exactly as in ppo_llm.py.
 
-Docs: docs/algos/dynamic_kl_ppo.md (parent: docs/algos/ppo.md). References: Ziegler et al. 2019 "Fine-Tuning Language Models from Human
-Preferences" (adaptive KL controller), Ouyang et al. 2022 (InstructGPT), Huang et al. 2024
-"The N+ Implementation Details of RLHF with PPO" (lm-human-preference-details).
+Docs: docs/algos/dynamic_kl_ppo.md (parent: docs/algos/ppo.md). References: Ziegler et al. 2019 "Fine-Tuning Language
+Models from Human Preferences" (adaptive KL controller), Ouyang et al. 2022 (InstructGPT), Huang et al. 2024 "The N+
+Implementation Details of RLHF with PPO" (lm-human-preference-details).
 
 Each iteration: (1) sample `batch_size` prompts and one response each; (2) score them: the sequence
 reward sits on the last real token, every token pays -beta * (log pi - log pi_ref); (3) the critic's
@@ -110,7 +110,8 @@ class Args:
     beta_min: NonNegFloat = 0.01
     """lower bound of beta"""
     policy_kl_estimator: Literal["k1", "k3"] = "k3"
-    """k3: (r - 1) - log r with r = pi_theta / pi_old, >= 0; k1: log pi_old - log pi_theta (negative on the samples just fitted)"""
+    """k3: (r - 1) - log r with r = pi_theta / pi_old, >= 0; k1: log pi_old - log pi_theta (negative on the samples just
+    fitted)"""
     # CRITIC {  the value model V (a copy without it deletes every CRITIC block and line)
     critic_model: Optional[str] = None
     """critic body (default: the policy's weights); its value head starts at zero"""
@@ -129,7 +130,7 @@ class Args:
     """rollouts per forward/backward on one process (gradient accumulation up to the minibatch)"""
     packing: Group[PackingArgs] = group(PackingArgs)  # --micro-batch-tokens: micro-batches packed by length
 
-    # --- the flags every script shares (common/harness/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
+    # --- the flags every script shares (common/harness/args.py), flat: --seed, --model-name-or-path, ...
     run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=100)
     model: Group[ModelArgs] = group(ModelArgs)
     data: Group[PromptArgs] = group(PromptArgs)
@@ -194,7 +195,8 @@ def value_loss(values, old_values, returns, mask, n_tokens, clip_eps_value):
 
 
 def update_beta(beta, kl, target, beta_min, beta_max):
-    """After each iteration's update: x1.5 above 1.5 x target, x0.5 below 0.5 x target; always within [beta_min, beta_max]."""
+    """After each iteration's update: x1.5 above 1.5 x target, x0.5 below 0.5 x target; always within [beta_min,
+    beta_max]."""
     if kl > 1.5 * target:
         beta = 1.5 * beta
     elif kl < 0.5 * target:
@@ -376,7 +378,7 @@ def main(args: Args):
 
         # ------------------------------------------------------------------ 6. log, evaluate, checkpoint
         if run.logging(step):  # --log-every, and every evaluation step and the last
-            # each stat holds per-micro-batch parts of a minibatch mean; their sum / #minibatches = mean over minibatches
+            # each stat holds per-micro-batch parts of a minibatch mean; their sum / #minibatches: the minibatches' mean
             n_minibatches = args.update_epochs * len(rows) // local_mini_batch_size
             mean = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
             all_scores, step_s = accelerator.gather(scores), time.time() - t_step

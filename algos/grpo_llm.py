@@ -68,7 +68,7 @@ class Args:
     mini_batch_size: PositiveInt = 32
     """sequences per optimizer step, over all processes"""
     update_epochs: Annotated[PositiveInt, tyro.conf.arg(aliases=("--num-iterations",))] = 1
-    """mu: optimisation passes over each batch (1: on-policy, old log-probs = sampling log-probs); TRL's --num-iterations"""
+    """mu: passes over each batch (1: on-policy, old log-probs = sampling log-probs); TRL's --num-iterations"""
     baseline: Literal["group-mean", "rloo"] = "group-mean"
     """group-mean (GRPO) or rloo (leave-one-out mean of the other G-1 rewards)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
@@ -109,10 +109,10 @@ class Args:
     micro_batch_size: PositiveInt = 8
     """sequences per forward/backward on one process"""
     share_prompts: bool = True
-    """each group's prompt once per micro-batch, forward and backward: the same loss (common.core.forwards.can_share_prompts)"""
+    """each group's prompt once per micro-batch, forward and backward: the same loss (forwards.can_share_prompts)"""
     packing: Group[PackingArgs] = group(PackingArgs)  # --micro-batch-tokens: micro-batches packed by length
 
-    # --- the flags every script shares (common/harness/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
+    # --- the flags every script shares (common/harness/args.py), flat: --seed, --model-name-or-path, ...
     run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=100)
     model: Group[ModelArgs] = group(ModelArgs)
     data: Group[PromptArgs] = group(PromptArgs)

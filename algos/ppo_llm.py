@@ -111,7 +111,7 @@ class Args:
     """rollouts per forward/backward on one process (gradient accumulation up to the minibatch)"""
     packing: Group[PackingArgs] = group(PackingArgs)  # --micro-batch-tokens: micro-batches packed by length
 
-    # --- the flags every script shares (common/harness/args.py), flat: --seed, --model-name-or-path, --max-new-tokens, ...
+    # --- the flags every script shares (common/harness/args.py), flat: --seed, --model-name-or-path, ...
     run: Group[RunArgs] = group(RunArgs, exp_name=Path(__file__).stem, total_steps=100)
     model: Group[ModelArgs] = group(ModelArgs)
     data: Group[PromptArgs] = group(PromptArgs)
@@ -333,7 +333,7 @@ def main(args: Args):
 
         # ------------------------------------------------------------------ 6. log, evaluate, checkpoint
         if run.logging(step):  # --log-every, and every evaluation step and the last
-            # each stat holds per-micro-batch parts of a minibatch mean; their sum / #minibatches = mean over minibatches
+            # each stat holds per-micro-batch parts of a minibatch mean; their sum / #minibatches: the minibatches' mean
             n_minibatches = args.update_epochs * len(rows) // local_mini_batch_size
             mean = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
             all_scores, step_s = accelerator.gather(scores), time.time() - t_step

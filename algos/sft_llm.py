@@ -6,10 +6,9 @@ Ouyang et al. 2022), and of tool use (docs/agents.md: demonstrations -> SFT -> G
 messages are context, rendered exactly as a multi-turn rollout renders them) or `prompt` + `response`;
 the loss covers the assistant's tokens and their EOS only.
 
-    python algos/sft_llm.py                                   # SmolLM2-135M-Instruct on the built-in chain_sum_1d SFT set
-    python algos/sft_llm.py --train-files data/chain_sum_1d/sft_train.parquet --lora-r 16
-    python algos/ppo_llm.py --model-name-or-path runs/sft_llm__.../checkpoints/step_200/policy   # then RL
-    accelerate launch algos/sft_llm.py
+    python algos/sft_llm.py                                   # SmolLM2-135M-Instruct on the built-in chain_sum_1d SFT
+    set python algos/sft_llm.py --train-files data/chain_sum_1d/sft_train.parquet --lora-r 16 python algos/ppo_llm.py
+    --model-name-or-path runs/sft_llm__.../checkpoints/step_200/policy   # then RL accelerate launch algos/sft_llm.py
 
 Packing is not offered: several examples in one row would attend to each other with the SDPA
 attention used on CPUs and most setups; keeping them apart needs flash-attention's variable-length

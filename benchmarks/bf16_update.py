@@ -1,8 +1,8 @@
 """What an AdamW step does to weights stored in bfloat16 (issue 32.1): the fraction of weights that move, and how
 far the stored weights end from the float32 trajectory, for float32 weights (the default: bf16 compute comes from
 autocast), bf16 weights under torch's AdamW (the GPU default before issue 32), and bf16 weights under
-common.parallel.optim.KahanAdamW (--dtype bfloat16 now). The same gradients feed every run (the float32 model's, under bf16
-autocast), so only the update arithmetic differs. A tiny random Llama (4 layers, hidden 256).
+common.parallel.optim.KahanAdamW (--dtype bfloat16 now). The same gradients feed every run (the float32 model's, under
+bf16 autocast), so only the update arithmetic differs. A tiny random Llama (4 layers, hidden 256).
 
     python benchmarks/bf16_update.py [--steps 10 100] [--lr 5e-6 1e-6]
 """

@@ -3,7 +3,8 @@
 one step. Launch it with the processes to measure (it prints one table, from rank 0):
 
     accelerate launch --config_file configs/accelerate/cpu_2proc_fsdp2.yaml benchmarks/checkpoint_io.py
-    accelerate launch --config_file configs/accelerate/cpu_2proc_fsdp2.yaml --num_processes 3 benchmarks/checkpoint_io.py
+    accelerate launch --config_file configs/accelerate/cpu_2proc_fsdp2.yaml --num_processes 3
+    benchmarks/checkpoint_io.py
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ and the runs' eval/accuracy against training wall-clock (perf/step_s summed; the
 "GRPO from the base"). Prints a table; --plot writes the curves. Run it alone on the machine.
 
     python benchmarks/heldout.py --algos grpo --tasks basic_arithmetic_1d --minutes 30 --output-dir runs/heldout36
-    python benchmarks/distill_heldout.py --teacher-run runs/heldout36/grpo_llm__... --minutes 15 --plot docs/img/distill.png
+    python benchmarks/distill_heldout.py --teacher-run runs/heldout36/grpo_llm__... --minutes 15 --plot
+    docs/img/distill.png
 """
 
 from __future__ import annotations

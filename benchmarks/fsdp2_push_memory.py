@@ -1,14 +1,15 @@
 """Per-rank memory of a weight push under FSDP2 (issue 64, item 1): 2 CPU processes over gloo, a random ~0.45B
 Qwen-sized model (vocabulary 151,936, hidden 1024, 12 layers, untied head), sharded with fully_shard. Two routes:
 
-  streamed  common.parallel.weight_stream.engine_weights(model, bfloat16): one parameter gathered at a time, in the engine's
+  streamed  common.parallel.weight_stream.engine_weights(model, bfloat16): one parameter gathered at a time, in the
+  engine's
             dtype, freed before the next (what the vLLM engines push now);
   streamed, held: the same, consumed as vLLM's load_weights loop does (its loop variable still holds one tensor
             while the next is gathered: two of the largest at once where the embedding and the head follow each other);
   gathered  the route before 09a9096: the whole state dict's full_tensor() in float32, held at once.
 
-The consumer copies each tensor into the engine's weights (allocated before the push, as an engine's are). Extra memory is the peak resident
-set size while pushing minus the size before (sampled every millisecond), per rank. Run it alone:
+The consumer copies each tensor into the engine's weights (allocated before the push, as an engine's are). Extra memory
+is the peak resident set size while pushing minus the size before (sampled every millisecond), per rank. Run it alone:
 
     python benchmarks/fsdp2_push_memory.py     # starts its two processes (torch.distributed.run)
 

@@ -12,8 +12,8 @@ since a model can gain held-out points by learning the answer distribution alone
 
     python benchmarks/heldout.py --algos ppo grpo --tasks chain_sum_1d letter_counting --minutes 15
     python benchmarks/heldout.py --algos grpo ppo --tasks basic_arithmetic_1d --minutes 30
-    python benchmarks/heldout.py --algos grpo --tasks chain_sum --minutes 15 --tag lr2e5 --script-args "--learning-rate 2e-5"
-    python benchmarks/heldout.py --evaluate runs/heldout/grpo_llm__...   # score an existing run folder
+    python benchmarks/heldout.py --algos grpo --tasks chain_sum --minutes 15 --tag lr2e5 --script-args "--learning-rate
+    2e-5" python benchmarks/heldout.py --evaluate runs/heldout/grpo_llm__...   # score an existing run folder
 
 Run it alone on the machine: a second job slows every step, and fewer steps fit the budget.
 Each result is appended to --out (JSON lines), from which docs/results.md's table is made.
@@ -119,7 +119,8 @@ def correct_with_env(model_path: str, rows, max_new_tokens: int, env_flags: dict
 
 
 def train(algo, task, seed, minutes: float, steps: int, tag: str, script_args: list[str], out_dir: str) -> Path:
-    """Runs the script for `minutes` of wall time (0: no limit) or `steps` iterations (0: no limit); returns its run folder."""
+    """Runs the script for `minutes` of wall time (0: no limit) or `steps` iterations (0: no limit); returns its run
+    folder."""
     exp = f"heldout_{task}_{tag}"
     cmd = [sys.executable, str(REPO / "algos" / f"{SCRIPTS[algo]}.py"), "--task", task, "--seed", str(seed)]
     cmd += ["--exp-name", exp, "--output-dir", out_dir, "--max-wall-minutes", str(minutes)]

@@ -3,9 +3,9 @@
     python benchmarks/hub_env_heldout.py --run runs/grpo_llm__... [--games 64] [--out docs/results/hub_env.json]
 
 Reads the run's flags (args.json: --env, --env-system-prompt, --max-turns, budgets), plays `--games` held-out games
-(seeds from common.core.tasks.ENV_TEST_SEED0, never trained on) greedily with the base model and the run's last checkpoint,
-and prints the environment's reward (mean, and a paired bootstrap 95% interval of the gain) and its win rate (McNemar's
-exact test on the paired games). Run it alone on the machine.
+(seeds from common.core.tasks.ENV_TEST_SEED0, never trained on) greedily with the base model and the run's last
+checkpoint, and prints the environment's reward (mean, and a paired bootstrap 95% interval of the gain) and its win rate
+(McNemar's exact test on the paired games). Run it alone on the machine.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The Python tool's calls per second under each --tool-sandbox mode (common/integrations/sandbox.py): an ordinary program (math,
-fractions, itertools, printing), a trivial one, and one that imports more of the standard library; with --base
-COMMIT also that commit's run_python (the tool before a change), in the same run. Run it alone:
+"""The Python tool's calls per second under each --tool-sandbox mode (common/integrations/sandbox.py): an ordinary
+program (math, fractions, itertools, printing), a trivial one, and one that imports more of the standard library; with
+--base COMMIT also that commit's run_python (the tool before a change), in the same run. Run it alone:
 
     python benchmarks/tool_sandbox.py [--calls 40] [--base 5b47430]
 

@@ -3,7 +3,8 @@ test tiers.
 
 Tiers (pytest.ini): a test that launches a script, a tool or a launcher as a process carries a marker:
     smoke        one short run per script (the fast tier's launches: tests/test_smoke.py)
-    bare         a bare interpreter in the fast tier: the standard library and common/integrations/sandbox.py, no torch (a
+    bare         a bare interpreter in the fast tier: the standard library and common/integrations/sandbox.py, no torch
+    (a
                  venv under /tmp running the Python tool: well under a second)
     e2e          other script or tool runs as processes (resume, learning, pipelines, refusals)
     distributed  `accelerate launch` / torchrun with 2-4 processes

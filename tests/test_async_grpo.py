@@ -471,8 +471,8 @@ def compute_score(*a, **k):
 def test_a_generator_that_dies_or_hangs_ends_the_run_with_one_line_and_a_checkpoint(how, tiny_peaky, toy_prompts,
                                                                                      tmp_path):  # fmt: skip
     """The reward function (run by the generator's pool of reward workers) kills the generator (as the out-of-memory
-    killer would), freezes it (SIGSTOP) or raises in its 4th batch: the run exits 1 within --generator-timeout with one line, the checkpoint of the last
-    step trained is written, and the run resumes from it to the end."""
+    killer would), freezes it (SIGSTOP) or raises in its 4th batch: the run exits 1 within --generator-timeout with one
+    line, the checkpoint of the last step trained is written, and the run resumes from it to the end."""
     action = {"killed": "os.kill(os.getppid(), signal.SIGKILL)", "hangs": "os.kill(os.getppid(), signal.SIGSTOP)",
               "raises": "raise ValueError('a bug in the reward')"}[how]  # fmt: skip
     bad = DYING_REWARD.format(tests=str(REPO / "tests"), calls=str(tmp_path / "calls"), after=3 * 8, action=action)

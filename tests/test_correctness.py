@@ -39,8 +39,8 @@ TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
 @pytest.mark.e2e
 @pytest.mark.parametrize("system_prompt", [None, "You grade answers strictly."])
 def test_trained_rm_scores_identically_in_rl_and_in_rm_eval(tiny, tmp_path, system_prompt):
-    """Through rm_llm's evaluation and through the RL scripts' scorer (common.integrations.inputs.reward_from_args): the same
-    scores. With --system-prompt (issue 32.6): the prompt format is saved with the reward model and the RL side
+    """Through rm_llm's evaluation and through the RL scripts' scorer (common.integrations.inputs.reward_from_args): the
+    same scores. With --system-prompt (issue 32.6): the prompt format is saved with the reward model and the RL side
     renders prompts with it (before: the RM tokenizer's defaults, no system prompt)."""
     from accelerate import Accelerator
 

@@ -263,9 +263,9 @@ def test_grpo_ddp_update_equals_single_process_update(tiny_peaky, tmp_path):
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["DDP", "FSDP"])
 def test_grpo_with_shared_prompts_and_the_chunked_head_makes_the_update_of_neither(tiny_peaky, tmp_path, kind):
-    """2 processes, float32, a group's two rows in one micro-batch, packed into one sequence (its prompt once) and, under
-    DDP, the LM head in chunks from the hidden states (FSDP2 shards the head: the full logits there) (issue 52): the
-    same update as both levers off (--no-share-prompts, CLEANRLHF_LM_HEAD=full)."""
+    """2 processes, float32, a group's two rows in one micro-batch, packed into one sequence (its prompt once) and,
+    under DDP, the LM head in chunks from the hidden states (FSDP2 shards the head: the full logits there) (issue 52):
+    the same update as both levers off (--no-share-prompts, CLEANRLHF_LM_HEAD=full)."""
     flags = [*grpo_one_update_flags(tiny_peaky), "--micro-batch-size", 2, "--mixed-precision", "no", "--eval-every", 0]
     env = {"TOY_MODEL": tiny_peaky}
     launch("grpo_llm.py", *flags, "--output-dir", tmp_path / "on", env=env, config=CONFIGS[kind])

@@ -1,6 +1,6 @@
-"""Environments (common/core/envs.py, common/integrations/sandbox.py): the Python tool's guarantees, tool-call parsing, token in / token
-out over several turns (the trainer scores exactly the sampled ids), observation tokens out of every loss, and
-failures of user environments bounded."""
+"""Environments (common/core/envs.py, common/integrations/sandbox.py): the Python tool's guarantees, tool-call parsing,
+token in / token out over several turns (the trainer scores exactly the sampled ids), observation tokens out of every
+loss, and failures of user environments bounded."""
 
 import json
 import os
@@ -118,8 +118,8 @@ def test_parse_tool_calls():
 
 # ------------------------------------------------------------------ a scripted sampler: the rollout loop, exactly
 class ScriptedEngine:
-    """Stands in for an engine (common.core.generation.generate's `engine=`): replies with `reply(context_text, row_index)`
-    + EOS, token ids of the policy's tokenizer, log-probs -1 each. Records every context it was given."""
+    """Stands in for an engine (common.core.generation.generate's `engine=`): replies with `reply(context_text,
+    row_index)` + EOS, token ids of the policy's tokenizer, log-probs -1 each. Records every context it was given."""
 
     def __init__(self, tok, reply):
         self.tok, self.reply, self.contexts = tok, reply, []
@@ -621,7 +621,8 @@ def test_step_defaults():
     assert json.dumps(s.info) == "{}"
 
 
-# ------------------------------------------------------------------ the scripts, end to end (a model that ends its turns)
+# ------------------------------------------------------------------ the scripts, end to end (a model that ends its
+# turns)
 TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
 
 

@@ -105,7 +105,8 @@ def test_the_copy_check_finds_a_drifted_copy_and_leaves_an_unmarked_one_alone(tm
     assert "grpo_llm.nope, which does not exist" in drifted_copies([mine])[0]
 
 
-# How every script drives the run's life (common.harness.run.Run), checked as code: each name a call in main, in this order
+# How every script drives the run's life (common.harness.run.Run), checked as code: each name a call in main, in this
+# order
 LIFECYCLE = ["Run", "UpdateGuard", "run.load_weights", "run.begin", "run.steps", "run.logging", "run.log", "run.end"]
 
 
@@ -306,8 +307,8 @@ def test_common_is_four_folders_of_small_files():
 
 def test_common_reads_flags_through_their_groups():
     """common/ never reads a script's flag by its spelling: a whole Args reaches common/ only in the harness, which
-    reads its `run` group (common.harness.args.RunArgs) and walks its fields by type (flat_args, check_args); every other
-    function takes the typed group it needs (ModelArgs, PromptArgs, ...). Checked with ast: no `args.<x>` but
+    reads its `run` group (common.harness.args.RunArgs) and walks its fields by type (flat_args, check_args); every
+    other function takes the typed group it needs (ModelArgs, PromptArgs, ...). Checked with ast: no `args.<x>` but
     `args.run`, no getattr/hasattr on `args`, outside common/harness/args.py."""
     bad = []
     for path in LIBRARY:

@@ -1,5 +1,5 @@
-"""Environments from the hubs (common/integrations/hub_envs.py) against the real libraries: TextArena games played in process,
-OpenEnv servers over their own client (an environment made by the real `openenv init`)."""
+"""Environments from the hubs (common/integrations/hub_envs.py) against the real libraries: TextArena games played in
+process, OpenEnv servers over their own client (an environment made by the real `openenv init`)."""
 
 import json
 import subprocess

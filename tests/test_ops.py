@@ -100,8 +100,8 @@ def test_gae_against_loop(gamma, lam):
 
 @pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.8)])
 def test_gae_over_turns_skips_observation_tokens(gamma, lam):
-    """A multi-turn row (common/core/envs.py): model tokens (mask 1) with observation tokens (mask 0) between turns, then
-    padding. GAE equals a textbook loop over the model's tokens alone (observations removed), scattered back; the
+    """A multi-turn row (common/core/envs.py): model tokens (mask 1) with observation tokens (mask 0) between turns,
+    then padding. GAE equals a textbook loop over the model's tokens alone (observations removed), scattered back; the
     observation and padding positions get 0. Rewards and values there are ignored (set to garbage here)."""
     g = torch.Generator().manual_seed(2)
     layouts = [[1, 1, 0, 0, 0, 1, 1, 1, 0], [1, 0, 0, 1, 0, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1]]

@@ -460,9 +460,9 @@ def test_pi_old_from_the_rollouts_prompt_cache_equals_a_full_forward(tiny, bf16,
 
 
 def test_models_load_with_the_small_attention_and_save_plain_configs(tiny, tmp_path):
-    """Every loader swaps transformers' default SDPA for common.core.attention's SMALL_ATTENTION (SDPA beyond its sizes and in
-    float32); a saved checkpoint does not name it, so plain transformers loads it with its own default. Under bf16
-    autocast the log-probs agree with SDPA's to bf16 noise."""
+    """Every loader swaps transformers' default SDPA for common.core.attention's SMALL_ATTENTION (SDPA beyond its sizes
+    and in float32); a saved checkpoint does not name it, so plain transformers loads it with its own default. Under
+    bf16 autocast the log-probs agree with SDPA's to bf16 noise."""
     import json
 
     from transformers import AutoModelForCausalLM

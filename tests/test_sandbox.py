@@ -1,8 +1,8 @@
-"""The Python tool as an OS-level boundary (common/integrations/sandbox.py, namespaces mode): each escape found by trying the tool as
-an attacker would, with the standard library only, fails to get out. Every probe runs with the audit hook on (the
-default) and off (the OS layer alone must hold: the hook is Python-level and was switched off from inside before),
-and on both of the sandbox's paths: as root (the model's process becomes nobody) and through a user namespace (the
-path a non-root trainer takes)."""
+"""The Python tool as an OS-level boundary (common/integrations/sandbox.py, namespaces mode): each escape found by
+trying the tool as an attacker would, with the standard library only, fails to get out. Every probe runs with the audit
+hook on (the default) and off (the OS layer alone must hold: the hook is Python-level and was switched off from inside
+before), and on both of the sandbox's paths: as root (the model's process becomes nobody) and through a user namespace
+(the path a non-root trainer takes)."""
 
 import os
 import socket
@@ -417,7 +417,8 @@ PROBE = (
 
 
 def _tool_from(python):
-    """The tool's answer when the trainer runs on `python` (common/integrations/sandbox.py needs the standard library only)."""
+    """The tool's answer when the trainer runs on `python` (common/integrations/sandbox.py needs the standard library
+    only)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     out = subprocess.run([str(python), "-c", PROBE.format(repo=str(REPO))], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]

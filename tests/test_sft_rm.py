@@ -1,4 +1,5 @@
-"""algos/sft_llm.py and algos/rm_llm.py: prompt masking, end to end, learning, normalisation, PPO with the trained RM."""
+"""algos/sft_llm.py and algos/rm_llm.py: prompt masking, end to end, learning, normalisation, PPO with the trained
+RM."""
 
 import json
 import sys

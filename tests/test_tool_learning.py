@@ -1,5 +1,5 @@
-"""Teaching the tool (docs/agents.md, "Teach the tool"): multi-turn SFT renders a conversation exactly as a rollout of it
-is rendered (ids and loss mask), demonstrations from the policy, from programs and by hand (rejection, schema,
+"""Teaching the tool (docs/agents.md, "Teach the tool"): multi-turn SFT renders a conversation exactly as a rollout of
+it is rendered (ids and loss mask), demonstrations from the policy, from programs and by hand (rejection, schema,
 duplicates, the cap), the forced prefix, the rates of tool learning, and the chain from checkpoint folders."""
 
 import json
@@ -256,8 +256,9 @@ def test_policy_demonstrations_sample_k_per_prompt_with_a_forced_prefix(tiny, to
 # ------------------------------------------------------------------ the chain, from checkpoint folders
 @pytest.mark.e2e
 def test_the_tool_chain_runs_from_checkpoint_folders(tiny_agent, tool_prompts, tmp_path):
-    """Demonstrations -> sft_llm.py -> grpo_llm.py --env tools (and ppo_llm.py --env tools), each stage from the previous
-    stage's checkpoint folder, then tools.evaluate --env tools on the result: the commands of docs/agents.md."""
+    """Demonstrations -> sft_llm.py -> grpo_llm.py --env tools (and ppo_llm.py --env tools), each stage from the
+    previous stage's checkpoint folder, then tools.evaluate --env tools on the result: the commands of
+    docs/agents.md."""
 
     demos = tmp_path / "demos.jsonl"
     _gen_demos(prompts=tool_prompts, source="program", out=str(demos), model=tiny_agent)

@@ -2,8 +2,8 @@
 accelerate and common/ once (~5.6 s on this machine's 2 cores), then forks a child per launch that runs
 `python algos/X.py flags` as the interpreter would: the script as __main__ with that argv, the launch's
 environment and working directory, stdin from /dev/null, stdout and stderr into files, its atexit functions and
-non-daemon threads finished, its exit code (or -signal). Tools (`python -m tools.X` from the repository) run the same way. A CI run launches ~150: the imports were
-~14 minutes of its CPU.
+non-daemon threads finished, its exit code (or -signal). Tools (`python -m tools.X` from the repository) run the same
+way. A CI run launches ~150: the imports were ~14 minutes of its CPU.
 
 What a child does not see, and so where run_script starts a fresh process instead (`serves`):
 - an environment variable that differs from the zygote's and may be read at import time (IMPORT_TIME_PREFIXES);

@@ -49,7 +49,8 @@ class Args:
     reward: str = "rule:1.0"
     """reward sources (as in the training scripts)"""
     reward_fn: Optional[list[str]] = None
-    """path/to/file.py:fn replacing the data_source registry for every row; repeat for several (summed with --reward-weights)"""
+    """path/to/file.py:fn replacing the data_source registry for every row; repeat for several (summed with
+    --reward-weights)"""
     reward_weights: Optional[list[float]] = None
     """weights of the --reward-fn functions, in order (default: 1 each); each is logged as reward/<fn>"""
     batch_size: PositiveInt = 16
@@ -59,7 +60,8 @@ class Args:
     json_out: Optional[str] = None
     """write the scores as JSON here"""
     rollout_engine: Literal["hf", "vllm", "vllm-server"] = "hf"
-    """hf: our decoding loop; vllm: a vLLM engine in this process, loaded with the model's weights (docs/rollout.md); vllm-server: vLLM's own server (docs/distributed.md)"""
+    """hf: our decoding loop; vllm: a vLLM engine in this process, loaded with the model's weights (docs/rollout.md);
+    vllm-server: vLLM's own server (docs/distributed.md)"""
     vllm_server_url: str = ""
     """vllm-server: a running `vllm serve` to use (empty: one is started for the model)"""
     vllm_gpu_memory_utilization: Annotated[float, Check(gt=0, le=1)] = 0.5

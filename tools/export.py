@@ -2,8 +2,8 @@
 tokenizer and chat template, and a model card (README.md) listing the run's args and final metrics.
 
     python -m tools.export runs/ppo_llm__.../checkpoints/step_100/policy --out exported/ppo-step100
-    python -m tools.export runs/ppo_llm__...  --out exported/ppo-last          # a run folder: latest checkpoint's policy
-    python -m tools.export CKPT --out DIR --push-to-hub user/my-model           # then upload (needs internet)
+    python -m tools.export runs/ppo_llm__...  --out exported/ppo-last          # a run folder: latest checkpoint's
+    policy python -m tools.export CKPT --out DIR --push-to-hub user/my-model           # then upload (needs internet)
 
 The folder loads with `AutoModelForCausalLM.from_pretrained(DIR)` / `AutoTokenizer.from_pretrained(DIR)`,
 vLLM and TGI, no peft needed. `--push-to-hub` uploads it with huggingface_hub (a hub token in the

@@ -76,7 +76,8 @@ class Args:
     seed: int = 0
     """sampling seed"""
     rollout_engine: Literal["hf", "vllm", "vllm-server"] = "hf"
-    """--source policy: hf, or a vLLM engine in this process (docs/rollout.md); vllm-server: vLLM's own server (docs/distributed.md)"""
+    """--source policy: hf, or a vLLM engine in this process (docs/rollout.md); vllm-server: vLLM's own server
+    (docs/distributed.md)"""
     vllm_server_url: str = ""
     """vllm-server: a running `vllm serve` to use (empty: one is started for the model)"""
     vllm_kv_cache_gb: PositiveFloat = 1.0

@@ -146,11 +146,11 @@ def turn_end_id(tok) -> int:
 
 
 def stop_ids(tok) -> list[int]:
-    """Every token that ends a response (generation stops there; `common.core.generation.response_masks` counts it as the
-    end): the template's turn end first, then EOS, the model folder's generation_config.json `eos_token_id` (an int
-    or a list: Llama 3.1's [<|end_of_text|>, <|eom_id|>, <|eot_id|>]) and the END_OF_TURN tokens the template
-    writes. Never the pad token (right padding after a stop-string row would read as a stop; Qwen2.5-Instruct's
-    pad <|endoftext|> is also in its generation config: its turns end at <|im_end|>). Cached on `tok`."""
+    """Every token that ends a response (generation stops there; `common.core.generation.response_masks` counts it as
+    the end): the template's turn end first, then EOS, the model folder's generation_config.json `eos_token_id` (an int
+    or a list: Llama 3.1's [<|end_of_text|>, <|eom_id|>, <|eot_id|>]) and the END_OF_TURN tokens the template writes.
+    Never the pad token (right padding after a stop-string row would read as a stop; Qwen2.5-Instruct's pad
+    <|endoftext|> is also in its generation config: its turns end at <|im_end|>). Cached on `tok`."""
     return _stops(tok)
 
 

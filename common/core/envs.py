@@ -139,7 +139,8 @@ class EnvWorkerError(Exception):
 def _env_worker_main(conn, factory) -> None:
     """A worker process (`EnvWorker`): one environment at a time, made by ("make", attrs); each ("call", method, args,
     attrs) sets the harness's attributes on it (turn, final, ...) and answers ("ok", result, {its `tools` and those
-    attributes as it left them}) or ("err", what). The environment's `score(text)` asks the trainer ("score", text), which answers ("score", value)."""
+    attributes as it left them}) or ("err", what). The environment's `score(text)` asks the trainer ("score", text),
+    which answers ("score", value)."""
     import ctypes
     import signal
     import sys
@@ -283,11 +284,12 @@ class _InWorker:
 class Episodes:
     """Runs a batch of trajectories with one environment instance each (module docstring).
 
-    env_factory() -> Environment (its class, or functools.partial of it); score(row, text) -> float (the run's reward); budgets: `max_turns` model turns,
-    each at most --max-new-tokens, and `max_tokens` after the prompt in all (model and observation tokens); a
-    trajectory that runs out is marked truncated. Environment calls (make, reset, step, close) run under `timeout`
-    seconds (common.core.reward_workers.call_with_timeout); one that raises or hangs ends its trajectory with reward 0 and
-    counts in env/errors (the first message is printed once): never a crash or a hang of the run."""
+    env_factory() -> Environment (its class, or functools.partial of it); score(row, text) -> float (the run's reward);
+    budgets: `max_turns` model turns, each at most --max-new-tokens, and `max_tokens` after the prompt in all (model and
+    observation tokens); a trajectory that runs out is marked truncated. Environment calls (make, reset, step, close)
+    run under `timeout` seconds (common.core.reward_workers.call_with_timeout); one that raises or hangs ends its
+    trajectory with reward 0 and counts in env/errors (the first message is printed once): never a crash or a hang of
+    the run."""
 
     def __init__(self, env_factory, tok, score, max_turns: int, max_tokens: int, timeout: float, log=print,
                  max_prompt_tokens: int | None = None, workers: bool = False, tool_format: str = "auto"):  # fmt: skip
@@ -515,8 +517,8 @@ class Episodes:
 
 @torch.no_grad()
 def evaluate_with_env(episodes: Episodes, model, rows, max_new_tokens: int, batch_size: int, engine=None):
-    """Greedy trajectories for `rows` (tools.evaluate --env): (results as common.harness.eval.score gives them, overall and
-    per data_source: reward (the environment's), accuracy (reward >= 1), n, turns, tool_calls per trajectory,
+    """Greedy trajectories for `rows` (tools.evaluate --env): (results as common.harness.eval.score gives them, overall
+    and per data_source: reward (the environment's), accuracy (reward >= 1), n, turns, tool_calls per trajectory,
     tool_call_rate (share of trajectories with a call); the transcripts)."""
     per, transcripts = {}, []
     for i in range(0, len(rows), batch_size):

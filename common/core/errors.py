@@ -81,8 +81,8 @@ def mix_seed(*parts: int) -> int:
 
 def seed_everything(seed: int) -> None:
     """Same seed on every rank, so models initialise identically; per-sample randomness is derived
-    from (seed, step, sample id) explicitly: `mix_seed(seed, step, sample id)`, the seeds common.core.generation.generate
-    takes."""
+    from (seed, step, sample id) explicitly: `mix_seed(seed, step, sample id)`, the seeds
+    common.core.generation.generate takes."""
     import numpy as np
     import torch
 

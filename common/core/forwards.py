@@ -251,9 +251,9 @@ def head_returns_hidden(head):
 
 
 def can_share_prompts(model) -> bool:
-    """Whether `forward_logprobs(..., share_prompts=True)` may pack a micro-batch's rows per prompt (`packed_by_prompt`):
-    a causal LM of CHUNKED_HEAD_MODELS' families, whose attention takes a custom (B, 1, L, L) mask as given and has no
-    sliding window, and not under tensor parallelism (untested there)."""
+    """Whether `forward_logprobs(..., share_prompts=True)` may pack a micro-batch's rows per prompt
+    (`packed_by_prompt`): a causal LM of CHUNKED_HEAD_MODELS' families, whose attention takes a custom (B, 1, L, L) mask
+    as given and has no sliding window, and not under tensor parallelism (untested there)."""
     inner = _causal_lm(model)
     cfg = getattr(inner, "config", None)
     window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
@@ -355,10 +355,10 @@ def forward_logprobs(
     only the response positions run.
     share_prompts (GRPO's groups; the caller checks `can_share_prompts`): the rows packed per distinct prompt
     (`packed_by_prompt`; `lengths`: each row's response positions to run, the rest left out: their log-probs are
-    finite stand-ins, for the caller's mask), one forward in which each prompt runs, and is backpropagated, once. The same log-probs and
-    gradients as the rows' forward (float32 to ~1e-5 in log-probs, 1e-4 relative in gradients: the attention sums
-    over other shapes; tests/test_prompt_once.py).
-    The head runs in chunks from the hidden states where it can (`chunkable_head`): no (B, T, V) logits."""
+    finite stand-ins, for the caller's mask), one forward in which each prompt runs, and is backpropagated, once. The
+    same log-probs and gradients as the rows' forward (float32 to ~1e-5 in log-probs, 1e-4 relative in gradients: the
+    attention sums over other shapes; tests/test_prompt_once.py). The head runs in chunks from the hidden states where
+    it can (`chunkable_head`): no (B, T, V) logits."""
     T = query_responses.shape[1] - P
     positions = position_ids_from_mask(attention_mask)
     responses = query_responses[:, P:]  # (B, T)

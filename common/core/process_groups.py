@@ -1,5 +1,6 @@
 """The process groups of this process, in one place: set once by common.parallel.accelerator.make_accelerator (under
---tp-size), read by the tensor functions (common.core.ops) and the loaders (common.core.models). Nothing else writes them.
+--tp-size), read by the tensor functions (common.core.ops) and the loaders (common.core.models). Nothing else writes
+them.
 
 Without tensor parallelism everything is None: batch statistics reduce over every process (the default
 group), models load whole and the LM head's logits are whole rows.

@@ -233,7 +233,8 @@ class ScoreAsTheyFinish:
     accumulated (one pool map or service request per group), and `parts` scores the rows cut at the token limit
     and waits. What runs in the trainer (built-in scorers, whose timeouts are main-thread signals; the reward
     model; format and length terms) runs after, on the whole batch. The scores are Reward's on the whole batch:
-    each term is per row. vLLM returns a batch at once, so there is nothing to overlap (common.core.sampling.sample_and_score)."""
+    each term is per row. vLLM returns a batch at once, so there is nothing to overlap
+    (common.core.sampling.sample_and_score)."""
 
     def __init__(self, reward: Reward, rows, tok):
         import queue

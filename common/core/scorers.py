@@ -115,8 +115,8 @@ def match_score(data_source, solution_str, ground_truth, extra_info=None) -> dic
 
 
 def environment_score(data_source, solution_str, ground_truth, extra_info=None):
-    """Rows of a hub environment (--env textarena:GAME, openenv:URL; common.integrations.hub_envs): the environment scores them;
-    a one-turn answer outside it scores 0."""
+    """Rows of a hub environment (--env textarena:GAME, openenv:URL; common.integrations.hub_envs): the environment
+    scores them; a one-turn answer outside it scores 0."""
     return {"score": 0.0, "acc": 0.0}
 
 

@@ -240,7 +240,8 @@ def default_env_files(spec: str, train_size: int = 2000, test_size: int = 64) ->
 
 
 def load_rl_prompts(data, tok, reward, log, env: str = "") -> tuple[list, list]:
-    """The prompts of an RL script's PromptArgs `data` (common.harness.args): --train-files / --val-files, or the built-in
+    """The prompts of an RL script's PromptArgs `data` (common.harness.args): --train-files / --val-files, or the
+    built-in
     --task (its problem-split train and test files, common.core.tasks) when --train-files is not given; validation rows
     cut to --num-eval-prompts. Every data_source must have a reward function (`reward.check`, before any
     model trains), and the first prompt is printed as the model sees it. Returns (train_rows, val_rows)."""

@@ -190,7 +190,8 @@ class ModelArgs:
     """allow model code from the hub"""
     dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Check(fn=_trained_dtype)] = "auto"
     """weights dtype of the trained models (auto: float32, with bf16 autocast on GPUs; under LoRA the frozen base
-    at the device's default, bf16 on GPUs); bfloat16: bf16 weights with a Kahan-compensated AdamW (common/parallel/optim.py)"""
+    at the device's default, bf16 on GPUs); bfloat16: bf16 weights with a Kahan-compensated AdamW
+    (common/parallel/optim.py)"""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     """bf16: autocast forward/backward in bfloat16 (float32 weights, optimizer, log-softmax); auto: bf16 where it
     pays (float32 weights, a CPU with native bf16 matmul, hidden size >= 256: docs/performance.md), else as

@@ -59,7 +59,8 @@ def matmul_peak_flops(device, dtype: torch.dtype = torch.float32) -> float:
 def mfu(model, forward_tokens: float, train_tokens: float, seconds: float, accelerator) -> float:
     """Model FLOPs utilisation of a step: (2 N per token run forward only, generation included, + 6 N
     per token trained) / seconds / the measured matmul peak of the compute dtype. N = the model's
-    parameters but an untied input embedding; tokens are real tokens, so padding and recomputation show up as lost utilisation."""
+    parameters but an untied input embedding; tokens are real tokens, so padding and recomputation show up as lost
+    utilisation."""
     model = getattr(model, "module", model)  # DDP / DeepSpeed wrappers
     n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: the full size
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()

@@ -277,7 +277,8 @@ class BatchStream:
     `ahead` = K steps. They were sampled by versions older than the checkpoint's weights, which a resumed run could
     not sample with again; kept, the resumed run trains on exactly what the uninterrupted one did. A batch (a dict:
     its Rollout, prompt ids, version, ...) is saved with its Rollout as a dict and without rows (rebuilt from the
-    prompt ids and `train_rows`): trainer_state.pt holds tensors, numbers and strings only (loaded with weights_only)."""
+    prompt ids and `train_rows`): trainer_state.pt holds tensors, numbers and strings only (loaded with
+    weights_only)."""
 
     def __init__(self, accelerator, ahead: int, total_steps: int, train_rows):
         self.acc, self.ahead, self.total, self.train_rows = accelerator, ahead, total_steps, train_rows

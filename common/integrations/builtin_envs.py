@@ -1,6 +1,6 @@
-"""The built-in environments of `--env`: `tools` (`ToolEnv`: the calculator and the Python tool, common.integrations.sandbox,
-or a SandboxFusion service) and `feedback` (`FeedbackEnv`: a second try after a wrong answer); `load_env_class`
-resolves `--env tools | feedback | path/to/file.py:ClassName`.
+"""The built-in environments of `--env`: `tools` (`ToolEnv`: the calculator and the Python tool,
+common.integrations.sandbox, or a SandboxFusion service) and `feedback` (`FeedbackEnv`: a second try after a wrong
+answer); `load_env_class` resolves `--env tools | feedback | path/to/file.py:ClassName`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""`--rollout-engine`: which engine a script or tool samples with. hf: None (common.core.forwards's decoding loop); vllm: a
-colocated engine (common.integrations.vllm_engine); vllm-server: vLLM's own server (common.integrations.vllm_server). docs/rollout.md."""
+"""`--rollout-engine`: which engine a script or tool samples with. hf: None (common.core.forwards's decoding loop);
+vllm: a colocated engine (common.integrations.vllm_engine); vllm-server: vLLM's own server
+(common.integrations.vllm_server). docs/rollout.md."""
 
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
-"""Environments from the ecosystem's hubs behind the one `Environment` contract (common.core.envs): `--env textarena:GAME`
-(a TextArena game, played in process) and `--env openenv:URL` (an OpenEnv environment server over its own client's
-WebSocket session; `openenv:path/to/env` starts the server of an environment folder made by `openenv init`).
+"""Environments from the ecosystem's hubs behind the one `Environment` contract (common.core.envs): `--env
+textarena:GAME` (a TextArena game, played in process) and `--env openenv:URL` (an OpenEnv environment server over its
+own client's WebSocket session; `openenv:path/to/env` starts the server of an environment folder made by `openenv
+init`).
 
 Token in, token out as for every environment: the model's turn goes to the game as its action text, the game's new
 messages come back as a user message (masked: no loss on them), and the reward is the environment's own score (the
 TextArena reward of player 0 when the game ends; the sum of OpenEnv's step rewards), never the run's --reward. The
-rows a run trains and evaluates on are seeds (`common.core.tasks.env_rows`): train seeds 0.., test seeds from 1,000,000, so a held-out
-game is never one trained on. A game cut by --max-turns before it ends scores 0 and counts in env/unfinished.
+rows a run trains and evaluates on are seeds (`common.core.tasks.env_rows`): train seeds 0.., test seeds from 1,000,000,
+so a held-out game is never one trained on. A game cut by --max-turns before it ends scores 0 and counts in
+env/unfinished.
 
 Each adapter imports its library only when used: a missing package is one line naming the `pip install` to run.
 """
@@ -54,8 +56,8 @@ class TextArenaEnv(Environment):
     two-player game the other player is `opponent` (path/to/file.py:fn, fn(observation text) -> action text), a
     fixed policy. Observations: the game's messages since the model's last turn (raw ids give a list of (sender,
     message, type); the default wrappers give the whole history as one string, of which only the new part is sent).
-    info: win (reward >= 1: TextArena's full reward), invalid_move (the game ended on the model's invalid move), unfinished (cut by the turn
-    budget before the game ended)."""
+    info: win (reward >= 1: TextArena's full reward), invalid_move (the game ended on the model's invalid move),
+    unfinished (cut by the turn budget before the game ended)."""
 
     info_keys = ("win", "invalid_move", "unfinished")
 

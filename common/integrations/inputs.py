@@ -36,10 +36,10 @@ def rl_inputs(model, data, rewards, gen, env, accelerator, say=None):
 
 
 def reward_from_args(rewards, model, max_new_tokens: int, accelerator) -> Reward:
-    """The Reward of a script's RewardArgs `rewards` (common.harness.args): --reward / --reward-fn, --reward-model (loaded
-    frozen at --dtype of ModelArgs `model`, with its own tokenizer and chat template, which may differ from the
-    policy's), --reward-weights, --reward-fallback, --reward-timeout and --reward-workers; responses are scored
-    up to `max_new_tokens`."""
+    """The Reward of a script's RewardArgs `rewards` (common.harness.args): --reward / --reward-fn, --reward-model
+    (loaded frozen at --dtype of ModelArgs `model`, with its own tokenizer and chat template, which may differ from the
+    policy's), --reward-weights, --reward-fallback, --reward-timeout and --reward-workers; responses are scored up to
+    `max_new_tokens`."""
     from common.core import chat
     from common.core import models as M
     from common.parallel.sharded import prepare_frozen
@@ -84,9 +84,9 @@ def services_from_args(rewards) -> dict:
 # --env -> Episodes (the built-ins, a user's class, a hub's environment)
 # ---------------------------------------------------------------------------------------------
 def episodes_from_args(env_args, tok, reward, device, log=print, max_prompt_tokens=None) -> Episodes | None:
-    """The `Episodes` of a script's EnvArgs (common.harness.args; None without --env): the environment class, its options,
-    and the run's reward (`reward`, common.core.rewards.Reward) as each trajectory's scorer; max_prompt_tokens: the
-    longest first message an environment may return (--max-prompt-length)."""
+    """The `Episodes` of a script's EnvArgs (common.harness.args; None without --env): the environment class, its
+    options, and the run's reward (`reward`, common.core.rewards.Reward) as each trajectory's scorer; max_prompt_tokens:
+    the longest first message an environment may return (--max-prompt-length)."""
     if not env_args.env:
         return None
     cls = None if is_hub_spec(env_args.env) else load_env_class(env_args.env)

@@ -8,12 +8,12 @@ The wire format is SandboxFusion's `POST /run_code`:
     answer   {"status": "Success" | "Failed" | "SandboxError", "message": str,
               "run_result": {"status": "Finished" | "TimeLimitExceeded" | "Error", "return_code": int | null,
                              "stdout": str, "stderr": str, "execution_time": s, ...} | null, ...}
-Written on common.integrations.remote_rewards.post_json (urllib) rather than the sandbox-fusion client: that client retries five
-times with no bound on the whole call, and would follow a redirect with the request's credentials. Here one call is
-bounded (its run timeout + SLACK_S, each try; `retries` tries more for no answer or a 5xx), a redirect is refused
-(the key in SANDBOX_FUSION_API_KEY, sent as a bearer token, never goes to another address), and a service that
-fails after its retries raises SandboxServiceError, which the tool environment counts (env/tool_service_errors)
-and shows the model as a failed call; the run goes on.
+Written on common.integrations.remote_rewards.post_json (urllib) rather than the sandbox-fusion client: that client
+retries five times with no bound on the whole call, and would follow a redirect with the request's credentials. Here one
+call is bounded (its run timeout + SLACK_S, each try; `retries` tries more for no answer or a 5xx), a redirect is
+refused (the key in SANDBOX_FUSION_API_KEY, sent as a bearer token, never goes to another address), and a service that
+fails after its retries raises SandboxServiceError, which the tool environment counts (env/tool_service_errors) and
+shows the model as a failed call; the run goes on.
 """
 
 from __future__ import annotations

@@ -152,8 +152,8 @@ def weights_fingerprint(state_dict: dict) -> torch.Tensor:
 def as_generation(queries, ids: list[list[int]], logprobs: list[list[float]], stopped: list[bool], max_new_tokens: int,
                   tok, sampled: bool):  # fmt: skip
     """An engine's answers (each row's sampled ids, their log-probs, whether a stop string ended it) as the
-    `Generation` of common.core.generation.generate: responses right-padded to the longest, masks, EOS/truncation flags, the
-    sampler's log-probs (None when greedy)."""
+    `Generation` of common.core.generation.generate: responses right-padded to the longest, masks, EOS/truncation flags,
+    the sampler's log-probs (None when greedy)."""
     from common.core.generation import Generation, response_masks
 
     B, T = len(ids), max(1, max(len(r) for r in ids))

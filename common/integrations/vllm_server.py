@@ -219,9 +219,9 @@ class ServerEngine:
     @torch.no_grad()
     def sync(self, model, force: bool = False) -> bool:
         """Push `model`'s weights (merged LoRA, 4-bit dequantised, shards gathered one tensor at a time:
-        common.parallel.weight_stream) if the trainable weights' fingerprint differs from the last push's, as version + 1.
-        Every process computes the fingerprint (a collective when sharded) and, when the policy is sharded, takes part
-        in the stream's gathers; process 0 writes and pushes; all wait for it. Returns whether it pushed."""
+        common.parallel.weight_stream) if the trainable weights' fingerprint differs from the last push's, as version +
+        1. Every process computes the fingerprint (a collective when sharded) and, when the policy is sharded, takes
+        part in the stream's gathers; process 0 writes and pushes; all wait for it. Returns whether it pushed."""
         self._ready()
         if self.in_phase and not force:
             return False

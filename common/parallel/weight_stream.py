@@ -120,7 +120,8 @@ def _gathered(t: torch.Tensor, dtype: torch.dtype | None):
 
 
 def _dense(t: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """A bitsandbytes 4-bit weight's dense value (its compute dtype) from its full packed storage `full`; else `full`."""
+    """A bitsandbytes 4-bit weight's dense value (its compute dtype) from its full packed storage `full`; else
+    `full`."""
     if not _is_4bit(t):
         return full
     import bitsandbytes.functional as BF
