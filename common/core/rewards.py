@@ -16,8 +16,6 @@ from common.core.scorers import check_data_sources, compute_score, format_score,
 # ---------------------------------------------------------------------------------------------
 # Combining sources
 # ---------------------------------------------------------------------------------------------
-
-
 SOURCES = ("rule", "exact", "model", "format", "length", "length_bonus", "remote", "judge")
 
 
