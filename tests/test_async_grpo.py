@@ -237,10 +237,13 @@ def test_a_stopped_trainer_takes_its_generator_and_the_generators_helpers_with_i
             trainer.send_signal(signal.SIGTERM)
         else:
             trainer.send_signal(signal.SIGINT)
-            time.sleep(0.3)
+            # the second once the first is handled (its line), before the step it asked to stop at ends and saves:
+            # a fixed pause let the step end first on a loaded machine, or both land before the handler ran once
+            first = _stderr_until(trainer, "[cleanrlhf] signal", timeout=30)
             trainer.send_signal(signal.SIGINT)
         t0 = time.time()
         out, err = trainer.communicate(timeout=120)
+        err = (first if how != "SIGTERM" else "") + err
     finally:
         trainer.kill()
     assert trainer.returncode != 0 and time.time() - t0 < 60, err[-2000:]
@@ -270,6 +273,21 @@ def _slow_to_start(put, setup_s, then_hang):
     put(None)
     put({"x": 1})
     time.sleep(60 if then_hang else 0)
+
+
+def _stderr_until(proc, marker: str, timeout: float) -> str:
+    """proc's stderr read up to the line holding `marker` (at most `timeout` seconds); what was read."""
+    import os
+    import select
+
+    got, deadline = "", time.time() + timeout  # the descriptor, not the text wrapper: nothing left in its buffer
+    while marker not in got and time.time() < deadline:
+        if select.select([proc.stderr.fileno()], [], [], 0.5)[0]:
+            chunk = os.read(proc.stderr.fileno(), 65536).decode(errors="replace")
+            if not chunk:
+                break
+            got += chunk
+    return got
 
 
 @pytest.mark.e2e

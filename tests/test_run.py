@@ -111,7 +111,7 @@ TOY_LOOP = textwrap.dedent('''
 
 def _toy(tmp_path, *args):
     script = tmp_path / "toy_loop.py"
-    script.write_text(TOY_LOOP.format(repo=str(R.REPO)))
+    script.write_text(TOY_LOOP.format(repo=str(tracking.REPO)))
     return [sys.executable, str(script), *map(str, args)]
 
 

@@ -299,7 +299,7 @@ def test_a_tool_environment_refuses_at_start_up_and_takes_the_flag(monkeypatch, 
 
 ATTACK_ENV = r'''
 import json, os
-from common.core.envs import ToolEnv
+from common.integrations.builtin_envs import ToolEnv
 
 TRAINER, CWD, PORT = os.getpid(), os.getcwd(), int(os.environ["ATTACK_PORT"])  # what an attacker may guess or learn
 ATTACK = f"""
