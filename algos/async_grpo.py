@@ -30,11 +30,11 @@ import torch
 import tyro
 
 from common.core.data import Sampler
-from common.core.errors import mix_seed, seed_everything
-from common.core.forwards import can_share_prompts, forward_by_micro_batch, forward_logprobs, micro_batches, padding_counts, reference_logprobs
+from common.core.forwards import can_share_prompts, forward_by_micro_batch, forward_logprobs, micro_batches, padding_counts, reference_logprobs_fn
 from common.core import models as M
 from common.core.ops import exact_div, global_mean_divisor, kl_estimate, masked_mean, masked_var, rollout_correction
 from common.core.sampling import Rollout, sample
+from common.core.seeds import mix_seed, seed_everything
 from common.parallel.accelerator import make_accelerator, micro_batch_budget
 from common.parallel.optim import adamw
 from common.parallel.sharded import UpdateGuard, backward, frozen_reference, unwrap_for_generation
@@ -45,7 +45,7 @@ from common.harness.args import RESUME_MAY_CHANGE, Check, EnvArgs, GenerationArg
 from common.harness.cli import cli
 from common.harness.eval import evaluate_policy
 from common.harness.health import HealthConfig
-from common.harness.perf import mfu, peak_mem_gb
+from common.harness.perf import mfu, step_perf
 from common.harness.run import Run
 # fmt: on
 
@@ -55,9 +55,8 @@ class Args:
     # --- algorithm
     num_prompts: PositiveInt = 8
     """prompts per iteration, over all processes"""
-    group_size: Annotated[int, tyro.conf.arg(aliases=("--num-generations",)),
-                          Check(ge=2, note="advantages compare a prompt's samples")] = 4  # fmt: skip
-    """G: responses sampled per prompt"""
+    group_size: Annotated[int, tyro.conf.arg(aliases=("--num-generations",)), Check(ge=2, note="G-1 to compare")] = 4
+    """G: responses sampled per prompt (a response's advantage compares it with the other G-1)"""
     mini_batch_size: PositiveInt = 32
     """sequences per optimizer step, over all processes"""
     update_epochs: Annotated[PositiveInt, tyro.conf.arg(aliases=("--num-iterations",))] = 1
@@ -148,12 +147,9 @@ def take_informative_groups(parts: list[Rollout], G: int, n_groups: int, pad_id:
     rewards differ first, then (if too few) groups of equal rewards to keep the batch size fixed.
     -> (batch, number of equal-reward groups used to fill)"""
     groups = [(k, j) for k, p in enumerate(parts) for j in range(len(p.rows) // G)]  # (batch, group in it)
-
-    def rewards_differ(k, j):
-        return bool(parts[k].scores.view(-1, G)[j].std() > 0)
-
-    informative = [g for g in groups if rewards_differ(*g)][:n_groups]
-    filled = [g for g in groups if not rewards_differ(*g)][: n_groups - len(informative)]
+    differ = [bool(parts[k].scores.view(-1, G)[j].std() > 0) for k, j in groups]  # rewards differ in the group
+    informative = [g for g, d in zip(groups, differ) if d][:n_groups]
+    filled = [g for g, d in zip(groups, differ) if not d][: n_groups - len(informative)]
     picks = [parts[k].take(list(range(j * G, (j + 1) * G))) for k, j in informative + filled]  # a group each
     return Rollout.cat(picks, pad_id), len(filled)
 
@@ -190,14 +186,9 @@ def group_metrics(accelerator, scores, solved, G: int) -> dict:
 
 def reward_by_data_source(rows, scores) -> dict:
     """{reward/<data_source>: mean score of this rank's rows of it} when the rows mix several sources, else {}."""
-    sources = sorted({x.data_source for x in rows})
-    if len(sources) < 2:
-        return {}
-    out = {}
-    for s in sources:
-        of_s = torch.tensor([x.data_source == s for x in rows], device=scores.device)  # (B,) this source's rows
-        out[f"reward/{s}"] = scores[of_s].mean().item()
-    return out
+    names = sorted({x.data_source for x in rows})
+    source = torch.tensor([names.index(x.data_source) for x in rows], device=scores.device)  # (B,) index in names
+    return {f"reward/{s}": scores[source == i].mean().item() for i, s in enumerate(names)} if len(names) > 1 else {}
 
 
 # ALGO LOGIC: advantages, reward shaping and loss aggregation
@@ -297,12 +288,14 @@ def generate_batches(put, args: Args, rank: int, W: int, first_step: int, first_
     setup: the batch of each step from `first_step`, sampled and scored as grpo_llm.py does (this rank's share of its
     prompts) by the weights of version step - 1 - K (the policy after that many updates; none older than
     `first_version`)."""
-    accelerator, tok, reward, train_rows, episodes, sampler, policy, engine = generator_setup(args.model, args.data,
-        args.rewards, args.gen, args.env, args.run.seed, rank, sampler_state)  # fmt: skip
+    flags = (args.model, args.data, args.rewards, args.gen, args.env)  # the trainer's flag groups
+    setup = generator_setup(*flags, args.run.seed, rank, sampler_state)  # this process's copy of main's setup
+    accelerator, tok, reward, train_rows, episodes, sampler, policy, engine = setup
     G, K = args.group_size, args.max_off_policy_steps
 
     def sample_groups(step, round_) -> Rollout:
         """One global draw of prompts; this rank's share, each repeated G times, sampled and scored."""
+        # (N*G,) rows, a prompt's samples adjacent; each row's own seed
         rows, seeds = draw_rows(sampler, train_rows, args.num_prompts, rank, W, args.run.seed, step, G, round_)
         with unwrap_for_generation(accelerator, policy, engine) as gen_model:  # one turn, or --env's trajectories
             return sample(gen_model, tok, rows, reward, episodes, policy.device, seeds, engine, **args.gen.sampling())
@@ -310,18 +303,27 @@ def generate_batches(put, args: Args, rank: int, W: int, first_step: int, first_
     def sample_batch(step):  # -> (Rollout, rounds, n_filled); DAPO's dynamic sampling: one trainer process
         if not args.dynamic_sampling:
             return sample_groups(step, 0), 0, 0
-        return dynamic_sampling(partial(sample_groups, step), G, args.num_prompts, args.max_resample_rounds, tok.pad_token_id)  # fmt: skip
+        return dynamic_sampling(
+            partial(sample_groups, step), G, args.num_prompts, args.max_resample_rounds, tok.pad_token_id
+        )
 
-    serve_batches(put, sample_batch, lambda step: max(first_version, step - 1 - K), mailbox, policy, sampler,
-                  train_rows, reward, first_step, args.run.total_steps, args.generator_timeout)  # fmt: skip
+    def version_of(step):  # the weights that sample step's batch: K updates before it, none older than the first
+        return max(first_version, step - 1 - K)
+
+    serve_batches(
+        put, sample_batch, version_of, mailbox, setup, first_step, args.run.total_steps, args.generator_timeout
+    )
 
 
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
     accelerator = make_accelerator(args.model)  # as launched: DDP (a generator per process); --mixed-precision
-    device, W, G, K = accelerator.device, accelerator.num_processes, args.group_size, args.max_off_policy_steps
-    generator_threads, generator_env = async_launch(accelerator, args.dynamic_sampling, K, args.generator_threads,
-        args.gen, args.generator_device, args.weight_sync)  # checks; the generator's threads and devices  # fmt: skip
+    device, rank, W, G = accelerator.device, accelerator.process_index, accelerator.num_processes, args.group_size
+    K = args.max_off_policy_steps
+    # flag checks; the generator's threads and devices
+    generator_threads, generator_env = async_launch(
+        accelerator, args.dynamic_sampling, K, args.generator_threads, args.gen, args.generator_device, args.weight_sync
+    )
     exact_div(args.num_prompts, W, "--num-prompts over the number of processes")
     local_mini_batch_size = exact_div(args.mini_batch_size, W, "--mini-batch-size over the number of processes")
     exact_div(args.num_prompts * G, args.mini_batch_size, "--num-prompts x --group-size over --mini-batch-size")
@@ -331,8 +333,8 @@ def main(args: Args):
     run = Run(accelerator, args, Path(__file__).stem)  # --resume: resolved and checked before anything loads
     T_max = args.gen.max_new_tokens  # the response length limit
     # the tokenizer, --reward's scorers, the prompts (--train-files / --val-files, else --task), --env's episodes
-    max_len, tok, reward, train_rows, val_rows, episodes = rl_inputs(args.model, args.data, args.rewards, args.gen,
-        args.env, accelerator)  # fmt: skip
+    inputs = rl_inputs(args.model, args.data, args.rewards, args.gen, args.env, accelerator)  # inputs.RLInputs
+    max_len, tok, reward, train_rows, val_rows, episodes = inputs
     sampler = Sampler(len(train_rows), args.run.seed)  # the draw up to the last batch trained on (the generator's)
 
     # ALGO LOGIC: the policy and, when --kl-coef > 0, a frozen reference; no critic (the group is the baseline)
@@ -349,11 +351,10 @@ def main(args: Args):
     }[args.loss_type]
     # pi_old with one optimizer step per batch (mu = 1, one minibatch): the update forward's own log-probs, detached
     # (as TRL), filled during the update; a loss that reads them before it sets `my_loss.reads_pi_old = True`
-    one_step = args.update_epochs == 1 and args.mini_batch_size == args.num_prompts * G
-    one_step = one_step and not getattr(policy_loss.func, "reads_pi_old", False)
+    one_step = args.update_epochs == 1 and args.mini_batch_size == args.num_prompts * G and not args.mismatch.tis_cap
     # K > 0: pi_old is the trainer's policy before the update (recomputed) and --tis-cap weights each token by
     # min(pi_old / pi_behaviour, C) (AReaL's decoupled loss); with --tis-cap 0, pi_old is the behaviour policy
-    pi_old_from_update = one_step and not args.mismatch.tis_cap and K == 0
+    pi_old_from_update = one_step and not getattr(policy_loss.func, "reads_pi_old", False) and K == 0
     pi_old_from_sampler = K > 0 and not args.mismatch.tis_cap
     args.old_logprobs_from = "current" if pi_old_from_update else "sampler" if pi_old_from_sampler else "trainer"
 
@@ -363,24 +364,24 @@ def main(args: Args):
     policy, opt, sched = accelerator.prepare(policy, opt, sched)
     engine = None  # --rollout-engine: the generator's; validation runs here, on the hf engine
     batches = BatchStream(accelerator, K, args.run.total_steps, train_rows)  # the next K in checkpoints
-    evaluate = lambda: evaluate_policy(  # greedy on --val-files (--env: through the environment)
-        accelerator, policy, tok, reward, val_rows, T_max, args.micro_batch_size, engine, episodes
+    evaluate = partial(  # greedy on --val-files (--env: through the environment)
+        evaluate_policy, accelerator, policy, tok, reward, val_rows, T_max, args.micro_batch_size, engine, episodes
     )
-    group = G if args.share_prompts and can_share_prompts(policy) else 1  # G: a group's rows together, its prompt once
-    fwd = partial(forward_logprobs, policy, temperature=args.gen.temperature, share_prompts=group > 1)  # (B, T) fn
-    ref_logprobs_of = reference_logprobs(accelerator, ref_policy, policy, args.gen.temperature, group > 1)  # (B, T) fn
+    share = G if args.share_prompts and can_share_prompts(policy) else 1  # G: a group's rows together, its prompt once
+    fwd = partial(forward_logprobs, policy, temperature=args.gen.temperature, share_prompts=share > 1)  # (B, T) fn
+    ref_logprobs_of = reference_logprobs_fn(accelerator, ref_policy, policy, args.gen.temperature, share > 1)
     # what a checkpoint holds, by name (restored here when resuming); evaluation before the first step
-    run.begin(tok, models={"policy": policy}, optimizers={"opt": ("policy", opt)},
-              state=dict(sched=sched, sampler=sampler, guard=guard, batches=batches),
-              evaluate=evaluate if val_rows else None)  # fmt: skip
+    state = dict(sched=sched, sampler=sampler, guard=guard, batches=batches)
+    run.begin(tok, {"policy": policy}, {"opt": ("policy", opt)}, state, evaluate=evaluate if val_rows else None)
 
     # ALGO LOGIC: the generator process, its weights (version n: the policy after n updates) by --weight-sync
     policy_module = accelerator.unwrap_model(policy)  # (DDP's module) whose weights are pushed
     ready = run.start_step + len(batches.ready)  # the last step of the batches a resumed run holds
     mailbox = make_mailbox(args.weight_sync, policy_module, run.start_step, ready, args.generator_timeout)
-    generator = GeneratorProcess(generate_batches, dict(args=args, rank=accelerator.process_index, W=W,
-        first_version=run.start_step, mailbox=mailbox), max_ahead=K + 1, threads=generator_threads,
-        timeout=args.generator_timeout, env=generator_env)  # fmt: skip
+    kwargs = dict(args=args, rank=rank, W=W, first_version=run.start_step, mailbox=mailbox)  # generate_batches'
+    generator = GeneratorProcess(
+        generate_batches, kwargs, K + 1, generator_threads, args.generator_timeout, generator_env
+    )
     batches.start(generator, run.start_step + 1, sampler.state_dict())
     batch_log, push_s = BatchLog(accelerator, run.dir, run.start_step), 0.0
 
@@ -404,11 +405,16 @@ def main(args: Args):
         scores = scores + overlong_penalty(lengths, T_max, args.overlong_buffer, args.overlong_penalty)  # (B,)
         advantages = compute_advantages(scores, G, args.baseline, args.scale_rewards)  # (B,)
         loss_mask = mask * (~rollout.truncated).float()[:, None] if args.mask_truncated else mask  # (B, T)
-        # micro-batches of the no-grad forwards: --micro-batch-size rows, or by --micro-batch-tokens
-        all_micros = micro_batches(list(range(len(rows))), query_mask, mask, args.micro_batch_size, micro_batch_tokens,
-                                   accelerator, group)  # fmt: skip
+
+        def split(ids):  # micro-batches: --micro-batch-size rows, or by --micro-batch-tokens
+            return micro_batches(ids, query_mask, mask, args.micro_batch_size, micro_batch_tokens, accelerator, share)
+
+        all_micros = split(list(range(len(rows))))  # for the no-grad forwards
+
+        def by_micro(fn):  # (B, T): a no-grad forward, micro-batch by micro-batch
+            return forward_by_micro_batch(fn, all_micros, query_responses, attn, P, T, lengths=share > 1) * mask
+
         with torch.no_grad(), accelerator.autocast():  # one region: bf16 weight copies cast once, not per micro-batch
-            by_micro = lambda fn: forward_by_micro_batch(fn, all_micros, query_responses, attn, P, T, lengths=group > 1) * mask  # (B, T)  # fmt: skip
             if pi_old_from_update:
                 old_logprobs = torch.zeros_like(mask)  # (B, T) filled by the update's forward below
             elif pi_old_from_sampler:
@@ -417,37 +423,41 @@ def main(args: Args):
                 old_logprobs = by_micro(fwd)  # (B, T)
             ref_logprobs = by_micro(ref_logprobs_of) if args.kl_coef > 0 else None  # (B, T)
         # sampler vs pi_old: --tis-* weights (B, T) of each token's loss, mismatch/* (after the update if pi_old is its)
-        fix = lambda: rollout_correction(old_logprobs, rollout.logprobs, mask, **args.mismatch.correction())
-        tis_weights, mismatch = (None, {}) if pi_old_from_update else fix()
+        correction = partial(rollout_correction, old_logprobs, rollout.logprobs, mask, **args.mismatch.correction())
+        tis_weights, mismatch = (None, {}) if pi_old_from_update else correction()
 
         # ------------------------------------------------------------------ 3. update
         t_train, stats, seq_ratios = time.time(), {}, []  # stats: name -> each micro-batch's share; GSPO's s
-        g = torch.Generator().manual_seed(mix_seed(args.run.seed, step, accelerator.process_index))
+        g = torch.Generator().manual_seed(mix_seed(args.run.seed, step, rank))
         for it in range(args.update_epochs):
             perm = torch.randperm(len(rows), generator=g).tolist()
             for mb_start in range(0, len(rows), local_mini_batch_size):
-                mb = perm[mb_start : mb_start + local_mini_batch_size]
-                # token totals over the global minibatch / W: DDP/FSDP average the W ranks' gradients, so
-                # token-mean is over all ranks' tokens (each rank holds len(mb) sequences: n_seqs needs no reduce)
-                n_tokens, n_seqs = global_mean_divisor(loss_mask[mb].sum()), len(mb)
-                micros = micro_batches(mb, query_mask, mask, args.micro_batch_size, micro_batch_tokens, accelerator, group)  # fmt: skip
+                minibatch = perm[mb_start : mb_start + local_mini_batch_size]
+                # token totals over the global minibatch / W: DDP/FSDP average the W ranks' gradients, so token-mean
+                # is over all ranks' tokens (each rank holds len(minibatch) sequences: n_seqs needs no reduce)
+                n_tokens, n_seqs = global_mean_divisor(loss_mask[minibatch].sum()), len(minibatch)
+                micros = split(minibatch)
                 for k, m in enumerate(micros):
-                    # this micro-batch's rows at its own lengths: its longest prompt (m.p) and response (t)
-                    micro, t, cut = m.ids, m.t, slice(P - m.p, P + m.t)
-                    m_mask = mask[micro, :t]  # (b, t)
-                    new_logprobs, entropy = fwd(query_responses[micro, cut], attn[micro, cut], m.p, with_entropy=True, lengths=m.lengths)  # fmt: skip
+                    # this micro-batch's rows at its own lengths: its longest prompt (m.p) and response (m.t)
+                    mb, cut = m.ids, slice(P - m.p, P + m.t)
+                    mb_mask, mb_loss_mask, mb_adv = mask[mb, : m.t], loss_mask[mb, : m.t], advantages[mb, None]
+                    mb_qr, mb_attn = query_responses[mb, cut], attn[mb, cut]  # (b, p+t); masks (b, t); mb_adv (b, 1)
+                    new_logprobs, entropy = fwd(mb_qr, mb_attn, m.p, with_entropy=True, lengths=m.lengths)  # (b, t)
                     if pi_old_from_update:  # the one optimizer step: pi_old = pi_theta now
-                        old_logprobs[micro, :t] = new_logprobs.detach() * m_mask
-                    old_t = old_logprobs[micro, :t]  # (b, t)
-                    token_loss, loss_stats = policy_loss(new_logprobs, old_t, advantages[micro, None], m_mask)
+                        old_logprobs[mb, : m.t] = new_logprobs.detach() * mb_mask
+                    mb_old = old_logprobs[mb, : m.t]  # (b, t)
+                    token_loss, loss_stats = policy_loss(new_logprobs, mb_old, mb_adv, mb_mask)
                     if tis_weights is not None:
-                        token_loss = token_loss * tis_weights[micro, :t]
+                        token_loss = token_loss * tis_weights[mb, : m.t]
                     if args.loss_type == "gspo":  # its sequence ratios, logged
-                        seq_ratios.append(sequence_ratio(new_logprobs.detach(), old_t, m_mask))
-                    agg = lambda x: aggregate(x, loss_mask[micro, :t], args.loss_agg, n_tokens, n_seqs, T_max)
+                        seq_ratios.append(sequence_ratio(new_logprobs.detach(), mb_old, mb_mask))
+
+                    def agg(x):  # (b, t) -> this micro-batch's share of the minibatch's loss (--loss-agg)
+                        return aggregate(x, mb_loss_mask, args.loss_agg, n_tokens, n_seqs, T_max)
+
                     pg, kl_term = agg(token_loss), torch.zeros((), device=device)
                     if ref_logprobs is not None:  # the KL term in the loss
-                        kl_term = agg(kl_estimate(new_logprobs, ref_logprobs[micro, :t], args.kl_estimator))
+                        kl_term = agg(kl_estimate(new_logprobs, ref_logprobs[mb, : m.t], args.kl_estimator))
                     backward(accelerator, policy, pg + args.kl_coef * kl_term, last=k == len(micros) - 1)
                     for key, v in dict(pg=pg, kl=kl_term, entropy=entropy, **loss_stats).items():  # (b, t) ones: agg
                         stats.setdefault(key, []).append((v if v.dim() == 0 else agg(v)).detach())
@@ -456,17 +466,20 @@ def main(args: Args):
                 opt.zero_grad()
         train_s = time.time() - t_train
         # pi_old (the trainer's) vs the sampler's log-probs of the sampled tokens: mismatch/*, sampler_logprob_diff
-        mismatch = mismatch or fix()[1]
+        mismatch = mismatch or correction()[1]
         # train/kl as in the PPO scripts: per response, the token mean of KL(pi_old || pi_ref); batch mean
         kl = kl_estimate(old_logprobs, ref_logprobs, args.kl_estimator) * mask if args.kl_coef > 0 else None  # (B, T)
         mean_kl = accelerator.gather(masked_mean(kl, mask, dim=1)).mean().item() if kl is not None else 0.0
 
         # ------------------------------------------------------------------ 4. log, evaluate, checkpoint
-        if run.logging(step):  # --log-every, and every evaluation step and the last
+        if run.should_log(step):  # --log-every, and every evaluation step and the last
             n_minibatches = args.update_epochs * len(rows) // local_mini_batch_size
-            mean = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
+
+            def mean(xs):  # a statistic's micro-batch shares -> its mean over the minibatches and processes
+                return accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
+
             step_s = time.time() - t_step
-            padded, real = padding_counts(all_micros, query_mask, mask, group)  # tokens the forward passes ran
+            padded, real = padding_counts(all_micros, query_mask, mask, share)  # tokens the forward passes ran
             n_fwd = 1 + (not pi_old_from_update) + (args.kl_coef > 0)  # generation, pi_old, reference
             metrics = {
                 **group_metrics(accelerator, scores, rollout.solved, G),  # reward, reward_std, zero_std_groups, ...
@@ -482,18 +495,13 @@ def main(args: Args):
                 "loss/policy": mean(stats["pg"]),
                 "loss/kl": mean(stats["kl"]),
                 "loss/total": mean(stats["pg"]) + args.kl_coef * mean(stats["kl"]),
-                "perf/step_s": step_s,
-                "perf/gen_s": gen_s,
-                "perf/train_s": train_s,
-                "perf/tokens_per_s": accelerator.gather(lengths).sum().item() / step_s,
+                **step_perf(accelerator, engine, step_s, gen_s, train_s, lengths, (padded, real)),  # perf/*
                 "perf/samples_per_s": len(rows) * W / step_s,
                 "async/push_s": push_s,
                 "async/staleness": staleness,
                 "async/staleness_max": max(batch_log.counts),
                 "async/trainer_idle_frac": accelerator.reduce(torch.tensor(wait_s / step_s, device=device)).item() / W,
                 "async/generator_idle_frac": batch["wait_s"] / max(batch["wait_s"] + gen_s, 1e-9),
-                "perf/peak_mem_gb": peak_mem_gb(device),
-                "perf/padding_frac": 1 - real / max(padded, 1),
                 "perf/mfu": mfu(policy, n_fwd * real, args.update_epochs * real, step_s, accelerator),
             }
             metrics.update(rollout.metrics(accelerator))  # response_len, truncated, reward/<term>, env/*, env/tool_*

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from common.core import chat
 from common.core.data import Sampler
-from common.core.errors import UserError, mix_seed, seed_everything
+from common.core.errors import UserError
 from common.core.forwards import micro_batches
 from common.core.generation import generate, response_masks, tokenize_queries
 from common.core.generation import position_ids_from_mask, sequence_attention_mask
@@ -44,6 +44,7 @@ from common.core import hub
 from common.core import models as M
 from common.core.ops import all_sum, exact_div, global_mean_divisor
 from common.core.tasks import load_rl_prompts
+from common.core.seeds import mix_seed, seed_everything
 from common.parallel.accelerator import configure_deepspeed, make_accelerator
 from common.parallel.optim import adamw
 from common.parallel.sharded import UpdateGuard, backward, prepare_frozen, unwrap_for_generation
@@ -324,7 +325,7 @@ def main(args: Args):
         train_s = time.time() - t_train
 
         # ------------------------------------------------------------------ 4. log, evaluate, checkpoint
-        if run.logging(step):  # --log-every, and every evaluation step and the last
+        if run.should_log(step):  # --log-every, and every evaluation step and the last
             tokens, seqs = all_sum(mask.sum()), len(rows) * W
             per = lambda key, n: (all_sum(stats[key]) / n).item()
             all_scores, step_s = accelerator.gather(scores), time.time() - t_step

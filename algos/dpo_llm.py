@@ -35,13 +35,14 @@ import tyro
 
 from common.core import chat
 from common.core.data import Sampler, encode_prompt_response, load_preferences, load_prompts
-from common.core.errors import UserError, mix_seed, seed_everything
+from common.core.errors import UserError
 from common.core.forwards import can_share_prompts, forward_logprobs, rows_as_rollout, token_logprobs
 from common.core.generation import generate, tokenize_queries
 from common.core import models as M
 from common.core.ops import exact_div, global_mean_divisor
 from common.core.rewards import Reward
 from common.core.tasks import default_preference_files, default_task_files
+from common.core.seeds import mix_seed, seed_everything
 from common.parallel.accelerator import configure_deepspeed, make_accelerator
 from common.parallel.optim import adamw
 from common.parallel.sharded import UpdateGuard, backward, frozen_reference, unwrap_for_generation
@@ -355,7 +356,7 @@ def main(args: Args):
         train_s = time.time() - t_train
 
         # ------------------------------------------------------------------ 3. log, evaluate, checkpoint
-        if run.logging(step):  # --log-every, and every evaluation step and the last
+        if run.should_log(step):  # --log-every, and every evaluation step and the last
             # pairs per rank differ when --online skips ties: gather padded values with a validity flag
             def gmean(key):
                 x = torch.cat(stats[key]) if stats[key] else torch.zeros(0, device=device)

@@ -47,11 +47,11 @@ import torch
 import tyro
 
 from common.core.data import Sampler
-from common.core.errors import mix_seed, seed_everything
-from common.core.forwards import forward_by_micro_batch, forward_logprobs, forward_values, micro_batches, padding_counts, reference_logprobs
+from common.core.forwards import forward_by_micro_batch, forward_logprobs, forward_values, micro_batches, padding_counts, reference_logprobs_fn
 from common.core import models as M
 from common.core.ops import all_sum, exact_div, gae, global_mean_divisor, kl_estimate, masked_mean, masked_whiten, rollout_correction
 from common.core.sampling import sample
+from common.core.seeds import mix_seed, seed_everything
 from common.parallel.accelerator import configure_deepspeed, make_accelerator, micro_batch_budget
 from common.parallel.optim import adamw
 from common.parallel.sharded import UpdateGuard, backward, frozen_reference, unwrap_for_generation
@@ -219,8 +219,8 @@ def main(args: Args):
     seed_everything(args.run.seed)
     run = Run(accelerator, args, Path(__file__).stem)  # --resume: resolved and checked before anything loads
     # the tokenizer, --reward's scorers, the prompts (--train-files / --val-files, else --task), --env's episodes
-    max_len, tok, reward, train_rows, val_rows, episodes = rl_inputs(args.model, args.data, args.rewards, args.gen,
-        args.env, accelerator)  # fmt: skip
+    inputs = rl_inputs(args.model, args.data, args.rewards, args.gen, args.env, accelerator)  # inputs.RLInputs
+    max_len, tok, reward, train_rows, val_rows, episodes = inputs
     sampler = Sampler(len(train_rows), args.run.seed)
 
     # ALGO LOGIC: PPO's models and optimizers: the policy, a critic (value model), a frozen reference
@@ -256,7 +256,7 @@ def main(args: Args):
     evaluate = lambda: evaluate_policy(  # greedy on --val-files (--env: through the environment)
         accelerator, policy, tok, reward, val_rows, args.gen.max_new_tokens, args.micro_batch_size, engine, episodes
     )
-    ref_logprobs_of = reference_logprobs(accelerator, ref_policy, policy, args.gen.temperature)  # (B, T) fn
+    ref_logprobs_of = reference_logprobs_fn(accelerator, ref_policy, policy, args.gen.temperature)  # (B, T) fn
     run.begin(tok, models, optimizers, state, evaluate=evaluate if val_rows else None)  # + evaluation before step 1
 
     for step in run.steps():  # after each: checkpoints (periodic, final, on a signal), --max-wall-minutes
@@ -377,7 +377,7 @@ def main(args: Args):
         kl_ctl.update(mean_kl, args.batch_size)
 
         # ------------------------------------------------------------------ 6. log, evaluate, checkpoint
-        if run.logging(step):  # --log-every, and every evaluation step and the last
+        if run.should_log(step):  # --log-every, and every evaluation step and the last
             # each stat holds per-micro-batch parts of a minibatch mean; their sum / #minibatches: the minibatches' mean
             n_minibatches = args.update_epochs * len(rows) // local_mini_batch_size
             mean = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()

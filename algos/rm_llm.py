@@ -31,11 +31,11 @@ import torch.nn.functional as F
 
 from common.core import chat
 from common.core.data import Sampler, encode_prompt_response, load_preferences
-from common.core.errors import seed_everything
 from common.core.generation import position_ids_from_mask
 from common.core import models as M
 from common.core.ops import exact_div
 from common.core.tasks import default_preference_files
+from common.core.seeds import seed_everything
 from common.parallel.accelerator import configure_deepspeed, full_tensors, make_accelerator, saved_by_one_process
 from common.parallel.optim import adamw
 from common.parallel.sharded import UpdateGuard, backward, reshard
@@ -175,7 +175,7 @@ def main(args: Args):
         sched.step()
         opt.zero_grad()
         # ------------------------------------------------------------------ 3. log, evaluate, checkpoint
-        if run.logging(step):  # --log-every, and every evaluation step and the last
+        if run.should_log(step):  # --log-every, and every evaluation step and the last
             chosen, rejected = (accelerator.gather(torch.cat(stats[k])) for k in ("chosen", "rejected"))
             metrics = {
                 "loss/rm": bt_loss(chosen, rejected).mean().item(),

@@ -30,12 +30,12 @@ import torch
 
 from common.core import chat
 from common.core.data import Sampler, load_prompts, load_sft
-from common.core.errors import seed_everything
 from common.core.forwards import token_logprobs
 from common.core import models as M
 from common.core.ops import exact_div, global_mean_divisor
 from common.core.rewards import Reward
 from common.core.tasks import default_sft_files, default_task_files
+from common.core.seeds import seed_everything
 from common.parallel.accelerator import configure_deepspeed, make_accelerator
 from common.parallel.optim import adamw
 from common.parallel.sharded import UpdateGuard, backward
@@ -192,7 +192,7 @@ def main(args: Args):
         sched.step()
         opt.zero_grad()
         # ------------------------------------------------------------------ 3. log, evaluate, checkpoint
-        if run.logging(step):  # --log-every, and every evaluation step and the last
+        if run.should_log(step):  # --log-every, and every evaluation step and the last
             step_s = time.time() - t_step
             n_global = accelerator.reduce(n_local.clone(), "sum")
             metrics = {

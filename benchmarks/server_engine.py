@@ -39,8 +39,8 @@ def main() -> None:
 
     from common.core import chat, defaults, hub
     from common.core import models as M
-    from common.core.errors import mix_seed
     from common.core.generation import generate, tokenize_queries
+    from common.core.seeds import mix_seed
     from common.integrations.http import free_port
     from common.integrations.vllm_engine import VLLMEngine
     from common.integrations.vllm_server import ServerEngine, ServerProcess

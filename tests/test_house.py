@@ -107,7 +107,7 @@ def test_the_copy_check_finds_a_drifted_copy_and_leaves_an_unmarked_one_alone(tm
 
 # How every script drives the run's life (common.harness.run.Run), checked as code: each name a call in main, in this
 # order
-LIFECYCLE = ["Run", "UpdateGuard", "run.load_weights", "run.begin", "run.steps", "run.logging", "run.log", "run.end"]
+LIFECYCLE = ["Run", "UpdateGuard", "run.load_weights", "run.begin", "run.steps", "run.should_log", "run.log", "run.end"]
 
 
 def lifecycle_calls(path) -> list[str]:
@@ -139,7 +139,7 @@ def lifecycle_calls(path) -> list[str]:
 
 def test_every_script_drives_the_run_the_same_way():
     """Every script's main builds its Run and UpdateGuard, loads resumed weights, begins the run, loops over
-    run.steps(), logs when run.logging(step) says so and returns run.end(): checked as code (ast), in order, not as
+    run.steps(), logs when run.should_log(step) says so and returns run.end(): checked as code (ast), in order, not as
     exact text, so a script may word its comments and arguments its own way."""
     for path in SCRIPTS:
         want = [c for c in LIFECYCLE if not (c == "run.load_weights" and path.stem == "rm_llm")]

@@ -4,9 +4,9 @@ import torch
 
 from common.core import chat
 from common.core import models as M
-from common.core.errors import mix_seed
 from common.core.forwards import forward_logprobs
 from common.core.generation import generate, response_masks, sequence_attention_mask, tokenize_queries
+from common.core.seeds import mix_seed
 
 
 def _setup(tiny):

@@ -81,7 +81,9 @@ TOY_LOOP = textwrap.dedent('''
     out, total, stop_at, resume = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     slow_save = len(sys.argv) > 5
     acc = Accelerator(cpu=True)
-    E.seed_everything(0)
+    from common.core.seeds import seed_everything
+
+    seed_everything(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

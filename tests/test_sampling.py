@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from common.core.data import Sampler
-from common.core.errors import mix_seed
 from common.core.sampling import Rollout
+from common.core.seeds import mix_seed
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "algos"))

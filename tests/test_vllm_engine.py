@@ -20,9 +20,9 @@ from common.core import (
     hub,  # noqa: E402
 )
 from common.core import models as M
-from common.core.errors import mix_seed
 from common.core.forwards import forward_logprobs  # noqa: E402
 from common.core.generation import generate, sequence_attention_mask, tokenize_queries
+from common.core.seeds import mix_seed
 from common.integrations.vllm_engine import VLLMEngine  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -293,8 +293,8 @@ def test_the_server_samples_what_the_colocated_engine_samples(served):
     their log-probs agree (greedy and sampled, with top-k/top-p), and both equal the trainer's log-probs."""
     from common.core import chat
     from common.core import models as M
-    from common.core.errors import mix_seed
     from common.core.generation import generate
+    from common.core.seeds import mix_seed
     from common.integrations.vllm_engine import VLLMEngine
     from common.integrations.vllm_server import ServerEngine
 
@@ -327,8 +327,8 @@ def test_every_push_reaches_the_server(served, lora):
 
     from common.core import chat
     from common.core import models as M
-    from common.core.errors import mix_seed
     from common.core.generation import generate
+    from common.core.seeds import mix_seed
     from common.integrations.vllm_server import ServerEngine
 
     path, url = served

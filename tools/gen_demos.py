@@ -35,8 +35,9 @@ from common.core import defaults as M
 from common.core.chat import format_tool_call
 from common.core.data import DataError, load_prompts, read_files, read_table, write_rows
 from common.core.envs import Step
-from common.core.errors import UserError, mix_seed
+from common.core.errors import UserError
 from common.core.rewards import Reward
+from common.core.seeds import mix_seed
 from common.harness.args import Check, EnvArgs, Group, NonNegInt, PositiveFloat, PositiveInt, group
 from common.integrations.inputs import episodes_from_args
 

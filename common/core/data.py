@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from common.core.chat import apply_chat, turn_end_id
-from common.core.errors import UserError, mix_seed
+from common.core.errors import UserError
+from common.core.seeds import mix_seed
 
 FORMATS = (".parquet", ".jsonl", ".json", ".arrow")
 

@@ -26,9 +26,10 @@ import torch
 
 from common.core.chat import apply_chat, resolve_tool_format
 from common.core.data import observation_ids, turn_glue
-from common.core.errors import UserError, mix_seed
+from common.core.errors import UserError
 from common.core.generation import Generation, generate
 from common.core.reward_workers import call_with_timeout
+from common.core.seeds import mix_seed
 
 
 @dataclass

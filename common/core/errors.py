@@ -1,11 +1,10 @@
-"""The floor of common/: user errors and seeds. Imports nothing of ours and only the standard library at its top (numpy
-and torch where a seed is set), so every module may import it, and the Python tool's sandbox starts without torch.
+"""The floor of common/: user errors. Imports only the standard library at its top (and common.core.seeds, which
+does too), so every module may import it, and the Python tool's sandbox starts without torch.
 
 A user error (a bad flag, path, data row or reward function) is a `UserError`; the scripts' entry point
 (common.harness.cli.cli) prints its message as one line and exits 2. Tracebacks are for bugs.
 """
 
-import random
 import sys
 
 
@@ -68,24 +67,5 @@ def load_from_file(spec: str, flag: str, kind: str):
     return getattr(module, name)
 
 
-def mix_seed(*parts: int) -> int:
-    """One seed from several integers, the one formula of the codebase: (run seed, step, sample id)
-    seeds a sample, so a response does not depend on its batch, the rank or a resume; (run seed,
-    step, rank) a minibatch shuffle; (run seed, epoch) the data order. Python's hash() would be
-    salted per process. s <- (s * 1_000_003 + part) mod (2^63 - 1), from s = 0."""
-    s = 0
-    for part in parts:
-        s = (s * 1_000_003 + part) % (2**63 - 1)
-    return s
-
-
-def seed_everything(seed: int) -> None:
-    """Same seed on every rank, so models initialise identically; per-sample randomness is derived
-    from (seed, step, sample id) explicitly: `mix_seed(seed, step, sample id)`, the seeds
-    common.core.generation.generate takes."""
-    import numpy as np
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+# the seeds moved to common.core.seeds; these names stay for users' copies of the scripts
+from common.core.seeds import mix_seed, seed_everything  # noqa: E402, F401

@@ -410,7 +410,7 @@ def token_logprobs(model, ids: torch.Tensor, attention_mask: torch.Tensor) -> to
         return selective_log_softmax(out, ids[:, 1:])
 
 
-def reference_logprobs(accelerator, ref_policy, policy, temperature: float = 1.0, share_prompts: bool = False):
+def reference_logprobs_fn(accelerator, ref_policy, policy, temperature: float = 1.0, share_prompts: bool = False):
     """The reference's log-prob function `fn(query_responses, attention_mask, P) -> (B, T)` (as `forward_logprobs`):
     `ref_policy`, a frozen copy that is not prepared, so run inside accelerator.autocast() (--mixed-precision); or,
     when None (LoRA), `policy` with its adapter disabled (the base weights)."""
@@ -435,3 +435,6 @@ def forward_values(critic, query_responses: torch.Tensor, attention_mask: torch.
         use_cache=False,
     )
     return out.logits[:, P - 1 : -1, 0].float()
+
+
+reference_logprobs = reference_logprobs_fn  # the name before 2026-12 (users' copies of the scripts)

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from common.core import models as M
-from common.core.errors import mix_seed
 from common.core.generation import generate, tokenize_queries
 from common.core.rewards import Reward
+from common.core.seeds import mix_seed
 from common.parallel.sharded import unwrap_for_generation
 
 

@@ -1,4 +1,5 @@
-"""Performance metrics every script logs: perf/mfu against this machine's measured matmul rate, perf/peak_mem_gb."""
+"""Performance metrics every script logs: perf/mfu against this machine's measured matmul rate, perf/peak_mem_gb, and
+the step's timings (step_perf)."""
 
 import contextlib
 import json
@@ -10,6 +11,7 @@ import time
 import torch
 
 from common.core.defaults import cache_dir
+from common.integrations.engines import engine_perf
 
 _PEAK: dict = {}
 
@@ -80,3 +82,16 @@ def peak_mem_gb(device) -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux -> GiB
     except Exception:
         return math.nan
+
+
+def step_perf(accelerator, engine, step_s: float, gen_s: float, train_s: float, lengths=None, padding=None) -> dict:
+    """A step's perf/* keys: step_s, gen_s (rollout), train_s (update) in seconds, peak_mem_gb, the engine's own
+    (engines.engine_perf); with `lengths` (B,), the response lengths: tokens_per_s (all processes' response tokens per
+    second of the step); with `padding` = (padded, real) tokens the forward passes ran: padding_frac."""
+    out = {"perf/step_s": step_s, **engine_perf(engine), "perf/gen_s": gen_s, "perf/train_s": train_s}
+    if lengths is not None:
+        out["perf/tokens_per_s"] = accelerator.gather(lengths).sum().item() / step_s
+    out["perf/peak_mem_gb"] = peak_mem_gb(accelerator.device)
+    if padding is not None:
+        out["perf/padding_frac"] = 1 - padding[1] / max(padding[0], 1)
+    return out

@@ -137,7 +137,7 @@ class Run:
         start_step = run.begin(tok, models, optimizers, state, evaluate)  # restore, run folder, tracker, eval at 0
         for step in run.steps():                    # to --total-steps, --max-wall-minutes, or SIGINT/SIGTERM
             ...                                     # (after each step: periodic/timed/final/signal checkpoints)
-            if run.logging(step):                   # --log-every, evaluation steps, the last step
+            if run.should_log(step):                   # --log-every, evaluation steps, the last step
                 run.log(step, metrics, samples)     # + evaluation when due, health warnings, the best checkpoint
         run.end()
 
@@ -227,9 +227,11 @@ class Run:
         every = self.cfg.eval_every
         return bool(self.evaluate and every and (step == 0 or step % every == 0 or self.last(step)))
 
-    def logging(self, step: int) -> bool:
+    def should_log(self, step: int) -> bool:
         """Metrics are due: every --log-every steps, and always at an evaluation and the last step."""
         return step % self.cfg.log_every == 0 or self.last(step) or self.evaluating(step)
+
+    logging = should_log  # the name before 2026-12 (users' copies of the scripts)
 
     def log(self, step: int, metrics: dict, samples: list[dict] = ()) -> None:
         """One metrics row (evaluated first when due; health warnings added), the best checkpoint when

@@ -33,13 +33,15 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from common.core import models as M
 from common.core.data import Sampler
-from common.core.errors import UserError, seed_everything
+from common.core.errors import UserError
 from common.core.sampling import Rollout
+from common.core.seeds import seed_everything
 from common.integrations.engines import make_engine
 from common.integrations.inputs import rl_inputs
 from common.integrations.weight_mailbox import GeneratorFailed
@@ -211,12 +213,22 @@ class GeneratorProcess:
         self.queue, self.kwargs = None, {}
 
 
-def generator_setup(model, data, rewards, gen, env, seed: int, rank: int, sampler_state: dict):
+class GeneratorSetup(NamedTuple):
+    """What a generator process samples with (generator_setup)."""
+
+    accelerator: object  # one process, no group; the trainer's --mixed-precision
+    tok: object  # the prompt tokenizer
+    reward: object  # --reward's scorers
+    train_rows: list  # the prompts
+    episodes: object  # --env's episode runner, else None
+    sampler: Sampler  # the trainer's prompt draw
+    policy: object  # the starting weights, on its device: the mailbox loads each version into it
+    engine: object  # --rollout-engine (None: hf), seeded seed + rank
+
+
+def generator_setup(model, data, rewards, gen, env, seed: int, rank: int, sampler_state: dict) -> GeneratorSetup:
     """A generator process's own copy of what the trainer's main() sets up from the same flag groups (the script's
-    ModelArgs, PromptArgs, RewardArgs, GenerationArgs, EnvArgs): -> (accelerator (one process, no group), tok,
-    reward, train_rows, episodes (--env; else None), sampler (the trainer's prompt draw, from `sampler_state`),
-    policy (the starting weights, on its device: the mailbox loads each version into it), engine (--rollout-engine,
-    seeded seed + rank))."""
+    ModelArgs, PromptArgs, RewardArgs, GenerationArgs, EnvArgs); its sampler continues from `sampler_state`."""
     accelerator = make_accelerator(model)  # the trainer's --mixed-precision
     seed_everything(seed)
     quiet = lambda *a, **k: None  # the trainer said it all
@@ -225,28 +237,17 @@ def generator_setup(model, data, rewards, gen, env, seed: int, rank: int, sample
     sampler.load_state_dict(sampler_state)
     policy = M.load_causal_lm(model.model_name_or_path, tok, **M.train_kwargs(model)).to(accelerator.device)
     engine = make_engine(gen, model, tok, policy, accelerator, max_len, seed + rank)
-    return accelerator, tok, reward, train_rows, episodes, sampler, policy, engine
+    return GeneratorSetup(accelerator, tok, reward, train_rows, episodes, sampler, policy, engine)
 
 
-def serve_batches(
-    put,
-    sample_batch,
-    version_of,
-    mailbox,
-    policy,
-    sampler,
-    train_rows,
-    reward,
-    first_step: int,
-    total_steps: int,
-    timeout: float,
-) -> None:
-    """A generator process's loop after its setup (put(None): the trainer's --generator-timeout clock starts): for
-    each step from `first_step`, load the weights of version version_of(step) into `policy` (waiting for the
-    trainer's push), sample_batch(step) -> (Rollout, resampling rounds, groups filled), and put() the batch with its
-    step, version, prompt ids (train_rows' indices), the prompt sampler's state after it, the seconds it waited for
-    the weights and sampled, and `reward`'s error count."""
-    index, version = {id(x): i for i, x in enumerate(train_rows)}, None
+def serve_batches(put, sample_batch, version_of, mailbox, setup, first_step: int, total_steps: int, timeout: float):
+    """A generator process's loop after its `setup` (generator_setup; put(None): the trainer's --generator-timeout
+    clock starts): for each step from `first_step`, load the weights of version version_of(step) into its policy
+    (waiting for the trainer's push), sample_batch(step) -> (Rollout, resampling rounds, groups filled), and put() the
+    batch with its step, version, prompt ids (train_rows' indices), the prompt sampler's state after it, the seconds
+    it waited for the weights and sampled, and the reward's error count."""
+    policy, sampler, reward = setup.policy, setup.sampler, setup.reward
+    index, version = {id(x): i for i, x in enumerate(setup.train_rows)}, None
     put(None)
     for step in range(first_step, total_steps + 1):
         t_wait = time.time()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -20,19 +21,27 @@ from common.integrations.builtin_envs import FeedbackEnv, ToolEnv, load_env_clas
 from common.integrations.hub_envs import hub_factory
 
 
-def rl_inputs(model, data, rewards, gen, env, accelerator, say=None):
-    """What an RL script samples from, built from its flag groups (ModelArgs, PromptArgs, RewardArgs, GenerationArgs,
-    EnvArgs) -> (max_len, tok, reward, train_rows, val_rows, episodes): max_len, a sequence's longest (the prompt's
-    --max-prompt-length + --max-new-tokens; --env: + --max-trajectory-tokens); the prompt tokenizer; --reward's
-    rules, models and mixes; the prompts (--train-files / --val-files, else the built-in --task; every data_source
-    checked against the rewards); --env's Episodes, else None. `say`: where their notes go (accelerator.print)."""
+class RLInputs(NamedTuple):
+    """What an RL script samples from (rl_inputs)."""
+
+    max_len: int  # a sequence's longest: --max-prompt-length + --max-new-tokens (--env: + --max-trajectory-tokens)
+    tok: object  # the prompt tokenizer
+    reward: Reward  # --reward's rules, models and mixes
+    train_rows: list  # the prompts: --train-files, else the built-in --task
+    val_rows: list  # --val-files (or the task's held-out split)
+    episodes: Episodes | None  # --env's episode runner, else None
+
+
+def rl_inputs(model, data, rewards, gen, env, accelerator, say=None) -> RLInputs:
+    """RLInputs from a script's flag groups (ModelArgs, PromptArgs, RewardArgs, GenerationArgs, EnvArgs). Every
+    prompt's data_source is checked against the rewards. `say`: where their notes go (accelerator.print)."""
     say = say or accelerator.print
     max_len = data.max_prompt_length + env.budget(gen.max_new_tokens)
     tok = chat.prompt_tokenizer(model, data, max_len, "--max-prompt-length + --max-new-tokens")
     reward = reward_from_args(rewards, model, gen.max_new_tokens, accelerator)
     train_rows, val_rows = load_rl_prompts(data, tok, reward, say, env.env)
     episodes = episodes_from_args(env, tok, reward, accelerator.device, say, data.max_prompt_length)
-    return max_len, tok, reward, train_rows, val_rows, episodes
+    return RLInputs(max_len, tok, reward, train_rows, val_rows, episodes)
 
 
 def reward_from_args(rewards, model, max_new_tokens: int, accelerator) -> Reward:
