@@ -25,6 +25,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -40,17 +41,15 @@ from common.core.errors import UserError
 from common.core.forwards import micro_batches
 from common.core.generation import generate, response_masks, tokenize_queries
 from common.core.generation import position_ids_from_mask, sequence_attention_mask
-from common.core import hub
 from common.core import models as M
 from common.core.ops import all_sum, exact_div, global_mean_divisor
-from common.core.tasks import load_rl_prompts
 from common.core.seeds import mix_seed, seed_everything
+from common.core.tasks import load_rl_prompts
 from common.parallel.accelerator import configure_deepspeed, make_accelerator
 from common.parallel.optim import adamw
 from common.parallel.sharded import UpdateGuard, backward, prepare_frozen, unwrap_for_generation
-from common.integrations.engines import engine_perf, make_engine
+from common.integrations.engines import engine_perf, frozen_engine, make_engine
 from common.integrations.inputs import reward_from_args
-from common.integrations.vllm_engine import VLLMEngine
 from common.harness.args import GenerationArgs, Group, ModelArgs, OptimArgs, PositiveInt, PromptArgs, RewardArgs, RunArgs, UnitFloat, group
 from common.harness.cli import cli
 from common.harness.eval import evaluate_policy
@@ -105,9 +104,8 @@ def reverse_kl_pg_loss(logprobs, teacher_logprobs, mask):
     A_t = -sg(k1) (discount 0), in the policy-gradient form l_t = -(A_t - b_t) log pi_S(y_t). Over y ~ pi_S its
     gradient is that of KL(pi_S || pi_T) at each position: E[(log pi_S - log pi_T) grad log pi_S] (the score
     function has mean 0 given y_<t, so a b_t that depends only on y_<t changes nothing in expectation).
-    b_t: the mean advantage of the same response's earlier tokens (0 at its first), a baseline: without one the
-    tiny test models' KL rose at every learning rate tried (the mean of A is -KL, pushing every sampled token down;
-    Thinking Machines uses none, with large batches). Per response, so the loss does not depend on how the batch is
+    b_t: the mean advantage of the same response's earlier tokens (0 at its first), a baseline: without one the mean
+    of A is -KL, which pushes every sampled token down (Thinking Machines uses none, with large batches). Per response, so the loss does not depend on how the batch is
     cut into micro-batches. Needs only the teacher's log-prob of each sampled token. (b, t) each -> (loss, A)."""
     advantage = (teacher_logprobs - logprobs).detach() * mask  # (b, t)
     earlier = (mask.cumsum(1) - mask).clamp(min=1)  # (b, t) real tokens before t
@@ -122,7 +120,10 @@ def generalized_jsd(student_logits, teacher_logits, beta):
       else       beta KL(p_T || m) + (1 - beta) KL(p_S || m),  m = beta p_T + (1 - beta) p_S
     (the JSD tends to 0 at either end, so the ends are the KLs themselves, as in TRL). (b, t, V) x2 -> (b, t)."""
     ls, lt = F.log_softmax(student_logits.float(), -1), F.log_softmax(teacher_logits.float(), -1)
-    kl = lambda lp, lq: (lp.exp() * (lp - lq)).sum(-1)  # KL(p || q) from log-probs
+
+    def kl(lp, lq):  # KL(p || q) from log-probs (b, t, V) -> (b, t)
+        return (lp.exp() * (lp - lq)).sum(-1)
+
     if beta == 0:
         return kl(lt, ls)
     if beta == 1:
@@ -157,10 +158,8 @@ def response_logits(model, query_responses, attention_mask, P, temperature, V=No
     """The logits that predicted each response token, divided by the temperature, float32: (b, t, V), the first V
     rows of the head (a teacher's vocabulary padded past the student's: rows of no token of the shared tokenizer)."""
     T = query_responses.shape[1] - P
-    logits = model(
-        input_ids=query_responses, attention_mask=attention_mask, logits_to_keep=T + 1,
-        position_ids=position_ids_from_mask(attention_mask), use_cache=False,
-    ).logits[:, :-1, :V]  # fmt: skip
+    kw = dict(position_ids=position_ids_from_mask(attention_mask), logits_to_keep=T + 1, use_cache=False)
+    logits = model(input_ids=query_responses, attention_mask=attention_mask, **kw).logits[:, :-1, :V]
     return logits.float() / temperature
 
 
@@ -207,8 +206,10 @@ def main(args: Args):
     train_rows, val_rows = load_rl_prompts(args.data, tok, reward, accelerator.print)
     missing = [x.uid for x in train_rows if reference_text(x) is None] if args.lmbda < 1 else []
     if missing:  # an off-policy step would train toward an empty answer
-        raise UserError(f"--lmbda {args.lmbda} trains on the data's reference responses, and {len(missing)} training "
-                        f"rows have none (e.g. row {missing[0]}): give extra_info.response or a ground truth, or --lmbda 1")  # fmt: skip
+        raise UserError(
+            f"--lmbda {args.lmbda} trains on the data's reference responses, and {len(missing)} training rows have "
+            f"none (e.g. row {missing[0]}): give extra_info.response or a ground truth, or --lmbda 1"
+        )
     sampler = Sampler(len(train_rows), args.run.seed)
 
     # ALGO LOGIC: the student (trained) and the teacher (frozen, placed and sharded like a reference model)
@@ -223,10 +224,7 @@ def main(args: Args):
                 "--loss reverse-kl-pg (with --lmbda 1) or topk-fkl with --temperature 1 (gkd, and reverse-kl-pg's "
                 "off-policy steps, need the whole vocabulary)"
             )
-        teacher = VLLMEngine(str(hub.resolve_model_path(args.teacher)), tok, max_len, args.run.seed,
-                             dtype=M.default_dtype(), enforce_eager=args.gen.enforce_eager(),
-                             gpu_memory_utilization=args.gen.vllm_gpu_memory_utilization,
-                             kv_cache_gb=args.gen.vllm_kv_cache_gb, trust_remote_code=args.model.trust_remote_code)  # fmt: skip
+        teacher = frozen_engine(args.gen, args.model, args.teacher, tok, max_len, args.run.seed)  # its own weights
     opt, sched = adamw(policy, args.optim, args.run.total_steps)
 
     # ------------------------------------------------------- checkpoint state, run folder  # TRY NOT TO MODIFY
@@ -234,17 +232,13 @@ def main(args: Args):
     run.load_weights(policy=policy)  # resumed: the checkpoint's weights
     policy, opt, sched = accelerator.prepare(policy, opt, sched)
     engine = make_engine(args.gen, args.model, tok, policy, accelerator, max_len, args.run.seed)  # vllm, or None
-    evaluate = lambda: evaluate_policy(
-        accelerator, policy, tok, reward, val_rows, args.gen.max_new_tokens, args.micro_batch_size, engine
+    T_max = args.gen.max_new_tokens  # the response length limit
+    evaluate = partial(  # greedy on --val-files
+        evaluate_policy, accelerator, policy, tok, reward, val_rows, T_max, args.micro_batch_size, engine
     )
     # what a checkpoint holds, by name (restored here when resuming); evaluation before the first step
-    run.begin(
-        tok,
-        models={"policy": policy},
-        optimizers={"opt": ("policy", opt)},
-        state=dict(sched=sched, sampler=sampler, guard=guard),
-        evaluate=evaluate if val_rows else None,
-    )
+    state = dict(sched=sched, sampler=sampler, guard=guard)
+    run.begin(tok, {"policy": policy}, {"opt": ("policy", opt)}, state, evaluate=evaluate if val_rows else None)
     temperature = args.gen.temperature
 
     for step in run.steps():  # after each: checkpoints (periodic, final, on a signal), --max-wall-minutes
@@ -327,7 +321,10 @@ def main(args: Args):
         # ------------------------------------------------------------------ 4. log, evaluate, checkpoint
         if run.should_log(step):  # --log-every, and every evaluation step and the last
             tokens, seqs = all_sum(mask.sum()), len(rows) * W
-            per = lambda key, n: (all_sum(stats[key]) / n).item()
+
+            def per(key, n):  # a statistic summed over all processes, per token or per sequence
+                return (all_sum(stats[key]) / n).item()
+
             all_scores, step_s = accelerator.gather(scores), time.time() - t_step
             metrics = {
                 "train/reward": all_scores.mean().item(),

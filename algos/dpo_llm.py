@@ -160,7 +160,7 @@ def response_logps(model, ids, attn, response_mask, share_prompts=False):
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
     accelerator = make_accelerator(args.model)  # as launched: DDP, FSDP2, DeepSpeed or TP; --mixed-precision
-    device, W = accelerator.device, accelerator.num_processes
+    device, rank, W = accelerator.device, accelerator.process_index, accelerator.num_processes
     local_batch_size = exact_div(args.batch_size, W, "--batch-size over the number of processes")
     exact_div(local_batch_size, args.micro_batch_size, "--batch-size per process over --micro-batch-size")
     if args.online and args.group_size < 2:
@@ -260,9 +260,7 @@ def main(args: Args):
     def evaluate():
         metrics = {}
         if val_pairs:
-            local = val_pairs[accelerator.process_index :: accelerator.num_processes][
-                : max(len(val_pairs) // accelerator.num_processes, 1)
-            ]
+            local = val_pairs[rank::W][: max(len(val_pairs) // W, 1)]  # the same number on every process
             acc, margin, loss = [], [], []
             for i in range(0, len(local), args.micro_batch_size):
                 l, _, c, r, _, _ = pair_stats(local[i : i + args.micro_batch_size])
@@ -271,32 +269,22 @@ def main(args: Args):
             metrics["eval/rewards_margin"] = accelerator.gather(torch.cat(margin)).mean().item()
             metrics["eval/loss"] = accelerator.gather(torch.cat(loss)).mean().item()
         if eval_prompts:
+            T_max = args.gen.max_new_tokens
             m, _ = evaluate_policy(
-                accelerator,
-                policy,
-                tok,
-                eval_reward,
-                eval_prompts,
-                args.gen.max_new_tokens,
-                args.micro_batch_size,
-                engine,
+                accelerator, policy, tok, eval_reward, eval_prompts, T_max, args.micro_batch_size, engine
             )
             metrics.update(m)
         return metrics
 
     # what a checkpoint holds, by name (restored here when resuming); evaluation before the first step
+    state = dict(sched=sched, sampler=sampler, guard=guard)
     run.begin(
-        tok,
-        models={"policy": policy},
-        optimizers={"opt": ("policy", opt)},
-        state=dict(sched=sched, sampler=sampler, guard=guard),
-        evaluate=evaluate if (val_pairs or eval_prompts) else None,
+        tok, {"policy": policy}, {"opt": ("policy", opt)}, state, evaluate if (val_pairs or eval_prompts) else None
     )
 
     for step in run.steps():  # after each: checkpoints (periodic, final, on a signal), --max-wall-minutes
         t_step = time.time()
-        r = accelerator.process_index
-        ids = sampler.take(args.batch_size)[r * local_batch_size : (r + 1) * local_batch_size]  # this rank's slice
+        ids = sampler.take(args.batch_size)[rank * local_batch_size : (rank + 1) * local_batch_size]  # this rank's
         ties, gen_s = 0, 0.0
         # ------------------------------------------------------------------ 1. pairs (offline, or sampled + ranked)
         if args.online:
@@ -304,7 +292,7 @@ def main(args: Args):
             rows = [train_rows[i] for i in ids for _ in range(args.group_size)]  # (B*K,) a prompt's samples adjacent
             q, qm = tokenize_queries(tok, [x.text for x in rows], device)
             seeds = [
-                mix_seed(args.run.seed, step, r * local_batch_size * args.group_size + j) for j in range(len(rows))
+                mix_seed(args.run.seed, step, rank * local_batch_size * args.group_size + j) for j in range(len(rows))
             ]
             with unwrap_for_generation(accelerator, policy, engine) as gen_model:
                 rollout = generate(gen_model, tok, q, qm, **args.gen.sampling(), seeds=seeds, engine=engine)
@@ -395,7 +383,10 @@ def main(args: Args):
                 metrics["train/reward"] = accelerator.gather(scores.mean(1)).mean().item()
             metrics = {k: v for k, v in metrics.items() if v == v}  # no pairs this step (all tied): no pair metrics
             metrics["train/skipped_steps"] = guard.skipped
-            as_text = lambda c: c if isinstance(c, str) else tok.decode(c, skip_special_tokens=True)  # --online: ids
+
+            def as_text(c):  # --online: token ids
+                return c if isinstance(c, str) else tok.decode(c, skip_special_tokens=True)
+
             samples = [
                 {"prompt": p["prompt"], "chosen": as_text(p["chosen"]), "rejected": as_text(p["rejected"])}
                 for p in pairs[: args.run.num_samples_logged]

@@ -28,6 +28,7 @@ Legend: B rollouts per rank, P prompt length (left-padded), T response length, V
 
 import sys
 import time
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal, Optional
@@ -47,13 +48,13 @@ from common.core.seeds import mix_seed, seed_everything
 from common.parallel.accelerator import configure_deepspeed, make_accelerator, micro_batch_budget
 from common.parallel.optim import adamw
 from common.parallel.sharded import UpdateGuard, backward, frozen_reference, unwrap_for_generation
-from common.integrations.engines import engine_perf, make_engine
+from common.integrations.engines import make_engine
 from common.integrations.inputs import rl_inputs
 from common.harness.args import Check, EnvArgs, GenerationArgs, Group, MismatchArgs, ModelArgs, NonNegFloat, NonNegInt, OptimArgs, PackingArgs, PositiveFloat, PositiveInt, PromptArgs, RewardArgs, RunArgs, UnitFloat, group
 from common.harness.cli import cli
 from common.harness.eval import evaluate_policy
 from common.harness.health import HealthConfig
-from common.harness.perf import mfu, peak_mem_gb
+from common.harness.perf import mfu, step_perf
 from common.harness.run import Run
 # fmt: on
 
@@ -126,7 +127,7 @@ class Args:
 class KLController:
     """beta of the KL penalty in the reward. Fixed when target is None; else adaptive (Ziegler et al.
     2019, lm-human-preferences): e = clip(KL / target - 1, -0.2, 0.2), beta <- beta * (1 + e * n / horizon),
-    n = the samples in the batch just trained on. (A copy lives in each PPO script: tests/test_house.py.)"""
+    n = the samples in the batch just trained on."""
 
     def __init__(self, kl_coef: float, target: float | None = None, horizon: int = 10000):
         self.value, self.target, self.horizon = kl_coef, target, horizon
@@ -175,7 +176,7 @@ def value_loss(values, old_values, returns, mask, n_tokens, clip_eps_value):
 def main(args: Args):
     # ------------------------------------------------------------------ setup  # TRY NOT TO MODIFY
     accelerator = make_accelerator(args.model)  # as launched: DDP, FSDP2, DeepSpeed or TP; --mixed-precision
-    device, W = accelerator.device, accelerator.num_processes
+    device, rank, W = accelerator.device, accelerator.process_index, accelerator.num_processes
     local_batch_size = exact_div(args.batch_size, W, "--batch-size over the number of processes")
     local_mini_batch_size = exact_div(args.mini_batch_size, W, "--mini-batch-size over the number of processes")
     exact_div(args.batch_size, args.mini_batch_size, "--batch-size over --mini-batch-size")
@@ -220,26 +221,27 @@ def main(args: Args):
     # CRITIC }
     # --rollout-engine vllm: the colocated engine; hf: None
     engine = make_engine(args.gen, args.model, tok, policy, accelerator, max_len, args.run.seed)
-    evaluate = lambda: evaluate_policy(  # greedy on --val-files (--env: through the environment)
-        accelerator, policy, tok, reward, val_rows, args.gen.max_new_tokens, args.micro_batch_size, engine, episodes
+    T_max = args.gen.max_new_tokens  # the response length limit
+    evaluate = partial(  # greedy on --val-files (--env: through the environment)
+        evaluate_policy, accelerator, policy, tok, reward, val_rows, T_max, args.micro_batch_size, engine, episodes
     )
+    # (B, T) fn at the sampling temperature; the entropy a detached statistic without the bonus (--ent-coef 0)
+    fwd = partial(forward_logprobs, policy, temperature=args.gen.temperature, entropy_grad=args.ent_coef != 0)
     ref_logprobs_of = reference_logprobs_fn(accelerator, ref_policy, policy, args.gen.temperature)  # (B, T) fn
     run.begin(tok, models, optimizers, state, evaluate=evaluate if val_rows else None)  # + evaluation before step 1
 
     for step in run.steps():  # after each: checkpoints (periodic, final, on a signal), --max-wall-minutes
         t_step = time.time()
         # ------------------------------------------------------------------ 1. rollout
-        r = accelerator.process_index
-        ids = sampler.take(args.batch_size)[r * local_batch_size : (r + 1) * local_batch_size]  # this rank's slice
+        ids = sampler.take(args.batch_size)[rank * local_batch_size : (rank + 1) * local_batch_size]  # this rank's
         rows = [train_rows[i] for i in ids]
-        seeds = [mix_seed(args.run.seed, step, r * local_batch_size + j) for j in range(len(rows))]
+        seeds = [mix_seed(args.run.seed, step, rank * local_batch_size + j) for j in range(len(rows))]
         t_gen = time.time()
-        with unwrap_for_generation(
-            accelerator, policy, engine
-        ) as gen_model:  # one turn, or --env's trajectories (observations
-            # get mask 0: no loss, GAE skips them); pi_old reuses the prompts' KV cache (checkpointed layers take none)
-            rollout = sample(gen_model, tok, rows, reward, episodes, device, seeds, engine, **args.gen.sampling(),
-                             keep_prompt_cache=not args.model.gradient_checkpointing)  # fmt: skip
+        # one turn, or --env's trajectories (observations get mask 0: no loss, GAE skips them); pi_old reuses the
+        # prompts' KV cache (checkpointed layers keep none)
+        sampling = dict(args.gen.sampling(), keep_prompt_cache=not args.model.gradient_checkpointing)
+        with unwrap_for_generation(accelerator, policy, engine) as gen_model:
+            rollout = sample(gen_model, tok, rows, reward, episodes, device, seeds, engine, **sampling)
         gen_s, P, T = time.time() - t_gen, rollout.queries.shape[1], rollout.responses.shape[1]
         # scores (B,), mask (B, T), query_mask (B, P); query_responses, attn (B, P+T)
         scores, mask, query_mask = rollout.scores, rollout.mask, rollout.query_mask
@@ -247,17 +249,19 @@ def main(args: Args):
 
         # ------------------------------------------------------------------ 2. score
         scores = scores - args.missing_eos_penalty * (~rollout.is_eos).float()
-        # micro-batched (bounds peak memory): --micro-batch-size rows, or by --micro-batch-tokens
-        all_micros = micro_batches(
-            list(range(len(rows))), query_mask, mask, args.micro_batch_size, micro_batch_tokens, accelerator
-        )
+
+        def split(ids):  # micro-batched (bounds peak memory): --micro-batch-size rows, or by --micro-batch-tokens
+            return micro_batches(ids, query_mask, mask, args.micro_batch_size, micro_batch_tokens, accelerator)
+
+        def by_micro(fn, cache=None):  # (B, T): a no-grad forward, micro-batch by micro-batch
+            return forward_by_micro_batch(fn, all_micros, query_responses, attn, P, T, cache) * mask
+
+        all_micros = split(list(range(len(rows))))
         with torch.no_grad(), accelerator.autocast():  # one region: bf16 weight copies cast once, not per micro-batch
-            by_micro = lambda fn, c=None: forward_by_micro_batch(fn, all_micros, query_responses, attn, P, T, c) * mask
-            pi_old = lambda qr, am, p, **cache: forward_logprobs(policy, qr, am, p, args.gen.temperature, **cache)
-            logprobs = by_micro(pi_old, rollout.prompt_cache)  # (B, T) responses over the rollout's prompt KV cache
+            logprobs = by_micro(fwd, rollout.prompt_cache)  # (B, T) pi_old: responses over the prompts' KV cache
             rollout.prompt_cache = None  # its memory back before the update
             values = torch.zeros_like(mask)  # (B, T) V_old; 0 without a critic (GAE: the discounted reward to go)
-            values = by_micro(lambda *a: forward_values(critic, *a))  # CRITIC
+            values = by_micro(partial(forward_values, critic))  # CRITIC
             ref_logprobs = by_micro(ref_logprobs_of) if use_ref else logprobs
         # pi_old is the trainer's recomputed log-probs; the sampler's (KV cache, maybe another precision
         # or engine) can differ: the gap is metrics (mismatch/*), and --tis-* corrects for it: weights (B, T) or None
@@ -277,42 +281,40 @@ def main(args: Args):
         t_train = time.time()
         stats = {k: [] for k in ("pg", "vf", "ent")}  # + the loss's own statistics
         train_policy = step > args.critic_warmup_steps
-        g = torch.Generator().manual_seed(mix_seed(args.run.seed, step, r))
+        g = torch.Generator().manual_seed(mix_seed(args.run.seed, step, rank))
         for epoch in range(args.update_epochs):
             perm = torch.randperm(len(rows), generator=g).tolist()
             for mb_start in range(0, len(rows), local_mini_batch_size):
-                mb_ids = perm[mb_start : mb_start + local_mini_batch_size]
+                minibatch = perm[mb_start : mb_start + local_mini_batch_size]
                 # token-mean over the global minibatch: DDP/FSDP average the W ranks' gradients, so
                 # each rank divides by (all ranks' tokens) / W
-                n_tokens = global_mean_divisor(mask[mb_ids].sum())
-                micros = micro_batches(mb_ids, query_mask, mask, args.micro_batch_size, micro_batch_tokens, accelerator)
+                n_tokens = global_mean_divisor(mask[minibatch].sum())
+                micros = split(minibatch)
                 # CRITIC {
                 # the critic's pass, then the policy's: disjoint graphs, one model's alive at a time (peak memory);
                 # under DeepSpeed each engine steps itself at its last micro-batch
                 for k, m in enumerate(micros):
-                    # this micro-batch's rows at its own lengths: its longest prompt (m.p) and response (t)
-                    micro, t, cut = m.ids, m.t, slice(P - m.p, P + m.t)
-                    new_values = forward_values(critic, query_responses[micro, cut], attn[micro, cut], m.p)  # (b, t)
-                    vf = value_loss(
-                        new_values, values[micro, :t], returns[micro, :t], mask[micro, :t], n_tokens,
-                        args.clip_eps_value,
-                    )  # fmt: skip
+                    # this micro-batch's rows at its own lengths: its longest prompt (m.p) and response (m.t)
+                    mb, cut = m.ids, slice(P - m.p, P + m.t)
+                    mb_qr, mb_attn, mb_mask = query_responses[mb, cut], attn[mb, cut], mask[mb, : m.t]
+                    mb_values, mb_returns = values[mb, : m.t], returns[mb, : m.t]  # (b, t)
+                    new_values = forward_values(critic, mb_qr, mb_attn, m.p)  # (b, t)
+                    vf = value_loss(new_values, mb_values, mb_returns, mb_mask, n_tokens, args.clip_eps_value)
                     backward(accelerator, critic, args.vf_coef * vf, k == len(micros) - 1)
                     stats["vf"].append(vf.detach())
                 # CRITIC }
                 for k, m in enumerate(micros):
-                    micro, t, cut = m.ids, m.t, slice(P - m.p, P + m.t)
+                    mb, cut = m.ids, slice(P - m.p, P + m.t)
+                    mb_qr, mb_attn, mb_mask = query_responses[mb, cut], attn[mb, cut], mask[mb, : m.t]
+                    mb_old, mb_adv = logprobs[mb, : m.t], advantages[mb, : m.t]  # (b, t)
+                    mb_tis = tis_weights[mb, : m.t] if tis_weights is not None else None  # (b, t) or None
                     last = k == len(micros) - 1  # the minibatch's last micro-batch
                     with torch.set_grad_enabled(train_policy):  # critic warm-up: no policy graph
-                        new_logprobs, entropy = forward_logprobs(
-                            policy, query_responses[micro, cut], attn[micro, cut], m.p, args.gen.temperature,
-                            with_entropy=True, entropy_grad=args.ent_coef != 0,  # a detached statistic without the bonus
-                        )  # (b, t) each  # fmt: skip
+                        new_logprobs, entropy = fwd(mb_qr, mb_attn, m.p, with_entropy=True)  # (b, t) each
                     pg, loss_stats = policy_loss(
-                        new_logprobs, logprobs[micro, :t], advantages[micro, :t], mask[micro, :t], n_tokens,
-                        args.clip_eps, args.dual_clip_c, tis_weights[micro, :t] if tis_weights is not None else None,
-                    )  # fmt: skip
-                    ent = (entropy * mask[micro, :t]).sum() / n_tokens
+                        new_logprobs, mb_old, mb_adv, mb_mask, n_tokens, args.clip_eps, args.dual_clip_c, mb_tis
+                    )
+                    ent = (entropy * mb_mask).sum() / n_tokens
                     if train_policy:
                         backward(accelerator, policy, pg - args.ent_coef * ent, last)
                     for key, v in dict(pg=pg, ent=ent, **loss_stats).items():
@@ -335,7 +337,10 @@ def main(args: Args):
         if run.should_log(step):  # --log-every, and every evaluation step and the last
             # each stat holds per-micro-batch parts of a minibatch mean; their sum / #minibatches: the minibatches' mean
             n_minibatches = args.update_epochs * len(rows) // local_mini_batch_size
-            mean = lambda xs: accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
+
+            def mean(xs):  # a statistic's micro-batch shares -> its mean over the minibatches and processes
+                return accelerator.reduce(torch.stack(xs).sum() / n_minibatches, "mean").item()
+
             all_scores, step_s = accelerator.gather(scores), time.time() - t_step
             padded, real = padding_counts(all_micros, query_mask, mask)  # tokens of the batch's forward passes
             metrics = {
@@ -353,13 +358,7 @@ def main(args: Args):
                 "loss/policy": mean(stats["pg"]),
                 "loss/value": mean(stats["vf"]),  # CRITIC
                 "loss/total": mean(stats["pg"]) - args.ent_coef * mean(stats["ent"]),  # + the value term below
-                "perf/step_s": step_s,
-                **engine_perf(engine),
-                "perf/gen_s": gen_s,
-                "perf/train_s": train_s,
-                "perf/tokens_per_s": accelerator.gather(rollout.lengths).sum().item() / step_s,
-                "perf/peak_mem_gb": peak_mem_gb(device),
-                "perf/padding_frac": 1 - real / max(padded, 1),
+                **step_perf(accelerator, engine, step_s, gen_s, train_s, rollout.lengths, (padded, real)),  # perf/*
                 # real tokens run forward only (generation, pi_old, reference; the critic's values) and trained
                 "perf/mfu": mfu(policy, (2 + use_ref) * real, args.update_epochs * real, step_s, accelerator),
             }

@@ -150,13 +150,8 @@ def main(args: Args):
         }
 
     # what a checkpoint holds, by name (restored here when resuming); evaluation before the first step
-    run.begin(
-        tok,
-        models={"model": model},
-        optimizers={"opt": ("model", opt)},
-        state=dict(sched=sched, sampler=sampler, guard=guard),
-        evaluate=evaluate,
-    )
+    state = dict(sched=sched, sampler=sampler, guard=guard)
+    run.begin(tok, {"model": model}, {"opt": ("model", opt)}, state, evaluate=evaluate)
     for step in run.steps():  # after each: checkpoints (periodic, final, on a signal), --max-wall-minutes
         t_step = time.time()
         # ------------------------------------------------------------------ 1. batch: this rank's slice of the pairs

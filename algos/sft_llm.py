@@ -160,13 +160,8 @@ def main(args: Args):
         return metrics
 
     # what a checkpoint holds, by name (restored here when resuming); evaluation before the first step
-    run.begin(
-        tok,
-        models={"policy": model},
-        optimizers={"opt": ("policy", opt)},
-        state=dict(sched=sched, sampler=sampler, guard=guard),
-        evaluate=evaluate,
-    )
+    state = dict(sched=sched, sampler=sampler, guard=guard)
+    run.begin(tok, {"policy": model}, {"opt": ("policy", opt)}, state, evaluate=evaluate)
     for step in run.steps():  # after each: checkpoints (periodic, final, on a signal), --max-wall-minutes
         t_step = time.time()
         # ------------------------------------------------------------------ 1. batch: this rank's slice of the examples

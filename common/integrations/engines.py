@@ -59,6 +59,19 @@ def make_engine(gen, model, tok, policy, accelerator=None, max_model_len: int | 
     )
 
 
+def frozen_engine(gen, model, path: str, tok, max_model_len: int, seed: int) -> VLLMEngine:
+    """A colocated vLLM engine of `path`'s own weights, never synced (distill_llm.py's --teacher-engine vllm), with
+    GenerationArgs `gen`'s memory settings and ModelArgs `model`'s --trust-remote-code, in the default dtype."""
+    from common.core import models as M
+    from common.core.hub import resolve_model_path
+
+    return VLLMEngine(
+        str(resolve_model_path(path)), tok, max_model_len, seed, dtype=M.default_dtype(), enforce_eager=gen.enforce_eager(),
+        gpu_memory_utilization=gen.vllm_gpu_memory_utilization, kv_cache_gb=gen.vllm_kv_cache_gb,
+        trust_remote_code=model.trust_remote_code,
+    )  # fmt: skip
+
+
 def tool_engine(
     rollout_engine: str,
     name: str,
