@@ -32,7 +32,7 @@ from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(HERE), str(HERE / "tests")]
+sys.path[:0] = [str(HERE), str(HERE / "tests"), str(HERE / "tests" / "helpers")]
 NOISE = ("gemm_4bit", "real_accelerator", "kernels-community", "FutureWarning", "warnings.warn", "UserWarning")
 
 

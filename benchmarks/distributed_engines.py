@@ -47,7 +47,7 @@ def main():
         "--train-files",
         prompts,
         "--reward-fn",
-        f"{REPO}/tests/toy_reward.py:compute_score",
+        f"{REPO}/tests/helpers/toy_reward.py:compute_score",
         "--total-steps",
         a.steps,
         "--batch-size",

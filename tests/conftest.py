@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "helpers")]  # the launch helpers (zygote, toy_reward, ...)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -93,7 +93,7 @@ def tiny_agent(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def toy_prompts(tmp_path_factory):
-    """32 short prompts in verl's schema with data_source 'toy' (scored by tests/toy_reward.py)."""
+    """32 short prompts in verl's schema with data_source 'toy' (scored by tests/helpers/toy_reward.py)."""
     path = tmp_path_factory.mktemp("toy") / "toy.jsonl"
     words = ["hi", "hello", "count", "go", "yes", "no", "up", "down"]
     with open(path, "w") as f:
@@ -119,7 +119,7 @@ def grpo_toy_teacher(tiny_peaky, toy_prompts, tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo_toy")
     run_script(
         "grpo_llm.py", "--model-name-or-path", tiny_peaky, "--train-files", toy_prompts,
-        "--reward-fn", f"{REPO}/tests/toy_reward.py:compute_score", "--output-dir", out, "--total-steps", 15,
+        "--reward-fn", f"{REPO}/tests/helpers/toy_reward.py:compute_score", "--output-dir", out, "--total-steps", 15,
         "--num-prompts", 8, "--group-size", 4, "--mini-batch-size", 16, "--micro-batch-size", 16,
         "--max-new-tokens", 6, "--learning-rate", 3e-3, "--update-epochs", 2, "--eval-every", 0,
         env={"TOY_MODEL": tiny_peaky},
@@ -170,7 +170,7 @@ def accelerate_ranks(config="cpu_2proc", processes=None, env=None) -> list[dict]
 
 def launch_ranks(script, *flags, env=None, config="cpu_2proc", processes=None, timeout=600):
     """`accelerate launch --config_file configs/accelerate/CONFIG.yaml algos/SCRIPT flags`, its processes forked from
-    the test zygote (tests/zygote.py: the imports done once, and no launcher process) with the environment the launch
+    the test zygote (tests/helpers/zygote.py: the imports done once, and no launcher process) with the environment the launch
     would give each (accelerate_ranks); a fresh `accelerate launch` where the zygote cannot serve it (an import-time
     variable differs; CLEANRLHF_TEST_ZYGOTE=0). Returns the CompletedProcess (every rank's output; the first
     failure's code). A 2-process launch of the tests spent ~16 of its ~27 CPU seconds starting: the launcher's
@@ -295,7 +295,7 @@ _ZYGOTE = {}
 
 def run_script(script: str, *flags, env=None, timeout=600, check=True, fresh=False):
     """Run algos/<script> as a process (as users do: `python algos/<script> flags`); returns the CompletedProcess.
-    A child of the test zygote (tests/zygote.py: the imports done once) where it runs the script as a fresh process
+    A child of the test zygote (tests/helpers/zygote.py: the imports done once) where it runs the script as a fresh process
     would, else (or `fresh`: a start's own output checked) a new interpreter."""
     return launch_python([str(REPO / "algos" / script), *map(str, flags)], env, timeout, check, fresh)
 

@@ -16,7 +16,7 @@ from common.integrations.async_generator import BatchStream, GeneratorFailed, ge
 from common.integrations.weight_mailbox import make_mailbox
 from conftest import REPO, only_run, read_metrics, run_script
 
-TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
+TOY_REWARD = f"{REPO}/tests/helpers/toy_reward.py:compute_score"
 
 
 # ------------------------------------------------------------------ the weight mailbox (threads stand in for the
@@ -173,7 +173,7 @@ def test_the_generator_does_not_outlive_a_killed_trainer(tmp_path):
     import signal
     import sys
 
-    code = (f"import sys, time; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]\n"
+    code = (f"import sys, time; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests' / 'helpers')!r}]\n"
             "from common.integrations.async_generator import GeneratorProcess\nfrom test_async_grpo import _slow_to_start\n"
             "g = GeneratorProcess(_slow_to_start, dict(setup_s=0, then_hang=True), max_ahead=2, threads=1, timeout=60)\n"
             "g.start(); g.get(); print(g.proc.pid, flush=True); time.sleep(600)\n")  # fmt: skip
@@ -493,7 +493,7 @@ def test_a_generator_that_dies_or_hangs_ends_the_run_with_one_line_and_a_checkpo
     line, the checkpoint of the last step trained is written, and the run resumes from it to the end."""
     action = {"killed": "os.kill(os.getppid(), signal.SIGKILL)", "hangs": "os.kill(os.getppid(), signal.SIGSTOP)",
               "raises": "raise ValueError('a bug in the reward')"}[how]  # fmt: skip
-    bad = DYING_REWARD.format(tests=str(REPO / "tests"), calls=str(tmp_path / "calls"), after=3 * 8, action=action)
+    bad = DYING_REWARD.format(tests=str(REPO / "tests" / "helpers"), calls=str(tmp_path / "calls"), after=3 * 8, action=action)
     (tmp_path / "bad.py").write_text(bad)
     # (the 20 s count once the generator is set up: its start, slower on a loaded machine, is not in them)
     flags = _flags(tiny_peaky, toy_prompts, tmp_path / "out", "--total-steps", 5, "--generator-timeout", 20)

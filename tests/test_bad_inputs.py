@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO, only_run, read_metrics, run_script
 
-TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
+TOY_REWARD = f"{REPO}/tests/helpers/toy_reward.py:compute_score"
 
 # (script, flags, fragment of the one-line message)
 CASES = [

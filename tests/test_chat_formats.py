@@ -1,4 +1,4 @@
-"""The formats users train in (issue 64, item 8): Qwen2.5 / Qwen3 / Llama 3.1 tiny models (tests/chat_formats.py).
+"""The formats users train in (issue 64, item 8): Qwen2.5 / Qwen3 / Llama 3.1 tiny models (tests/helpers/chat_formats.py).
 Responses stop at the template's end of turn (not only the tokenizer's EOS), SFT appends that token, tool calls in
 each template's format are parsed and run through ToolEnv, and a template whose format is unknown is one line."""
 

@@ -30,7 +30,7 @@ from common.core.generation import generate, sequence_attention_mask, tokenize_q
 from common.core.ops import kl_estimate, selective_log_softmax  # noqa: E402
 from common.core.rewards import Reward  # noqa: E402
 
-TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
+TOY_REWARD = f"{REPO}/tests/helpers/toy_reward.py:compute_score"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 
 from conftest import REPO, accelerate_launch, launch_ranks, only_run, read_metrics, run_script
 
-TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
+TOY_REWARD = f"{REPO}/tests/helpers/toy_reward.py:compute_score"
 
 
 CONFIGS = {"DDP": "cpu_2proc", "FSDP": "cpu_2proc_fsdp2", "ZERO2": "cpu_2proc_zero2", "ZERO3": "cpu_2proc_zero3"}
@@ -409,7 +409,7 @@ def test_distributed_statistics():
         "--standalone",
         "--nproc_per_node",
         "2",
-        str(REPO / "tests" / "dist_ops_check.py"),
+        str(REPO / "tests" / "helpers" / "dist_ops_check.py"),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -470,8 +470,8 @@ def test_fsdp2_reduces_gradients_in_float32():
 def test_fsdp2_weight_stream_equals_unsharded(tiny, kind):
     """Accelerate's FSDP2 over 2 gloo processes: the engine's weights streamed one tensor at a time from the shards
     equal the unsharded model's (LoRA merged), the fingerprint agrees across ranks, and the prepared model reduces
-    in float32 (tests/fsdp2_stream_check.py)."""
-    cmd = [*accelerate_launch("cpu_2proc_fsdp2"), str(REPO / "tests" / "fsdp2_stream_check.py"), tiny, kind]
+    in float32 (tests/helpers/fsdp2_stream_check.py)."""
+    cmd = [*accelerate_launch("cpu_2proc_fsdp2"), str(REPO / "tests" / "helpers" / "fsdp2_stream_check.py"), tiny, kind]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count("FSDP2 stream OK") == 2
@@ -487,7 +487,7 @@ def test_generation_from_fsdp2_sharded_model(tiny):
         "--standalone",
         "--nproc_per_node",
         "2",
-        str(REPO / "tests" / "fsdp2_generate_check.py"),
+        str(REPO / "tests" / "helpers" / "fsdp2_generate_check.py"),
         tiny,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -498,8 +498,8 @@ def test_generation_from_fsdp2_sharded_model(tiny):
 @pytest.mark.distributed
 def test_zero3_generation_runs_no_module_hook(tiny):
     """ZeRO-3's per-module hooks are off for the rollout (DeepSpeed keeps them on inside GatheredParameters: every
-    decoding step ran them for every module) and back for the training step (tests/zero3_generate_check.py)."""
-    cmd = [*accelerate_launch("cpu_2proc_zero3"), str(REPO / "tests" / "zero3_generate_check.py"), tiny]
+    decoding step ran them for every module) and back for the training step (tests/helpers/zero3_generate_check.py)."""
+    cmd = [*accelerate_launch("cpu_2proc_zero3"), str(REPO / "tests" / "helpers" / "zero3_generate_check.py"), tiny]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count("ZeRO-3 generation OK") == 2, proc.stdout[-2000:]

@@ -11,7 +11,7 @@ from conftest import REPO, only_run, read_metrics, run_script
 sys.path.insert(0, str(REPO / "algos"))
 import dynamic_kl_ppo as D  # noqa: E402
 
-TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
+TOY_REWARD = f"{REPO}/tests/helpers/toy_reward.py:compute_score"
 
 
 def test_beta_rule_band_and_bounds():

@@ -623,7 +623,7 @@ def test_step_defaults():
 
 # ------------------------------------------------------------------ the scripts, end to end (a model that ends its
 # turns)
-TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
+TOY_REWARD = f"{REPO}/tests/helpers/toy_reward.py:compute_score"
 
 
 def _env_flags(model, prompts, out, *extra, lr=3e-3):

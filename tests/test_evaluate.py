@@ -83,7 +83,7 @@ def test_training_eval_per_source_and_save_best(tiny, toy_prompts, tmp_path):
         "--val-files",
         tmp_path / "val.jsonl",
         "--reward-fn",
-        f"{REPO}/tests/toy_reward.py:compute_score",
+        f"{REPO}/tests/helpers/toy_reward.py:compute_score",
         "--num-prompts",
         2,
         "--group-size",

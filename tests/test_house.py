@@ -253,7 +253,7 @@ def test_accelerate_launches_take_a_free_port():
     from conftest import accelerate_launch
 
     assert accelerate_launch("cpu_2proc_zero3", 2)[-4:] == ["--main_process_port", "0", "--num_processes", "2"]
-    for path in sorted((REPO / "tests").glob("*.py")):
+    for path in sorted((REPO / "tests").rglob("*.py")):
         text = path.read_text()
         if path.name not in ("conftest.py", "test_house.py"):
             assert "accelerate.commands.launch" not in text and '"accelerate", "launch"' not in text, path.name

@@ -261,7 +261,7 @@ def test_scripts_resolve_auto_mixed_precision(toy_prompts, tmp_path):
 
     from conftest import REPO, only_run, run_script
 
-    TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
+    TOY_REWARD = f"{REPO}/tests/helpers/toy_reward.py:compute_score"
     model = M.tiny_model(tmp_path / "h256", hidden=256, layers=1)
     flags = ["--model-name-or-path", model, "--train-files", toy_prompts, "--reward-fn", TOY_REWARD]
     flags += [

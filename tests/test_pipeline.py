@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO, only_run, read_metrics, run_script, run_tool
 
-TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
+TOY_REWARD = f"{REPO}/tests/helpers/toy_reward.py:compute_score"
 
 
 def tool(module, *flags, env=None, check=True):

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from conftest import REPO, only_run, read_metrics, run_script
 
-TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
+TOY_REWARD = f"{REPO}/tests/helpers/toy_reward.py:compute_score"
 TINY = [
     "--batch-size",
     4,

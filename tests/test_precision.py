@@ -163,7 +163,7 @@ def test_bf16_weights_train_and_resume_exactly(tiny_peaky, toy_prompts, tmp_path
     """GRPO with --dtype bfloat16 (KahanAdamW): 4 steps straight = 2 steps + --resume + 2, metric for metric."""
     flags = lambda out, n: [
         "--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn",
-        f"{REPO}/tests/toy_reward.py:compute_score", "--output-dir", out, "--total-steps", n, "--num-prompts", 4,
+        f"{REPO}/tests/helpers/toy_reward.py:compute_score", "--output-dir", out, "--total-steps", n, "--num-prompts", 4,
         "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 4, "--max-new-tokens", 6, "--eval-every", 0,
         "--learning-rate", 3e-3, "--dtype", "bfloat16",
     ]  # fmt: skip

@@ -473,7 +473,7 @@ def test_grpo_with_tools_and_both_levers_makes_the_update_of_neither(tiny_agent,
     from conftest import only_run, read_metrics, run_script
 
     flags = [
-        "--model-name-or-path", tiny_agent, "--train-files", toy_prompts, "--reward-fn", f"{REPO}/tests/toy_reward.py:compute_score",
+        "--model-name-or-path", tiny_agent, "--train-files", toy_prompts, "--reward-fn", f"{REPO}/tests/helpers/toy_reward.py:compute_score",
         "--env", "tools", "--tools", "calculator", "--max-turns", 3, "--max-new-tokens", 40, "--max-trajectory-tokens", 160,
         "--num-prompts", 4, "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 4, "--update-epochs", 2,
         "--kl-coef", 0.05, "--learning-rate", 1e-4, "--eval-every", 0, "--total-steps", 1, "--mixed-precision", "no",

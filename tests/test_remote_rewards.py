@@ -315,7 +315,7 @@ def test_grpo_with_a_served_reward_model_mixed_with_rules(tiny_peaky, toy_prompt
     try:
         run_script(
             "grpo_llm.py", "--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn",
-            f"{REPO}/tests/toy_reward.py:compute_score", "--reward", "rule:1.0,remote:0.5", "--reward-url", stub.url,
+            f"{REPO}/tests/helpers/toy_reward.py:compute_score", "--reward", "rule:1.0,remote:0.5", "--reward-url", stub.url,
             "--output-dir", tmp_path, "--total-steps", 2, "--num-prompts", 2, "--group-size", 2, "--mini-batch-size",
             4, "--micro-batch-size", 4, "--max-new-tokens", 6, "--eval-every", 0, env={"TOY_MODEL": tiny_peaky},
         )  # fmt: skip

@@ -418,7 +418,7 @@ def test_sharded_critic_and_reward_model_folders_load_as_what_they_are(tiny, toy
 
     monkeypatch.setenv("CLEANRLHF_CACHE", str(tmp_path / "cache"))
     env = {"CLEANRLHF_CACHE": str(tmp_path / "cache"), "TOY_MODEL": tiny}
-    toy = [f"{REPO}/tests/toy_reward.py:compute_score"]
+    toy = [f"{REPO}/tests/helpers/toy_reward.py:compute_score"]
     common = ["--model-name-or-path", tiny, "--train-files", toy_prompts, "--max-new-tokens", 4, "--eval-every", 0,
               "--checkpoint-format", "sharded", "--total-steps", 1]  # fmt: skip
     run_script("ppo_llm.py", *common, "--reward-fn", *toy, "--batch-size", 4, "--mini-batch-size", 4,

@@ -380,7 +380,7 @@ def test_a_grpo_run_whose_model_writes_the_escapes_keeps_its_secrets_files_and_p
     }
     env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
     cmd = [sys.executable, str(REPO / "algos/grpo_llm.py"), "--model-name-or-path", tiny, "--train-files", toy_prompts,
-           "--reward-fn", f"{REPO}/tests/toy_reward.py:compute_score", "--env", "attack_env.py:AttackEnv",
+           "--reward-fn", f"{REPO}/tests/helpers/toy_reward.py:compute_score", "--env", "attack_env.py:AttackEnv",
            "--max-turns", 2, "--max-new-tokens", 4, "--max-trajectory-tokens", 600, "--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 2,
            "--total-steps", 2, "--save-every", 1, "--eval-every", 0, "--output-dir", tmp_path / "runs"]  # fmt: skip
     proc = subprocess.run(list(map(str, cmd)), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

@@ -1,5 +1,5 @@
 """--tool-sandbox remote (common/integrations/sandbox_service.py) against a local server speaking SandboxFusion's API
-(tests/sandbox_fusion_server.py: the sandbox-fusion package's own request and answer models): the code runs there,
+(tests/helpers/sandbox_fusion_server.py: the sandbox-fusion package's own request and answer models): the code runs there,
 each call is bounded, a failing service is retried then counted (the run goes on), its key is sent to it and never
 across a redirect, and a run with no service there stops at start-up with one line."""
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from conftest import REPO, only_run, read_metrics, run_script
 
-TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
+TOY_REWARD = f"{REPO}/tests/helpers/toy_reward.py:compute_score"
 SCRIPTS = sorted(p.name for p in (REPO / "algos").glob("*.py"))
 
 
@@ -144,7 +144,7 @@ def test_a_copied_and_edited_script_passes_the_suite(tiny_peaky, toy_prompts, tm
 
 @pytest.mark.e2e
 def test_the_zygote_runs_a_script_as_a_fresh_process_does(tiny, tmp_path):
-    """tests/zygote.py (run_script's warm start): the same exit code and output as `python algos/X.py` for a help
+    """tests/helpers/zygote.py (run_script's warm start): the same exit code and output as `python algos/X.py` for a help
     text and a refused flag; a launch whose environment differs in an import-time variable starts fresh; a timeout
     kills the child and raises as subprocess.run does."""
     import subprocess

@@ -61,9 +61,9 @@ def test_vocab_parallel_log_softmax_equals_numpy_and_the_whole_model(tiny):
     """Under --tp-size the LM head's logits stay split over the vocabulary (each rank (B, T, V / 2)) and the
     log-softmax runs across the blocks: log-probs, entropies and their gradients equal numpy's over whole
     rows, and a TP=2 tiny model's log-probs and every weight's gradient equal one whole model's
-    (tests/vocab_parallel_check.py)."""
+    (tests/helpers/vocab_parallel_check.py)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd += [str(REPO / "tests" / "vocab_parallel_check.py"), tiny]
+    cmd += [str(REPO / "tests" / "helpers" / "vocab_parallel_check.py"), tiny]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count("TP model log-probs, entropies and gradients ok") == 2

@@ -114,7 +114,7 @@ def test_tensorboard_and_mlflow_hold_what_metrics_jsonl_holds_across_a_resume(ti
 
     flags = lambda n: [
         "--model-name-or-path", tiny_peaky, "--train-files", toy_prompts, "--reward-fn",
-        f"{REPO}/tests/toy_reward.py:compute_score", "--output-dir", tmp_path, "--total-steps", n, "--num-prompts", 2,
+        f"{REPO}/tests/helpers/toy_reward.py:compute_score", "--output-dir", tmp_path, "--total-steps", n, "--num-prompts", 2,
         "--group-size", 2, "--mini-batch-size", 4, "--micro-batch-size", 4, "--max-new-tokens", 4, "--eval-every",
         0, "--report-to", "tensorboard,mlflow", "--exp-name", "trk",
     ]  # fmt: skip

@@ -27,7 +27,7 @@ from common.integrations.vllm_engine import VLLMEngine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
+TOY_REWARD = f"{REPO}/tests/helpers/toy_reward.py:compute_score"
 
 PROMPTS = ["hi", "count to three please", "yes", "a much longer prompt than the others, with commas, and words"]
 

@@ -22,7 +22,7 @@ import torch
 
 from conftest import REPO, only_run, read_metrics, run_script
 
-TOY_REWARD = f"{REPO}/tests/toy_reward.py:compute_score"
+TOY_REWARD = f"{REPO}/tests/helpers/toy_reward.py:compute_score"
 TOK = SimpleNamespace(eos_token_id=2, pad_token_id=0)
 
 

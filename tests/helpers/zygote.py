@@ -20,7 +20,7 @@ import socket
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Variables the zygote's imports (torch, transformers, accelerate, huggingface_hub, tokenizers, numpy, common/) may
 # read: a launch whose environment differs from the zygote's in one of these starts fresh. Any other difference
 # (TOY_MODEL, the running test's name, what an in-process test set: DS_ACCELERATOR, VLLM_*) is read only once a
@@ -89,7 +89,7 @@ def _child(req: dict) -> None:
         os._exit(code)
 
 
-_PATH = list(sys.path)  # this process's path before REPO is added: [tests/, the standard library, site-packages]
+_PATH = list(sys.path)  # this process's path before REPO is added: [tests/helpers/, the standard library, site-packages]
 
 
 def serve(path: str) -> None:

@@ -6,7 +6,7 @@ step after it (hooks back: parameters fetched per module) still works. Used by t
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402

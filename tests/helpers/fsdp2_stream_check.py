@@ -7,7 +7,7 @@ changed by an optimizer step. Used by tests/test_distributed.py."""
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402

@@ -4,7 +4,7 @@ slices equal numpy's over the whole batch. Used by tests/test_distributed.py."""
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -12,7 +12,7 @@ import torch.distributed as dist  # noqa: E402
 
 from common.core.ops import all_sum, masked_mean, masked_var, masked_whiten  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "algos"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "algos"))
 from grpo_llm import compute_advantages  # noqa: E402
 
 dist.init_process_group("gloo")
