@@ -517,7 +517,7 @@ def main(args: Args):
     return run.end()
 
 
-# a two-step run on a tiny model, as tests/test_smoke.py runs every script (and every copy) in algos/
+# a two-step run on a tiny model, as tests/scripts/test_smoke.py runs every script (and every copy) in algos/
 SMOKE = (
     "--model-name-or-path {tiny_peaky} --max-new-tokens 6 --num-eval-prompts 4 --num-prompts 2 --group-size 2 "
     "--mini-batch-size 4 --micro-batch-size 2 --train-files {toy_prompts} --val-files {toy_prompts} "

@@ -353,7 +353,7 @@ def main(args: Args):
     return run.end()
 
 
-# a two-step run on a tiny model, as tests/test_smoke.py runs every script (and every copy) in algos/
+# a two-step run on a tiny model, as tests/scripts/test_smoke.py runs every script (and every copy) in algos/
 SMOKE = (
     "--model-name-or-path {tiny} --teacher {tiny_peaky} --max-new-tokens 6 --num-eval-prompts 4 --num-prompts "
     "2 --samples-per-prompt 2 --micro-batch-size 2"

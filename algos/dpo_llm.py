@@ -396,7 +396,7 @@ def main(args: Args):
     return run.end()
 
 
-# a two-step run on a tiny model, as tests/test_smoke.py runs every script (and every copy) in algos/
+# a two-step run on a tiny model, as tests/scripts/test_smoke.py runs every script (and every copy) in algos/
 SMOKE = (
     "--model-name-or-path {tiny} --batch-size 4 --micro-batch-size 2 --num-eval-pairs 4 --num-eval-prompts 4 "
     "--max-new-tokens 6"

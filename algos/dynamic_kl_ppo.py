@@ -418,7 +418,7 @@ def main(args: Args):
     return run.end()
 
 
-# a two-step run on a tiny model, as tests/test_smoke.py runs every script (and every copy) in algos/
+# a two-step run on a tiny model, as tests/scripts/test_smoke.py runs every script (and every copy) in algos/
 SMOKE = (
     "--model-name-or-path {tiny} --max-new-tokens 6 --num-eval-prompts 4 --batch-size 4 --mini-batch-size 4 "
     "--micro-batch-size 2"

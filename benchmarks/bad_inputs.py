@@ -17,7 +17,7 @@ pickle payload). Outcomes:
                  looked for in /proc after it ends)
     code ran     a planted pickle payload executed (it creates a marker file)
 and, besides, `left a folder`: a failed start that still created a run folder. The tiny model and
-files are made here; cases from tests/test_bad_inputs.py are reused as they are.
+files are made here; cases from tests/*/test_bad_inputs.py are reused as they are.
 """
 
 import argparse

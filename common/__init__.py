@@ -1,5 +1,5 @@
 """cleanrlhf's library, in four folders, each importing only from itself and the folders before it
-(docs/architecture.md draws the house; tests/test_house.py checks it):
+(docs/architecture.md draws the house; tests/*/test_house.py checks it):
 
     core/          what every RL script reads: errors and seeds, tensor ops, models and tokenizers, data and tasks,
                    generation, forwards, rewards, the environment contract, a step's `Rollout`

@@ -2,7 +2,7 @@
 test tiers.
 
 Tiers (pytest.ini): a test that launches a script, a tool or a launcher as a process carries a marker:
-    smoke        one short run per script (the fast tier's launches: tests/test_smoke.py)
+    smoke        one short run per script (the fast tier's launches: tests/scripts/test_smoke.py)
     bare         a bare interpreter in the fast tier: the standard library and common/integrations/sandbox.py, no torch
     (a
                  venv under /tmp running the Python tool: well under a second)
@@ -51,7 +51,7 @@ def tiny_agent(tmp_path_factory):
     """A peaky tiny model (one head of 64: vLLM's CPU attention takes it) fine-tuned in-process (~15 s) to answer the
     toy prompts with short turns that end with EOS: half of them a calculator call `<tool_call>{...}</tool_call>`,
     half a number. A random model never ends a turn within a few tokens, so multi-turn end-to-end runs
-    (tests/test_envs.py) need it to see more than one turn."""
+    (tests/*/test_envs.py) need it to see more than one turn."""
     from types import SimpleNamespace
 
     import torch
@@ -145,7 +145,7 @@ def accelerate_ranks(config="cpu_2proc", processes=None, env=None) -> list[dict]
     """The environment of each process `accelerate launch` (accelerate_launch's command) would start: accelerate's
     own launch_command, up to the call that hands the environment it made to torchrun, then the variables torchrun's
     agent adds per rank (rank, world size, rendezvous address; the store hosted by rank 0, as no agent runs).
-    tests/test_house.py checks this against a real launch for every CPU config."""
+    tests/*/test_house.py checks this against a real launch for every CPU config."""
     from unittest import mock
 
     import torch.distributed.run as distrib_run
@@ -202,6 +202,15 @@ def launch_ranks(script, *flags, env=None, config="cpu_2proc", processes=None, t
 
 
 TIERS = ("smoke", "bare", "e2e", "distributed", "vllm", "slow")
+# each tier's folder and the markers its tests carry (one at least, bare or none in unit/): tests/README.md
+FOLDERS = {
+    "unit": ("", "bare"),
+    "scripts": ("smoke", "e2e", "slow"),
+    "multi_process": ("distributed",),
+    "vllm_engines": ("vllm",),
+}
+# fixtures that tests of two tiers share, in tests/helpers/
+pytest_plugins = ["shared_sandbox_service", "shared_tool_learning"]
 
 
 PARITY_FIXTURES = ("ppo_ddp_run",)  # module fixtures of runs several tests compare with (test_distributed.py)
@@ -215,8 +224,13 @@ def pytest_collection_modifyitems(config, items):
     the real-model tests, the parity tests (test_distributed.one_process_run's reference runs and the module's DDP
     run) and the users of the GRPO toy teacher. Everything else, multi-process launches included (free ports; one
     torch thread per process: _one_thread_per_launched_process), is balanced over the workers. Without xdist the
-    marks do nothing."""
+    marks do nothing. And each test sits in its tier's folder (FOLDERS)."""
+    misplaced = []
     for item in items:
+        folder = item.path.parent.name
+        marks = [m for m in TIERS if item.get_closest_marker(m)]
+        if folder not in FOLDERS or not (set(marks) & set(FOLDERS[folder]) or ("" in FOLDERS[folder] and not marks)):
+            misplaced.append(f"{item.nodeid} (markers: {', '.join(marks) or 'none'})")
         names = set(getattr(item, "fixturenames", ()))
         if "served" in names:  # test_vllm_server.py: its module's server (a process of its own, beside the engines)
             item.add_marker(pytest.mark.xdist_group("vllm_server"))
@@ -230,6 +244,11 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.xdist_group("parity"))
             elif "grpo_toy_teacher" in names:  # one worker trains it once for them all
                 item.add_marker(pytest.mark.xdist_group("grpo_toy"))
+    if misplaced:
+        raise pytest.UsageError(
+            "tests outside their tier's folder (tests/conftest.py FOLDERS: unit/ in-process, scripts/ smoke, e2e, slow; "
+            "multi_process/ distributed; vllm_engines/ vllm): " + "; ".join(misplaced[:5])
+        )
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -357,7 +357,7 @@ def forward_logprobs(
     (`packed_by_prompt`; `lengths`: each row's response positions to run, the rest left out: their log-probs are
     finite stand-ins, for the caller's mask), one forward in which each prompt runs, and is backpropagated, once. The
     same log-probs and gradients as the rows' forward (float32 to ~1e-5 in log-probs, 1e-4 relative in gradients: the
-    attention sums over other shapes; tests/test_prompt_once.py). The head runs in chunks from the hidden states where
+    attention sums over other shapes; tests/*/test_prompt_once.py). The head runs in chunks from the hidden states where
     it can (`chunkable_head`): no (B, T, V) logits."""
     T = query_responses.shape[1] - P
     positions = position_ids_from_mask(attention_mask)

@@ -92,7 +92,7 @@ class PromptCache:
     """The rollout's KV cache of the prompts (before any response token) and the logits of the last prompt
     position. With it, a forward over the responses alone gives the rollout policy's log-probs of the responses
     as a forward over prompt + response does (`forward_logprobs(..., prompt_cache=...)`): bit-identical under
-    bf16 autocast, within 2e-5 in float32 (the attention runs at other shapes; tests/test_performance.py), at
+    bf16 autocast, within 2e-5 in float32 (the attention runs at other shapes; tests/*/test_performance.py), at
     the cost of the response positions only. PPO's pi_old is such a forward: in the benchmark config the
     prompts are ~70 % of the tokens. Memory: SmolLM2, 32 rows x 59 prompt tokens, 0.13 GB until pi_old is done."""
 
@@ -191,7 +191,7 @@ def generate(
     past: a RowCache per row (a previous call's `row_caches`) whose real positions are the first real ids of the row's
     query: only the rest of the query is prefilled (multi-turn rollouts: the previous turn's EOS and the
     observation). Greedy ids equal a full prefill's and log-probs agree to float rounding (the attention runs at
-    other shapes; tests/test_tool_learning.py). keep_row_caches: return `row_caches` (a RowCache for each row that
+    other shapes; tests/*/test_tool_learning.py). keep_row_caches: return `row_caches` (a RowCache for each row that
     ended with EOS, else None; None in all rows under --tp-size or with sliding-window cache layers)."""
     if engine is not None:  # vLLM runs its model at its own dtype: never inside the trainer's autocast region
         with torch.autocast(queries.device.type, enabled=False):

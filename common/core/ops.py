@@ -2,7 +2,7 @@
 
 Shapes: B sequences, T response tokens, V vocabulary. `mask` is 1 for real response tokens
 (up to and including EOS) and 0 for padding. Each function's docstring gives its naive equivalent;
-tests/test_ops.py checks each against plain loops or numpy.
+tests/unit/test_ops.py checks each against plain loops or numpy.
 
 Never here: losses, training loops, the choice of advantages. Those are the algorithm.
 """
@@ -339,7 +339,7 @@ def rollout_correction(
       mismatch/ratio_max        the largest rho at `level` (over tokens, or responses)
       mismatch/capped_frac      tokens whose weight the threshold changed (truncated, masked, rejected); with a cap
       train/sampler_logprob_diff  mean |d_t|
-    Naive equivalent: a loop over rows and tokens (tests/test_ops.py)."""
+    Naive equivalent: a loop over rows and tokens (tests/unit/test_ops.py)."""
     d = (old_logprobs - sampler_logprobs) * mask  # (B, T) 0 on padding
     n = all_sum(mask.sum()).clamp(min=1)
     if level == "token":
@@ -398,7 +398,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     Padding positions get advantage 0 and return 0. Positions of mask 0 *between* real tokens (a multi-turn
     trajectory's observation tokens, common/core/envs.py) are skipped: t+1 is the next real token, so gamma and lam
     act across the model's tokens only, as if the observations were not there (GAE over the model's own steps).
-    Naive equivalent: per row, keep the real tokens, a Python loop over them (tests/test_ops.py). Returns
+    Naive equivalent: per row, keep the real tokens, a Python loop over them (tests/unit/test_ops.py). Returns
     (advantages, returns), each (B, T)."""
     values, rewards = values * mask, rewards * mask  # (B, T); V = 0 past the last real token
     adv = torch.zeros_like(rewards)  # (B, T)

@@ -1,7 +1,7 @@
 """The tools an environment offers the policy (common/core/envs.py): a calculator and a Python runner.
 
 The Python tool runs the model's code in a child process, isolated by the operating system (`namespaces`, the
-default; docs/agents.md has the guarantee table, each row tested in tests/test_envs.py):
+default; docs/agents.md has the guarantee table, each row tested in tests/*/test_envs.py):
   - its own PID namespace: it sees no other process (no /proc is mounted; the trainer has no pid it can name), and
     every process it starts dies with it (the namespace's init is killed when the call ends or times out);
   - its own mount namespace whose root holds only the standard library and the system's shared libraries, read-only

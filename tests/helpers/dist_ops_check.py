@@ -1,5 +1,5 @@
 """Run under torchrun (2 CPU processes, gloo): statistics with distributed=True over two ranks'
-slices equal numpy's over the whole batch. Used by tests/test_distributed.py."""
+slices equal numpy's over the whole batch. Used by tests/*/test_distributed.py."""
 
 import sys
 from pathlib import Path

@@ -1,6 +1,6 @@
 """Run under torchrun (2 CPU processes, gloo): generation from an FSDP2-sharded model through
 common.parallel.sharded.unwrap_for_generation equals generation from the unsharded model, and the
-parameters are sharded again afterwards. Used by tests/test_distributed.py."""
+parameters are sharded again afterwards. Used by tests/*/test_distributed.py."""
 
 import sys
 from pathlib import Path

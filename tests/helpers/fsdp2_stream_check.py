@@ -2,7 +2,7 @@
 Accelerate's FSDP2 path as common.parallel.accelerator.make_accelerator switches it on): the prepared model reduces its
 gradients in float32, and `engine_weights` streamed from the sharded model equals the stream of the unsharded model
 tensor for tensor (plain and LoRA), with a fingerprint that is the same on both ranks, unchanged by a stream and
-changed by an optimizer step. Used by tests/test_distributed.py."""
+changed by an optimizer step. Used by tests/*/test_distributed.py."""
 
 import sys
 from pathlib import Path

@@ -1,6 +1,6 @@
 """Run under torchrun (2 CPU processes, gloo): the vocabulary-parallel log-softmax (common.core.ops under
 sharded_logits) on each rank's half of the vocabulary equals numpy's log-softmax and entropy over the
-whole rows, and its gradient equals the closed form, also from numpy. Used by tests/test_tensor_parallel.py."""
+whole rows, and its gradient equals the closed form, also from numpy. Used by tests/multi_process/test_tensor_parallel.py."""
 
 import sys
 from pathlib import Path

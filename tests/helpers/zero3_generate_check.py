@@ -1,7 +1,7 @@
 """Run under `accelerate launch --config_file configs/accelerate/cpu_2proc_zero3.yaml` (2 CPU processes, gloo,
 DeepSpeed ZeRO-3): generation through common.parallel.sharded.unwrap_for_generation runs no DeepSpeed module hook (they
 are removed for the rollout and put back after it), samples what the unsharded model samples, and the training
-step after it (hooks back: parameters fetched per module) still works. Used by tests/test_distributed.py."""
+step after it (hooks back: parameters fetched per module) still works. Used by tests/*/test_distributed.py."""
 
 import sys
 from pathlib import Path

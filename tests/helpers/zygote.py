@@ -89,7 +89,9 @@ def _child(req: dict) -> None:
         os._exit(code)
 
 
-_PATH = list(sys.path)  # this process's path before REPO is added: [tests/helpers/, the standard library, site-packages]
+_PATH = list(
+    sys.path
+)  # this process's path before REPO is added: [tests/helpers/, the standard library, site-packages]
 
 
 def serve(path: str) -> None:
