@@ -11,15 +11,13 @@ embeds these with flat flag names (`--seed`, not `--run.seed`; tyro.conf.OmitArg
 The script reads `args.clip_eps` (its own) and `args.run.seed`, `args.gen.temperature` (shared); common/ reads
 the fields of these groups only, never a script's own flag by its spelling.
 
-Each field carries its own rules in its type: `Check(gt=0)` (a range, checked by `check_args` before anything
+Each field carries its own rules in its type: `Check(gt=0)` (a range, checked by flags.check_args before anything
 loads, with one line naming the flag), `RESUME_MAY_CHANGE` (the flag may differ on --resume; a difference in any
-other flag is refused by name). Allowed values are Literal types (tyro checks them). `flat_args` gives the flat
+other flag is refused by name). Allowed values are Literal types (tyro checks them). flags.flat_args gives the flat
 {flag name: value} view that args.json, trainer_state.pt, W&B config and presets use, as before the groups."""
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -478,85 +476,3 @@ class OptimArgs:
     optim: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
     """adamw: torch's (fused; KahanAdamW for bf16 weights); adamw_8bit: bitsandbytes' blockwise 8-bit moments
     (1/4 of AdamW's state; CPU and GPU); paged_adamw_8bit: the same, paged to CPU memory under GPU pressure (CUDA)"""
-
-
-# ------------------------------------------------------------------------------------------ walking the fields
-def _hints(cls) -> dict:
-    return typing.get_type_hints(cls, include_extras=True)
-
-
-def _metadata(hint) -> tuple:
-    return getattr(hint, "__metadata__", ())
-
-
-def is_group(hint) -> bool:
-    return tyro.conf.OmitArgPrefixes in _metadata(hint)
-
-
-def flags_of(cls, prefix: str = "") -> dict:
-    """{field name (a flag's name with _): (field, type hint, owner class)} of every flag of an Args class, its
-    groups' fields by their own flat names; a prefixed nested dataclass (`health`) as one entry."""
-    out, hints = {}, _hints(cls)
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        if is_group(hints[f.name]):
-            out.update(flags_of(_group_type(hints[f.name]), prefix))
-        else:
-            out[prefix + f.name] = (f, hints[f.name], cls)
-    return out
-
-
-def _group_type(hint):
-    return typing.get_args(hint)[0] if typing.get_args(hint) else hint
-
-
-def _members(args):
-    """(field name, value, type hint) of an Args instance's own fields, its groups' fields in their place."""
-    hints = _hints(type(args))
-    for f in dataclasses.fields(args):
-        if f.init and is_group(hints[f.name]):
-            yield from _members(getattr(args, f.name))
-        elif f.init:
-            yield f.name, getattr(args, f.name), hints[f.name]
-
-
-def _values(args, prefix: str = ""):
-    """(flag name, value, type hint) of every leaf flag of an Args instance, nested prefixed groups included."""
-    for name, v, hint in _members(args):
-        if dataclasses.is_dataclass(v):
-            yield from _values(v, f"{prefix}{name}.")
-        else:
-            yield prefix + name, v, hint
-
-
-def flat_args(args) -> dict:
-    """The flags of an Args as a flat {name: value} (groups merged; a prefixed nested dataclass as a dict), in JSON
-    values: what args.json, trainer_state.pt and W&B record, keyed as the flags are."""
-    import json
-
-    out = {name: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for name, v, _ in _members(args)}
-    return json.loads(json.dumps(out, default=str))
-
-
-def runtime_values(args) -> dict:
-    """A script's values filled at run time (its Args fields with init=False, e.g. GRPO's old_logprobs_from)."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if not f.init}
-
-
-def resume_may_change(args) -> set[str]:
-    """Names of the flags marked RESUME_MAY_CHANGE."""
-    return {name for name, (_, hint, _) in flags_of(type(args)).items() if RESUME_MAY_CHANGE in _metadata(hint)}
-
-
-def check_args(args) -> None:
-    """Every flag's own rules (its Checks), and every float finite, before anything loads: one line naming the flag."""
-    for name, v, hint in _values(args):
-        flag = "--" + name.replace("_", "-")
-        # a float flag is a number a run computes with: nan or inf (a preset's `.inf`) would reach the weights
-        for x in v if isinstance(v, (list, tuple)) else [v]:
-            if isinstance(x, float) and not math.isfinite(x):
-                raise UserError(f"{flag} {x}: must be a finite number")
-        for rule in _metadata(hint):
-            if isinstance(rule, Check):
-                rule(flag, v)

@@ -18,7 +18,7 @@ import torch
 
 from common.core.errors import UserError
 from common.core.hub import SHARD_FILES, SHARDED_MARK, shard_damage, shard_files
-from common.harness.args import flat_args
+from common.harness.flags import flat_args
 
 
 def rng_state() -> dict:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from common.core.errors import EngineFailed, UserError, user_error
-from common.harness.args import check_args, flags_of
+from common.harness.flags import check_args, flags_of
 
 
 def parse_args(cls, argv: list[str] | None = None):

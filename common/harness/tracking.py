@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 from common.core.errors import UserError, user_error
-from common.harness.args import flat_args, resume_may_change, runtime_values
 from common.harness.checkpoint import (
     checkpoint_record,
     damage,
@@ -23,6 +22,7 @@ from common.harness.checkpoint import (
     run_id_of,
     step_of,
 )
+from common.harness.flags import flat_args, resume_may_change, runtime_values
 
 REPO = Path(__file__).resolve().parents[2]  # the project folder (common/harness/ -> ..)
 

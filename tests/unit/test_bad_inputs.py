@@ -212,7 +212,8 @@ def _run_with_checkpoint(root, name, lr=0.1, run_id=None, args_json=True):
     from accelerate import Accelerator
 
     from common.harness import checkpoint as C
-    from common.harness.args import RunArgs, flat_args
+    from common.harness.args import RunArgs
+    from common.harness.flags import flat_args
 
     Args = _resume_args()
     run = root / name
@@ -483,7 +484,8 @@ def test_a_damaged_checkpoint_names_the_file_and_the_intact_one(tmp_path, capsys
 
     from common.core.errors import UserError
     from common.harness import checkpoint as C
-    from common.harness.args import RunArgs, flat_args
+    from common.harness.args import RunArgs
+    from common.harness.flags import flat_args
 
     Args = _resume_args()
     run = tmp_path / "ppo_llm__x__1__1"

@@ -355,8 +355,8 @@ def test_every_flag_of_before_the_groups_still_parses_with_its_default(script):
     still sets its field."""
     import importlib
 
-    from common.harness.args import flat_args
     from common.harness.cli import _preset_flags, _tyro_cli
+    from common.harness.flags import flat_args
 
     sys.path.insert(0, str(REPO / "algos"))
     Args = importlib.import_module(script).Args

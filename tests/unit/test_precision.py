@@ -9,7 +9,8 @@ import torch
 from common.core import chat
 from common.core import models as M
 from common.core.errors import UserError
-from common.harness.args import ModelArgs, OptimArgs, check_args
+from common.harness.args import ModelArgs, OptimArgs
+from common.harness.flags import check_args
 from common.parallel.accelerator import auto_mixed_precision
 from common.parallel.optim import KahanAdamW, adamw
 
