@@ -208,6 +208,10 @@ def apply_chat(tok, prompt, add_generation_prompt: bool = True, tools: list[dict
 
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+CODE_BLOCK = re.compile(r"<code>(.*?)</code>", re.S)  # --tool-format code: a program the Python tool runs
+# the stop string that ends a model turn at its call's closing tag (the generation stops there; the trainer's ids get
+# the template's turn end after it, as verl / SGLang do), by tool format
+TOOL_STOPS = {"code": ["</code>"]}
 
 TOOL_SCHEMAS = {
     "calculator": {
@@ -242,10 +246,12 @@ def resolve_tool_format(tok, requested: str = "auto") -> str:
     {...}}</tool_call>`; results are `tool` messages it wraps in <tool_response>), llama3 (Llama 3.1-3.3: the turn is
     bare JSON `{"name": ..., "parameters": {...}}`, optionally after <|python_tag|>; results are `tool` (ipython)
     messages), text (a template without tools=: ToolEnv's own protocol in the system message, `<tool_call>` JSON
-    with "arguments", results in a user message), or "unknown" (a template that renders tools= in another way)."""
+    with "arguments", results in a user message), or "unknown" (a template that renders tools= in another way).
+    code (asked for only): a program between <code> and </code> (ReTool's protocol, the Python tool only), in the
+    system message whatever the template; the turn stops at </code> (TOOL_STOPS), the output comes back as <output>."""
     template = tok.chat_template or ""
     if requested != "auto":
-        if requested != "text" and "tools" not in template:
+        if requested not in ("text", "code") and "tools" not in template:
             raise UserError(f"--tool-format {requested}: the chat template of {tok.name_or_path} renders no tools=; "
                             "use --tool-format text (the tools listed in the system message)")  # fmt: skip
         return requested
@@ -277,9 +283,13 @@ def parse_tool_calls(text: str, fmt: str = "text") -> list[dict | str]:
     """The calls of a model turn in format `fmt` (resolve_tool_format), each {name, arguments} or an error message
     (str) for a call that is not such JSON; [] for an answer. hermes / text: the `<tool_call>{json}</tool_call>`
     blocks (a `<tool_call>` without its closing tag is one malformed call). llama3: a turn that starts with `{`
-    (after an optional <|python_tag|>) is one or more JSON objects separated by `;` or white space."""
+    (after an optional <|python_tag|>) is one or more JSON objects separated by `;` or white space. code: each
+    `<code>...</code>` block, a call of the Python tool with that program (an unclosed `<code>`: one malformed call)."""
     if fmt == "llama3":
         return _json_calls(text)
+    if fmt == "code":  # each <code> block a program for the Python tool
+        calls = [{"name": "python", "arguments": {"code": body.strip()}} for body in CODE_BLOCK.findall(text)]
+        return calls or (["error: <code> without </code>"] if "<code>" in text else [])
     calls = []
     for body in TOOL_CALL.findall(text):
         try:
@@ -310,4 +320,8 @@ def format_tool_call(name: str, arguments: dict, fmt: str) -> str:
     """A call as a model turn writes it in format `fmt` (tools.gen_demos' program demonstrations)."""
     if fmt == "llama3":
         return json.dumps({"name": name, "parameters": arguments})
+    if fmt == "code":
+        if name != "python":
+            raise ValueError(f"--tool-format code calls the Python tool only, not {name!r}")
+        return f"<code>\n{arguments['code']}\n</code>"
     return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.core.chat import apply_chat, resolve_tool_format
+from common.core.chat import apply_chat, resolve_tool_format, stop_ids
 from common.core.data import observation_ids, turn_glue
 from common.core.errors import UserError
 from common.core.generation import Generation, generate
@@ -307,7 +307,10 @@ class Episodes:
                             'parser does not know (known: Hermes/Qwen <tool_call>{"name", "arguments"}</tool_call>, '
                             'Llama 3.x JSON {"name", "parameters"}); --tool-format text lists the tools in the system '
                             "message instead")  # fmt: skip
-        self.template_tools = self.tool_format != "text"
+        self.template_tools = self.tool_format not in ("text", "code")  # else our protocol, in the system message
+        # a turn that ends at one of these (the environment's `stop_strings(tool_format)`: a call's closing tag) gets
+        # the template's turn end appended, as the model's token (mask 1, sampler log-prob 0), as if it had stopped
+        self.stop_strings = list(getattr(cls, "stop_strings", lambda fmt: [])(self.tool_format))
         # the environment class's declared Step.info keys (a class, or functools.partial of one)
         self.info_keys = tuple(getattr(getattr(env_factory, "func", env_factory), "info_keys", ()))
         self.errors, self._glue, self._said = 0, None, False
@@ -436,18 +439,23 @@ class Episodes:
             past = [caches.get(i) for i in active] if keep and turn > 1 else None
             past = past if past is not None and all(c is not None for c in past) else None
             out = generate(model, tok, queries, qmask, max(1, max(budget.values())), temperature, top_k, top_p,
-                           turn_seeds, engine=engine, past=past, keep_row_caches=keep)  # fmt: skip
+                           turn_seeds, engine=engine, past=past, keep_row_caches=keep,
+                           stop_strings=self.stop_strings or None)  # fmt: skip
             caches = {i: out.row_caches[k] for k, i in enumerate(active)} if out.row_caches is not None else {}
             for k, i in enumerate(active):
                 n = max(0, min(int(out.response_mask[k].sum()), budget[i]))
                 new = out.responses[k, :n].tolist()
+                whole = n == int(out.response_mask[k].sum())  # not cut by this trajectory's token budget
+                stopped = whole and not bool(out.is_eos[k]) and not bool(out.truncated[k])  # at a stop string
+                lps[i] += [0.0] * len(force) + (out.logprobs[k, :n].tolist() if out.logprobs is not None else [0.0] * n)
+                text = tok.decode(force + new, skip_special_tokens=True)
+                if stopped:  # the turn's end after the call's closing tag: the ids the template renders
+                    new, lps[i] = new + stop_ids(tok)[:1], lps[i] + [0.0]
                 turn_ids[i].append((ctx[k], new))
                 ids[i] += force + new
-                own[i] += [1] * (len(force) + n)
-                lps[i] += [0.0] * len(force) + (out.logprobs[k, :n].tolist() if out.logprobs is not None else [0.0] * n)
-                ended = bool(out.is_eos[k]) and n == int(out.response_mask[k].sum())
+                own[i] += [1] * (len(force) + len(new))
+                ended = whole and (bool(out.is_eos[k]) or stopped)
                 is_eos[i], stats["turns"][i] = ended, stats["turns"][i] + 1
-                text = tok.decode(force + new, skip_special_tokens=True)
                 convs[i].append(f"assistant: {text}")
                 messages[i].append({"role": "assistant", "content": text})
                 envs[i].turn, envs[i].final = (

@@ -420,10 +420,11 @@ class EnvArgs:
     """tokens after the prompt per trajectory at most (model turns and observations); past it: truncated"""
     tools: str = "calculator,python"
     """--env tools: the tools offered, comma-separated (calculator, python)"""
-    tool_format: Literal["auto", "hermes", "llama3", "text"] = "auto"
+    tool_format: Literal["auto", "hermes", "llama3", "text", "code"] = "auto"
     """how tool calls are written: auto (from the chat template: hermes where it asks for <tool_call> (Qwen2.5/3),
-    llama3 where it asks for bare JSON with "parameters" (Llama 3.x), text where it renders no tools=), or text (the
-    tools and a <tool_call> protocol in the system message, whatever the template)"""
+    llama3 where it asks for bare JSON with "parameters" (Llama 3.x), text where it renders no tools=), text (the
+    tools and a <tool_call> protocol in the system message, whatever the template), or code (ReTool's: a program
+    between <code> and </code>, the turn stopped at </code>, its output back as <output>; the Python tool only)"""
     tool_timeout: PositiveFloat = 5.0
     """--env tools: wall-clock (and CPU) seconds of one Python tool call"""
     tool_memory_mb: PositiveInt = 512

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 
-from common.core.chat import TOOL_SCHEMAS, parse_tool_calls
+from common.core.chat import TOOL_SCHEMAS, TOOL_STOPS, parse_tool_calls
 from common.core.envs import Environment, Step
 from common.core.errors import UserError, load_from_file
 from common.integrations.sandbox import calculator, check_sandbox, run_python
@@ -44,6 +44,11 @@ class ToolEnv(Environment):
         "For example: <tool_call>{example}</tool_call>\nWhen you know the answer, reply without a tool call."
     )
     EXAMPLES = {"calculator": {"expression": "12 * (3 + 4)"}, "python": {"code": "print(sum(range(10)))"}}
+    CODE_PROTOCOL = (  # --tool-format code (ReTool's protocol): the Python tool only
+        "You can run Python: write a program between <code> and </code> that prints what you need, and stop; its "
+        "output comes back as <output>...</output>. For example: <code>\nprint(sum(range(10)))\n</code>\n"
+        "When you know the answer, reply without code."
+    )
 
     def __init__(
         self,
@@ -68,7 +73,14 @@ class ToolEnv(Environment):
         self.service_errors = 0
         self.call_cost, self.had_result = call_cost, False
 
+    @staticmethod
+    def stop_strings(tool_format: str) -> list[str]:
+        """Where a model turn stops before its EOS (Episodes): at the call's closing tag, for --tool-format code."""
+        return TOOL_STOPS.get(tool_format, [])
+
     def reset(self, row):
+        if self.tool_format == "code":
+            return _with_system(super().reset(row), self.CODE_PROTOCOL)
         if self.tool_format != "text":  # the template lists the tools and says how to call them
             return super().reset(row)
         listing = "\n".join(f"- {t['function']['name']}: {json.dumps(t['function']['parameters'])}" for t in self.tools)
@@ -108,8 +120,9 @@ class ToolEnv(Environment):
         info["tool_service_errors"], self.service_errors = self.service_errors, 0
         info["tool_used"] = float(not self.had_result)  # counted once per trajectory
         self.had_result = True
-        if self.tool_format == "text":  # our protocol: the results in one user message
-            results = [{"role": "user", "content": "\n".join(f"<tool_response>{o}</tool_response>" for o in outputs)}]
+        if self.tool_format in ("text", "code"):  # our protocols: the results in one user message
+            tag = "output" if self.tool_format == "code" else "tool_response"
+            results = [{"role": "user", "content": "\n".join(f"<{tag}>{o}</{tag}>" for o in outputs)}]
         else:  # a `tool` message per call: the template renders them (<tool_response> blocks, an ipython turn)
             results = [{"role": "tool", "content": o} for o in outputs]
         return Step(results, -self.call_cost * len(calls), False, info)

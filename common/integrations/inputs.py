@@ -103,6 +103,9 @@ def episodes_from_args(env_args, tok, reward, device, log=print, max_prompt_toke
         factory = hub_factory(env_args.env, env_args, log)
     elif cls is ToolEnv:
         tools = tuple(t for t in env_args.tools.split(",") if t)
+        if env_args.tool_format == "code" and "python" not in tools:
+            raise UserError(f"--tool-format code: the programs run on the Python tool, and --tools {env_args.tools} "
+                            "has no python")  # fmt: skip
         opts = dict(
             timeout=env_args.tool_timeout,
             memory_mb=env_args.tool_memory_mb,

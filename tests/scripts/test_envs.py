@@ -165,3 +165,22 @@ def test_evaluate_tool_reports_accuracy_with_and_without_the_environment(tiny, t
     d = results[f"{tiny} + feedback"]["all"]
     assert d["n"] == 4 and 1 <= d["turns"] <= 2 and 0 <= d["accuracy"] <= 1
     assert "assistant: " in (tmp_path / "side.md").read_text()
+
+
+@pytest.mark.e2e
+def test_grpo_with_the_code_protocol_runs_from_its_flags(tiny_peaky, toy_prompts, tmp_path):
+    """--env tools --tool-format code --tools python through grpo_llm.py (issue 68): the system message of the code
+    protocol in every prompt, the turns stopped at </code> on the hf engine (a random policy rarely writes one: the
+    run, its metrics and its samples are what this checks; tests/unit/test_envs.py checks the stop and the ids)."""
+    from conftest import only_run, read_metrics, run_script
+
+    out = tmp_path / "code"
+    flags = _env_flags(tiny_peaky, toy_prompts, out, "--env", "tools", "--tool-format", "code", "--tools", "python",
+                       "--num-prompts", 2, "--group-size", 2, "--mini-batch-size", 4, "--total-steps", 2)  # fmt: skip
+    run_script("grpo_llm.py", *flags, env={"TOY_MODEL": tiny_peaky})
+    run = only_run(out)
+    rows = read_metrics(run)
+    assert len(rows) == 2 and all(r["env/errors"] == 0 and "env/tool_calls" in r for r in rows), rows
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert samples and all("You can run Python" in s["response"] for s in samples if s.get("split") != "eval")
+    assert json.loads((run / "args.json").read_text())["tool_format"] == "code"

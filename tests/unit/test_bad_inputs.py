@@ -33,6 +33,11 @@ CASES = [
     ("grpo_llm.py", ["--reward-fn", "no_colon"], "expected path/to/file.py:function_name"),
     ("ppo_llm.py", ["--reward", "rule:1,vibes:2"], "unknown source 'vibes'"),
     ("grpo_llm.py", ["--reward", "model:1"], "no --reward-model"),
+    (
+        "grpo_llm.py",
+        ["--env", "tools", "--tool-format", "code", "--tools", "calculator"],
+        "--tool-format code: the programs",
+    ),
     ("grpo_llm.py", ["--reward-fn", f"{TOY_REWARD}", "--reward-weights", "0.5", "0.5"], "2 weight(s) for 1"),
     ("ppo_llm.py", ["--resume", "runs/never_ran"], "no complete checkpoint"),
     ("grpo_llm.py", ["--per-device-train-batch-size", "4"], "--micro-batch-size"),

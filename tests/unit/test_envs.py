@@ -470,3 +470,73 @@ def test_the_environment_written_in_the_docs_runs(tiny, tmp_path):
     assert ro.stats["env/turns"].item() == 4 and ro.stats["env/hints"].item() == 2
     assert ro.scores.item() == pytest.approx(0.9) and "lower" in ro.transcripts[0] and "higher" in ro.transcripts[0]
     _check_token_in_token_out(ro)
+
+
+class StoppingEngine(ScriptedEngine):
+    """ScriptedEngine that honours stop strings as the engines do: a reply that holds one is cut after it (the stop
+    string kept, no EOS); any other reply ends with EOS."""
+
+    def generate(self, queries, attention_mask, max_new_tokens, temperature, top_k, top_p, seeds, stop_strings=None):
+        from common.core.generation import Generation, response_masks
+
+        outs, stops = [], []
+        for q, m in zip(queries, attention_mask):
+            ctx = q[m.bool()].tolist()
+            self.contexts.append(ctx)
+            text = self.reply(self.tok.decode(ctx))
+            hit = min((text.index(s) + len(s) for s in stop_strings or () if s in text), default=None)
+            ids = self.tok(text[:hit] if hit else text, add_special_tokens=False)["input_ids"]
+            outs.append((ids if hit else ids + [self.tok.eos_token_id])[:max_new_tokens])
+            stops.append(hit is not None)
+        T = max(len(o) for o in outs)
+        responses = torch.full((len(outs), T), self.tok.pad_token_id)
+        for i, o in enumerate(outs):
+            responses[i, : len(o)] = torch.tensor(o)
+        stopped = torch.tensor(stops)
+        mask, is_eos, lengths = response_masks(responses, self.tok.eos_token_id, self.tok.pad_token_id, stopped)
+        truncated = (lengths == max_new_tokens) & ~is_eos & ~stopped
+        return Generation(torch.cat([queries, responses], 1), responses, mask, is_eos, truncated, -mask)
+
+
+def test_the_code_protocol_stops_at_the_closing_tag_and_the_trainer_sees_the_turn_end(tiny):
+    """--tool-format code (issue 68): the system message asks for <code>...</code>; the turn stops at </code> (what
+    the reply wrote after it is never sampled), the template's turn end follows it as the model's token (mask 1,
+    sampler log-prob 0), the program's output comes back as <output>, and the next turn answers."""
+    tok = chat.load_tokenizer(tiny)
+    assert chat.resolve_tool_format(tok, "code") == "code"
+    assert ToolEnv.stop_strings("code") == ["</code>"] and ToolEnv.stop_strings("text") == []
+
+    def reply(ctx):
+        if "<output>42" not in ctx:
+            return "Let me compute.\n<code>\nprint(6 * 7)\n</code> and then I keep talking"
+        return "The answer is 42."
+
+    engine = StoppingEngine(tok, reply)
+    eps = Episodes(partial(ToolEnv, ("python",)), tok, _score, max_turns=3, max_tokens=200, timeout=10,
+                   tool_format="code")  # fmt: skip
+    ro = eps.run(M.load_causal_lm(tiny, tok), _rows(2), seeds=[1, 2], engine=engine)
+    _check_token_in_token_out(ro, engine.contexts)
+    assert ro.scores.tolist() == [1.0, 1.0] and ro.stats["env/tool_calls"].tolist() == [1, 1]
+    assert ro.stats["env/tool_errors"].tolist() == [0, 0] and not ro.truncated.any()
+    assert "You can run Python" in ro.transcripts[0] and "<output>42</output>" in ro.transcripts[0]
+    assert "keep talking" not in ro.transcripts[0]
+    end = chat.stop_ids(tok)[0]  # <|im_end|>
+    (ctx, first), _ = ro.turn_ids[0]
+    assert tok.decode(first[:-1]).endswith("</code>") and first[-1] == end
+    row, mask = ro.responses[0].tolist(), ro.response_mask[0].tolist()
+    at = len(first) - 1  # the appended turn end: the model's token, the sampler's log-prob 0
+    assert row[at] == end and mask[at] == 1 and ro.logprobs[0, at].item() == 0.0 and ro.logprobs[0, at - 1].item() == -1
+    # the trained row renders as the chat template renders the conversation (multi-turn SFT's rule)
+    assert tok.decode(row[: at + 1]).endswith("</code><|im_end|>")
+
+
+def test_the_code_protocol_parses_blocks_and_names_an_unclosed_one():
+    calls = parse_tool_calls("a\n<code>\nx = 6\nprint(x * 7)\n</code>\nb <code>print(1)</code>", "code")
+    assert calls == [{"name": "python", "arguments": {"code": "x = 6\nprint(x * 7)"}},
+                     {"name": "python", "arguments": {"code": "print(1)"}}]  # fmt: skip
+    assert parse_tool_calls("the answer is 3", "code") == []
+    assert parse_tool_calls("<code>print(1)", "code") == ["error: <code> without </code>"]
+    text = chat.format_tool_call("python", {"code": "print(2)"}, "code")
+    assert parse_tool_calls(text, "code") == [{"name": "python", "arguments": {"code": "print(2)"}}]
+    with pytest.raises(ValueError, match="Python tool only"):
+        chat.format_tool_call("calculator", {"expression": "1+1"}, "code")
