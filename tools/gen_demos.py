@@ -24,6 +24,7 @@ tool errors; --summary-out writes it as JSON.
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
@@ -165,7 +166,7 @@ def from_program(args, episodes, rows) -> list[tuple[int, list[dict], float, dic
         def turns(messages, call=call):  # first the call; after the tool's result, what it printed as the answer
             if not any(m["role"] == "assistant" for m in messages):
                 return call
-            printed = messages[-1]["content"].removeprefix("<tool_response>").removesuffix("</tool_response>")
+            printed = re.sub(r"^<(tool_response|output)>|</(tool_response|output)>$", "", messages[-1]["content"])
             return f"<answer>{printed.strip()}</answer>"
 
         msgs, reward, info = replay(episodes, row, turns)

@@ -158,9 +158,14 @@ def test_tool_programs_print_the_answer_of_every_tool_family():
     assert tool_program(PromptRow("", "reasoning_gym/letter_counting", "3", {"entry": "{}"})) is None
 
 
-def test_program_demonstrations_are_correct_replayed_and_load_as_sft(tiny, tool_prompts, tmp_path):
+@pytest.mark.parametrize("fmt", ["text", "code"])
+def test_program_demonstrations_are_correct_replayed_and_load_as_sft(tiny, tool_prompts, tmp_path, fmt):
+    """In either protocol (--tool-format text: <tool_call> JSON; code: a <code> block, its output in <output>)."""
+    from common.harness.args import EnvArgs
+
     out = tmp_path / "demos.jsonl"
-    report = _gen_demos(prompts=tool_prompts, source="program", out=str(out), model=tiny)
+    env = EnvArgs(env="tools", tools="python", tool_format=fmt)
+    report = _gen_demos(prompts=tool_prompts, source="program", out=str(out), model=tiny, env=env)
     rows = read_table(str(out))
     assert report["kept"] == len(rows) == 16  # every program's answer is right: one row per prompt
     prompts = [r for f in tool_prompts for r in read_table(f)]
@@ -174,7 +179,9 @@ def test_program_demonstrations_are_correct_replayed_and_load_as_sft(tiny, tool_
         assert roles == ["system", "user", "assistant", "user", "assistant"]
         # the tool result is what the program printed (the tool really ran), and the answer states it
         gt = src["reward_model"]["ground_truth"]
-        assert row["messages"][3]["content"] == f"<tool_response>{gt}</tool_response>"
+        tag = "output" if fmt == "code" else "tool_response"
+        assert row["messages"][3]["content"] == f"<{tag}>{gt}</{tag}>"
+        assert row["messages"][2]["content"].startswith("<code>\n" if fmt == "code" else "<tool_call>{")
         assert row["messages"][4]["content"] == f"<answer>{gt}</answer>"
     sft = load_sft([str(out)], chat.load_tokenizer(tiny))
     assert len(sft) == 16 and all(sum(r["loss_mask"]) > 0 for r in sft)
