@@ -43,6 +43,30 @@ class ScriptedEngine:
                        -mask)  # fmt: skip
 
 
+class StoppingEngine(ScriptedEngine):
+    """ScriptedEngine that honours stop strings as the engines do: a reply that holds one is cut after it (the stop
+    string kept, no EOS); any other reply ends with EOS."""
+
+    def generate(self, queries, attention_mask, max_new_tokens, temperature, top_k, top_p, seeds, stop_strings=None):
+        outs, stops = [], []
+        for q, m in zip(queries, attention_mask):
+            ctx = q[m.bool()].tolist()
+            self.contexts.append(ctx)
+            text = self.reply(self.tok.decode(ctx))
+            hit = min((text.index(s) + len(s) for s in stop_strings or () if s in text), default=None)
+            ids = self.tok(text[:hit] if hit else text, add_special_tokens=False)["input_ids"]
+            outs.append((ids if hit else ids + [self.tok.eos_token_id])[:max_new_tokens])
+            stops.append(hit is not None)
+        T = max(len(o) for o in outs)
+        responses = torch.full((len(outs), T), self.tok.pad_token_id)
+        for i, o in enumerate(outs):
+            responses[i, : len(o)] = torch.tensor(o)
+        stopped = torch.tensor(stops)
+        mask, is_eos, lengths = response_masks(responses, self.tok.eos_token_id, self.tok.pad_token_id, stopped)
+        truncated = (lengths == max_new_tokens) & ~is_eos & ~stopped
+        return Generation(torch.cat([queries, responses], 1), responses, mask, is_eos, truncated, -mask)
+
+
 def _rows(n=2):
     return [
         PromptRow(text="", data_source="toy", ground_truth="42", messages=[{"role": "user", "content": f"q{i}: 6*7?"}])

@@ -22,7 +22,7 @@ from common.core.forwards import forward_logprobs
 from common.core.generation import sequence_attention_mask
 from common.integrations.builtin_envs import FeedbackEnv, ToolEnv, load_env_class
 from common.integrations.sandbox import calculator, run_python
-from shared_envs import REPO, THINK_DROPPING_TEMPLATE, Returns, ScriptedEngine, _rows, _score
+from shared_envs import REPO, THINK_DROPPING_TEMPLATE, Returns, ScriptedEngine, StoppingEngine, _rows, _score
 
 sys.path.insert(0, str(REPO / "algos"))
 
@@ -470,32 +470,6 @@ def test_the_environment_written_in_the_docs_runs(tiny, tmp_path):
     assert ro.stats["env/turns"].item() == 4 and ro.stats["env/hints"].item() == 2
     assert ro.scores.item() == pytest.approx(0.9) and "lower" in ro.transcripts[0] and "higher" in ro.transcripts[0]
     _check_token_in_token_out(ro)
-
-
-class StoppingEngine(ScriptedEngine):
-    """ScriptedEngine that honours stop strings as the engines do: a reply that holds one is cut after it (the stop
-    string kept, no EOS); any other reply ends with EOS."""
-
-    def generate(self, queries, attention_mask, max_new_tokens, temperature, top_k, top_p, seeds, stop_strings=None):
-        from common.core.generation import Generation, response_masks
-
-        outs, stops = [], []
-        for q, m in zip(queries, attention_mask):
-            ctx = q[m.bool()].tolist()
-            self.contexts.append(ctx)
-            text = self.reply(self.tok.decode(ctx))
-            hit = min((text.index(s) + len(s) for s in stop_strings or () if s in text), default=None)
-            ids = self.tok(text[:hit] if hit else text, add_special_tokens=False)["input_ids"]
-            outs.append((ids if hit else ids + [self.tok.eos_token_id])[:max_new_tokens])
-            stops.append(hit is not None)
-        T = max(len(o) for o in outs)
-        responses = torch.full((len(outs), T), self.tok.pad_token_id)
-        for i, o in enumerate(outs):
-            responses[i, : len(o)] = torch.tensor(o)
-        stopped = torch.tensor(stops)
-        mask, is_eos, lengths = response_masks(responses, self.tok.eos_token_id, self.tok.pad_token_id, stopped)
-        truncated = (lengths == max_new_tokens) & ~is_eos & ~stopped
-        return Generation(torch.cat([queries, responses], 1), responses, mask, is_eos, truncated, -mask)
 
 
 def test_the_code_protocol_stops_at_the_closing_tag_and_the_trainer_sees_the_turn_end(tiny):

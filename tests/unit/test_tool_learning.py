@@ -16,7 +16,7 @@ from common.core.data import PromptRow, encode_conversation, load_sft, read_tabl
 from common.core.envs import Episodes, tool_metrics
 from common.integrations.builtin_envs import ToolEnv
 from conftest import REPO
-from shared_envs import ScriptedEngine, _rows, _score
+from shared_envs import ScriptedEngine, StoppingEngine, _rows, _score
 from shared_tool_learning import _gen_demos
 
 sys.path.insert(0, str(REPO / "algos"))
@@ -76,6 +76,26 @@ def test_multi_turn_sft_ids_equal_the_rollouts_ids_and_its_mask_the_response_mas
     )
     s, count = S.sft_loss_sum(model, ids, attn, loss_mask)
     assert count == loss_mask[:, 1:].sum() and torch.isfinite(s)
+
+
+def test_code_protocol_sft_ids_equal_the_rollouts_ids(tiny, tmp_path):
+    """--tool-format code: a turn stopped at </code> (the template's turn end appended by the rollout), written as an
+    SFT row and loaded as sft_llm.py loads it: the same ids, the loss mask equal to response_mask (the appended turn
+    end trained, as the template renders it after the assistant's content)."""
+    tok = chat.load_tokenizer(tiny)
+    model = M.load_causal_lm(tiny, tok)
+    reply = lambda ctx: "The answer is 42." if "<output>42" in ctx else "<code>\nprint(6 * 7)\n</code> trailing words"
+    eps = Episodes(partial(ToolEnv, ("python",)), tok, _score, max_turns=3, max_tokens=200, timeout=10,
+                   tool_format="code")  # fmt: skip
+    ro = eps.run(model, _rows(2), seeds=[0, 1], engine=StoppingEngine(tok, reply))
+    assert ro.stats["env/turns"].tolist() == [2, 2] and ro.scores.tolist() == [1.0, 1.0]
+    write_rows([{"messages": m} for m in ro.messages], tmp_path / "sft.jsonl")
+    rows = load_sft([str(tmp_path / "sft.jsonl")], tok)
+    for i, row in enumerate(rows):
+        q = ro.queries[i][ro.query_mask[i].bool()].tolist()
+        n = int((ro.responses[i] != tok.pad_token_id).sum())
+        assert row["ids"] == q + ro.responses[i, :n].tolist()
+        assert row["loss_mask"] == [0] * len(q) + ro.response_mask[i, :n].int().tolist()
 
 
 def test_encode_conversation_against_a_naive_rendering(tiny):
