@@ -5,6 +5,7 @@ pool (`RewardPool`: a hung or crashing function costs its row, not the run; memo
 from __future__ import annotations
 
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -163,6 +164,7 @@ class RewardPool:
         self.pool = ProcessPoolExecutor(
             self.workers, mp_context=context, initializer=_init_worker, initargs=(self.specs,)
         )
+        _OPEN.add(self)
         # The executor forks at its first submit, in whichever thread submits: launch every worker now, in this
         # thread. PR_SET_PDEATHSIG (_init_worker) fires when the *thread* that forked a worker ends, so workers
         # forked in ScoreAsTheyFinish's per-batch thread died after each batch, and one killed while holding the
@@ -250,6 +252,18 @@ class RewardPool:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
+
+
+_OPEN = weakref.WeakSet()  # the pools started in this process
+
+
+def stop_all_pools() -> None:
+    """Stop every pool of this process now (a run ending on an error: common.harness.cli). Left open to the
+    interpreter's exit, concurrent.futures wakes each pool from threading's shutdown, and on Python 3.11 that races
+    the pool's own manager thread closing its pipe: "OSError: Bad file descriptor" printed after the run's one line
+    (CI, a run whose vLLM server was killed)."""
+    for pool in list(_OPEN):
+        pool._kill()
 
 
 # exact: 1 when the rule scorer calls the answer exactly right (its `acc`), else 0: the rule score without

@@ -175,11 +175,19 @@ def cli(main, cls):
             raise
         from common.harness.run import end_on_engine_failure
 
+        _stop_reward_workers()
         end_on_engine_failure(e)
     except UserError as e:
         if os.environ.get("CLEANRLHF_DEBUG"):
             raise
+        _stop_reward_workers()
         user_error(f"error: {e}")
+
+
+def _stop_reward_workers() -> None:
+    """The --reward-fn worker pools stopped before a run ends on an error (reward_workers.stop_all_pools: why)."""
+    if "common.core.reward_workers" in sys.modules:
+        sys.modules["common.core.reward_workers"].stop_all_pools()
 
 
 class _redirect_stderr:

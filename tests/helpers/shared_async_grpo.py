@@ -1,8 +1,9 @@
 """What the tests of test_async_grpo.py share (tests/*/test_async_grpo.py: the tiers, and other test modules)."""
 
 import time
+from pathlib import Path
 
-from conftest import REPO
+REPO = Path(__file__).resolve().parents[2]  # (not conftest's: a launched child imports this module too)
 
 TOY_REWARD = f"{REPO}/tests/helpers/toy_reward.py:compute_score"
 

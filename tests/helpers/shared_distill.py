@@ -1,8 +1,9 @@
 """What the tests of test_distill.py share (tests/*/test_distill.py: the tiers, and other test modules)."""
 
 import sys
+from pathlib import Path
 
-from conftest import REPO
+REPO = Path(__file__).resolve().parents[2]  # (not conftest's: a launched child imports this module too)
 
 sys.path.insert(0, str(REPO / "algos"))
 

@@ -1,11 +1,13 @@
 """What the tests of test_tool_learning.py share (tests/*/test_tool_learning.py: the tiers, and other test modules)."""
 
 import sys
+from pathlib import Path
 
 import pytest
 
 from common.core.data import write_rows
-from conftest import REPO
+
+REPO = Path(__file__).resolve().parents[2]  # (not conftest's: a launched child imports this module too)
 
 sys.path.insert(0, str(REPO / "algos"))
 

@@ -120,7 +120,7 @@ def test_a_copied_and_edited_script_passes_the_suite(tiny_peaky, toy_prompts, tm
 
     (tree / "algos" / "ppo_no_critic.py").write_text(strip_marked((tree / "algos" / "ppo_llm.py").read_text()))
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rA", "-n", "0", "-p", "no:cacheprovider", "tests/*/test_house.py",
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-n", "0", "-p", "no:cacheprovider", "tests/unit/test_house.py",
          "tests/scripts/test_smoke.py::test_script_runs_two_steps[grpo_idea.py]",
          "tests/scripts/test_smoke.py::test_script_runs_two_steps[ppo_no_critic.py]"],
         cwd=tree, capture_output=True, text=True, timeout=900,
@@ -129,7 +129,7 @@ def test_a_copied_and_edited_script_passes_the_suite(tiny_peaky, toy_prompts, tm
     assert "PASSED tests/scripts/test_smoke.py::test_script_runs_two_steps[grpo_idea.py]" in proc.stdout, proc.stdout[
         -3000:
     ]
-    assert "PASSED tests/*/test_house.py::test_marked_copies_stay_identical" in proc.stdout
+    assert "PASSED tests/unit/test_house.py::test_marked_copies_stay_identical" in proc.stdout
     assert "PASSED tests/scripts/test_smoke.py::test_script_runs_two_steps[ppo_no_critic.py]" in proc.stdout
     assert (tree / "algos" / "grpo_idea.py").read_text() == edited
     # run as a user does: its named statistic is logged (train/neg_adv), pi_old is recomputed, its code is kept
