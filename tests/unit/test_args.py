@@ -16,13 +16,10 @@ from common.harness.args import (
     PositiveInt,
     RunArgs,
     UnitFloat,
-    check_args,
-    flags_of,
-    flat_args,
     group,
-    resume_may_change,
 )
 from common.harness.cli import parse_args
+from common.harness.flags import check_args, flags_of, flat_args, resume_may_change
 from common.harness.health import HealthConfig
 from conftest import REPO
 
